@@ -1,0 +1,134 @@
+// The metadata accessor layer (DESIGN.md rule 1): every load and store of shared *metadata* —
+// lock slots, node lines, bitmaps, index entries — goes through a MetaAccess. Nothing else
+// dereferences a pointer into metadata. That single seam is what lets the non-coherent
+// simulator (nc_sim.h) stand between the code and the memory in tests.
+//
+// Semantics (docs/protocol.md):
+//   Load/Store    one aligned 8-byte word: the only unit CXL makes atomic across hosts.
+//   Read/Write    a span of metadata through this host's cache (no atomicity across hosts).
+//   Flush         publish: write the lines back to the device and drop them (rule P1).
+//   Invalidate    drop this host's copies before reading what another host wrote (rule P2).
+//   Publish       Store + Flush of one word: the single-word commit point of every protocol.
+//   Fetch         Invalidate + Load of one word: how a poller observes another host's store.
+//
+// In kHardware mode (one coherent host) Flush and Invalidate are CPU fences only. With a
+// simulator attached, every call is routed to the simulated cache.
+//
+// Thread-safety: all methods may be called concurrently; they order nothing beyond what the
+// protocol's locks and single-writer rules order.
+#ifndef CXLKV_SRC_REGION_META_H_
+#define CXLKV_SRC_REGION_META_H_
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "cxlkv/region.h"
+#include "region/coherence.h"
+#include "region/nc_sim.h"
+
+namespace cxlkv::region {
+
+class MetaAccess {
+ public:
+  MetaAccess(uint8_t* base, uint64_t size, CoherenceMode mode);
+
+  // Routes every later access through a fresh simulated host cache (tests).
+  void AttachSimulator(const SimOptions& options);
+  NcSimCache* simulator() { return sim_.get(); }
+
+  uint64_t Load(uint64_t off) {
+    CheckWord(off);
+    if (sim_) [[unlikely]] return sim_->Load64(off);
+    return __atomic_load_n(reinterpret_cast<uint64_t*>(base_ + off), __ATOMIC_ACQUIRE);
+  }
+  void Store(uint64_t off, uint64_t value) {
+    CheckWord(off);
+    if (sim_) [[unlikely]] return sim_->Store64(off, value);
+    __atomic_store_n(reinterpret_cast<uint64_t*>(base_ + off), value, __ATOMIC_RELEASE);
+  }
+  void Read(uint64_t off, void* dst, size_t n) {
+    CheckSpan(off, n);
+    if (sim_) [[unlikely]] return sim_->Read(off, dst, n);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    std::memcpy(dst, base_ + off, n);
+  }
+  void Write(uint64_t off, const void* src, size_t n) {
+    CheckSpan(off, n);
+    if (sim_) [[unlikely]] return sim_->Write(off, src, n);
+    std::memcpy(base_ + off, src, n);
+    std::atomic_thread_fence(std::memory_order_release);
+  }
+  void Flush(uint64_t off, size_t n) {
+    CheckSpan(off, n);
+    if (sim_) [[unlikely]] return sim_->Flush(off, n);
+    if (mode_ == CoherenceMode::kSoftware) {
+      FlushLines(base_ + off, n);
+    } else {
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+    }
+  }
+  void Invalidate(uint64_t off, size_t n) {
+    CheckSpan(off, n);
+    if (sim_) [[unlikely]] return sim_->Invalidate(off, n);
+    if (mode_ == CoherenceMode::kSoftware) {
+      InvalidateLines(base_ + off, n);
+    } else {
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+    }
+  }
+
+  void Publish(uint64_t off, uint64_t value) {
+    Store(off, value);
+    Flush(off, sizeof(uint64_t));
+  }
+  uint64_t Fetch(uint64_t off) {
+    Invalidate(off, sizeof(uint64_t));
+    return Load(off);
+  }
+
+  // Typed helpers for one trivially-copyable struct at `off`.
+  template <typename T>
+  T ReadStruct(uint64_t off) {
+    T v;
+    Read(off, &v, sizeof(T));
+    return v;
+  }
+  template <typename T>
+  void WriteStruct(uint64_t off, const T& v) {
+    Write(off, &v, sizeof(T));
+  }
+
+  uint8_t* base() const { return base_; }
+  uint64_t size() const { return size_; }
+  CoherenceMode mode() const { return mode_; }
+
+ private:
+  void CheckWord(uint64_t off) const {
+#ifndef NDEBUG
+    if (off % 8 != 0 || off + 8 > size_) OutOfBounds(off, 8);
+#else
+    (void)off;
+#endif
+  }
+  void CheckSpan(uint64_t off, size_t n) const {
+#ifndef NDEBUG
+    if (off > size_ || n > size_ - off) OutOfBounds(off, n);
+#else
+    (void)off;
+    (void)n;
+#endif
+  }
+  [[noreturn]] void OutOfBounds(uint64_t off, size_t n) const;
+
+  uint8_t* base_;
+  uint64_t size_;
+  CoherenceMode mode_;
+  std::unique_ptr<NcSimCache> sim_;
+};
+
+}  // namespace cxlkv::region
+
+#endif  // CXLKV_SRC_REGION_META_H_

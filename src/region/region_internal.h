@@ -1,0 +1,56 @@
+// What code under src/ sees of a Region: its mapping, its validated superblock, and the
+// metadata accessor every layer above uses (DESIGN.md rule 1).
+#ifndef CXLKV_SRC_REGION_REGION_INTERNAL_H_
+#define CXLKV_SRC_REGION_REGION_INTERNAL_H_
+
+#include <memory>
+#include <string>
+
+#include "cxlkv/region.h"
+#include "region/mapping.h"
+#include "region/meta.h"
+#include "region/offset.h"
+#include "region/platform.h"
+#include "region/superblock.h"
+
+namespace cxlkv {
+
+class Region::Impl {
+ public:
+  Impl(region::Mapping mapping, const region::Superblock& sb, RegionInfo info,
+       CoherenceMode coherence);
+
+  uint8_t* base() const { return mapping_.base(); }
+  uint64_t size() const { return sb_.region_size; }
+  const region::Superblock& superblock() const { return sb_; }
+  const RegionInfo& info() const { return info_; }
+  region::MetaAccess& meta() { return meta_; }
+
+  // The area of `kind`. REQUIRES: the layout has one (every area of kLayoutVersion exists).
+  const region::AreaDesc& area(region::AreaKind kind) const;
+
+  // Pointer to payload bytes (never metadata: that goes through meta()). Bounds-checked in
+  // debug builds; aborts on an offset outside the region.
+  uint8_t* PayloadPtr(uint64_t byte_offset, uint64_t len) const;
+
+ private:
+  region::Mapping mapping_;
+  region::Superblock sb_;
+  RegionInfo info_;
+  region::MetaAccess meta_;
+};
+
+namespace region {
+
+// Create/Attach with an explicit Platform (tests inject faults through it).
+Result<std::unique_ptr<Region>> CreateRegion(const std::string& path,
+                                             const RegionCreateOptions& options,
+                                             Platform& platform);
+Result<std::unique_ptr<Region>> AttachRegion(const std::string& path,
+                                             const RegionAttachOptions& options,
+                                             Platform& platform);
+
+}  // namespace region
+}  // namespace cxlkv
+
+#endif  // CXLKV_SRC_REGION_REGION_INTERNAL_H_
