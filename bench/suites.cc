@@ -1,0 +1,24 @@
+#include "suites.h"
+
+namespace cxlkv::bench {
+
+const std::vector<Suite>& Suites() {
+  static const std::vector<Suite> suites = {
+      {"region",
+       "coherence primitives: clflush/clflushopt/clwb cost per line vs DRAM latency; "
+       "non-temporal copy vs memcpy bandwidth at 4 KiB..256 MiB",
+       &RunRegionBench},
+  };
+  return suites;
+}
+
+Result<nlohmann::json> RunSuite(const std::string& name, const BenchOptions& options) {
+  std::string known;
+  for (const Suite& s : Suites()) {
+    if (name == s.name) return s.run(options);
+    known += known.empty() ? s.name : std::string(", ") + s.name;
+  }
+  return NotFound("no benchmark suite named '" + name + "'; known suites: " + known);
+}
+
+}  // namespace cxlkv::bench

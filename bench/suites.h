@@ -1,0 +1,32 @@
+// The benchmark suites `cxlkv bench NAME [--json]` runs. Each returns a report in the shape of
+// report.h: {"suite", "machine", "repetitions", "results": [figure...]}.
+#ifndef CXLKV_BENCH_SUITES_H_
+#define CXLKV_BENCH_SUITES_H_
+
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cxlkv/status.h"
+#include "report.h"
+
+namespace cxlkv::bench {
+
+struct Suite {
+  const char* name;
+  const char* description;
+  Result<nlohmann::json> (*run)(const BenchOptions& options);
+};
+
+const std::vector<Suite>& Suites();
+
+// Runs the suite called `name`; kNotFound (listing the known names) when there is none.
+Result<nlohmann::json> RunSuite(const std::string& name, const BenchOptions& options);
+
+// Suites, one per layer (bench/<layer>_bench.cc).
+Result<nlohmann::json> RunRegionBench(const BenchOptions& options);
+
+}  // namespace cxlkv::bench
+
+#endif  // CXLKV_BENCH_SUITES_H_

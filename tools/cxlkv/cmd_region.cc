@@ -1,0 +1,128 @@
+// cxlkv init / info: create and inspect regions.
+#include <ctime>
+#include <memory>
+#include <string>
+
+#include "commands.h"
+#include "util/units.h"
+
+namespace cxlkv::cli {
+namespace {
+
+std::string IsoTime(uint64_t unix_ns) {
+  std::time_t t = static_cast<std::time_t>(unix_ns / 1000000000ull);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+}  // namespace
+
+nlohmann::json RegionInfoJson(const RegionInfo& info) {
+  nlohmann::json j;
+  j["path"] = info.path;
+  j["backend"] = std::string(BackendKindName(info.backend));
+  j["coherence"] = std::string(CoherenceModeName(info.coherence));
+  j["layout_version"] = info.layout_version;
+  j["region_size"] = info.region_size;
+  j["max_nodes"] = info.max_nodes;
+  j["chunk_bytes"] = info.chunk_bytes;
+  j["numa_node"] = info.numa_node;
+  j["created_unix_ns"] = info.created_unix_ns;
+  j["created"] = IsoTime(info.created_unix_ns);
+  j["region_id"] = info.region_id;
+  j["checksum"] = util::Hex64(info.checksum);
+  j["areas"] = nlohmann::json::array();
+  for (const AreaInfo& a : info.areas) {
+    j["areas"].push_back({{"name", a.name}, {"offset", a.offset}, {"size", a.size}});
+  }
+  return j;
+}
+
+void PrintRegionInfo(const RegionInfo& info, std::FILE* out) {
+  std::fprintf(out, "region          %s\n", info.path.c_str());
+  std::fprintf(out, "backend         %s\n", std::string(BackendKindName(info.backend)).c_str());
+  std::fprintf(out, "coherence       %s\n", std::string(CoherenceModeName(info.coherence)).c_str());
+  std::fprintf(out, "layout version  %u\n", info.layout_version);
+  std::fprintf(out, "size            %s (%llu bytes)\n", util::FormatBytes(info.region_size).c_str(),
+               static_cast<unsigned long long>(info.region_size));
+  std::fprintf(out, "max nodes       %u\n", info.max_nodes);
+  std::fprintf(out, "chunk size      %s\n", util::FormatBytes(info.chunk_bytes).c_str());
+  std::fprintf(out, "numa node       %s\n",
+               info.numa_node < 0 ? "not bound" : std::to_string(info.numa_node).c_str());
+  std::fprintf(out, "created         %s\n", IsoTime(info.created_unix_ns).c_str());
+  std::fprintf(out, "region id       %s\n", info.region_id.c_str());
+  std::fprintf(out, "checksum        %s (xxh3-64, verified)\n", util::Hex64(info.checksum).c_str());
+  std::fprintf(out, "areas:\n");
+  for (const AreaInfo& a : info.areas) {
+    std::fprintf(out, "  %-14s offset %-14s size %s\n", a.name.c_str(), util::Hex64(a.offset).c_str(),
+                 util::FormatBytes(a.size).c_str());
+  }
+}
+
+void AddRegionCommands(CLI::App& app, CommandResult& result) {
+  struct InitArgs {
+    std::string path, size;
+    uint32_t nodes = 16;
+    int numa = -1;
+    bool force = false;
+  };
+  auto init_args = std::make_shared<InitArgs>();
+  CLI::App* init = app.add_subcommand("init", "Create and format a region (shm/hugetlbfs file or /dev/daxX.Y)");
+  init->add_option("--path", init_args->path, "Region path: /dev/shm/NAME, a hugetlbfs file, or /dev/daxX.Y")
+      ->required();
+  init->add_option("--size", init_args->size, "Region size, e.g. 1G, 512M (files; devdax uses the device size)");
+  init->add_option("--nodes", init_args->nodes, "Most nodes (hosts) that may attach")
+      ->check(CLI::Range(1u, kMaxNodes))
+      ->capture_default_str();
+  init->add_option("--numa", init_args->numa, "Bind the region's memory to this NUMA node (CXL memory in system-ram mode)");
+  init->add_flag("--force", init_args->force, "Replace an existing region at the path");
+  init->callback([init_args, &result] {
+    RegionCreateOptions opts;
+    if (!init_args->size.empty()) {
+      auto size = util::ParseByteSize(init_args->size);
+      if (!size.ok()) {
+        result.status = size.status();
+        return;
+      }
+      opts.size = *size;
+    }
+    opts.max_nodes = init_args->nodes;
+    opts.numa_node = init_args->numa;
+    opts.overwrite = init_args->force;
+    auto region = Region::Create(init_args->path, opts);
+    if (!region.ok()) {
+      result.status = region.status();
+      return;
+    }
+    std::printf("created %s: %s, %u nodes, layout version %u, region id %s\n",
+                init_args->path.c_str(), util::FormatBytes((*region)->info().region_size).c_str(),
+                (*region)->info().max_nodes, (*region)->info().layout_version,
+                (*region)->info().region_id.c_str());
+  });
+
+  struct InfoArgs {
+    std::string path;
+    bool json = false;
+  };
+  auto info_args = std::make_shared<InfoArgs>();
+  CLI::App* info = app.add_subcommand("info", "Print a region's superblock and area table");
+  info->add_option("--path", info_args->path, "Region path")->required();
+  info->add_flag("--json", info_args->json, "Print JSON instead of text");
+  info->callback([info_args, &result] {
+    auto region = Region::Attach(info_args->path);
+    if (!region.ok()) {
+      result.status = region.status();
+      return;
+    }
+    if (info_args->json) {
+      std::printf("%s\n", RegionInfoJson((*region)->info()).dump(2).c_str());
+    } else {
+      PrintRegionInfo((*region)->info(), stdout);
+    }
+  });
+}
+
+}  // namespace cxlkv::cli

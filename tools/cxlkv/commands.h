@@ -1,0 +1,29 @@
+// The `cxlkv` command line: one Add*Commands per group of subcommands (cmd_*.cc). Each
+// subcommand stores its outcome in the shared CommandResult; main() prints a failure as one
+// line and turns it into the exit code.
+#ifndef CXLKV_TOOLS_CXLKV_COMMANDS_H_
+#define CXLKV_TOOLS_CXLKV_COMMANDS_H_
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "cxlkv/region.h"
+#include "cxlkv/status.h"
+
+namespace cxlkv::cli {
+
+struct CommandResult {
+  Status status;
+};
+
+void AddRegionCommands(CLI::App& app, CommandResult& result);  // init, info
+void AddBenchCommands(CLI::App& app, CommandResult& result);   // bench
+void AddDemoCommands(CLI::App& app, CommandResult& result);    // demo
+
+// Shared by info and demo.
+nlohmann::json RegionInfoJson(const RegionInfo& info);
+void PrintRegionInfo(const RegionInfo& info, std::FILE* out);
+
+}  // namespace cxlkv::cli
+
+#endif  // CXLKV_TOOLS_CXLKV_COMMANDS_H_
