@@ -1,0 +1,109 @@
+// The `cxlkv` binary as a user runs it: exit codes, one-line errors, JSON that parses.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "test_region.h"
+
+namespace {
+
+using ::testing::HasSubstr;
+
+struct Output {
+  int code = -1;
+  std::string out;  // stdout and stderr together
+  std::string stdout_only;
+};
+
+Output Cli(const std::string& args) {
+  const char* cli = std::getenv("CXLKV_CLI");
+  EXPECT_NE(cli, nullptr) << "CXLKV_CLI must point at the cxlkv binary (ctest sets it)";
+  Output o;
+  std::string err_file = "/tmp/cxlkv-cli-test-" + std::to_string(::getpid()) + ".err";
+  std::string cmd = std::string(cli) + " " + args + " 2>" + err_file;
+  FILE* p = ::popen(cmd.c_str(), "r");
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) o.stdout_only.append(buf.data(), n);
+  int status = ::pclose(p);
+  o.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+  FILE* e = std::fopen(err_file.c_str(), "r");
+  std::string err;
+  while (e && (n = std::fread(buf.data(), 1, buf.size(), e)) > 0) err.append(buf.data(), n);
+  if (e) std::fclose(e);
+  ::unlink(err_file.c_str());
+  o.out = o.stdout_only + err;
+  return o;
+}
+
+TEST(Cli, InitThenInfoJson) {
+  cxlkv::testing::TempRegionPath path("cli");
+  auto init = Cli("init --path " + path.path() + " --size 32M --nodes 4");
+  ASSERT_EQ(init.code, 0) << init.out;
+  EXPECT_THAT(init.out, HasSubstr("created"));
+  auto info = Cli("info --path " + path.path() + " --json");
+  ASSERT_EQ(info.code, 0) << info.out;
+  auto j = nlohmann::json::parse(info.stdout_only);
+  EXPECT_EQ(j["region_size"].get<uint64_t>(), uint64_t{32} << 20);
+  EXPECT_EQ(j["max_nodes"].get<int>(), 4);
+  EXPECT_EQ(j["layout_version"].get<int>(), 1);
+  EXPECT_EQ(j["backend"].get<std::string>(), "shm-file");
+  EXPECT_FALSE(j["areas"].empty());
+  auto text = Cli("info --path " + path.path());
+  EXPECT_EQ(text.code, 0);
+  EXPECT_THAT(text.out, HasSubstr("region id"));
+}
+
+TEST(Cli, ErrorsAreOneLineAndNonZero) {
+  cxlkv::testing::TempRegionPath path("clierr");
+  auto missing = Cli("info --path " + path.path());
+  EXPECT_NE(missing.code, 0);
+  EXPECT_THAT(missing.out, HasSubstr("cxlkv init"));
+  EXPECT_EQ(std::count(missing.out.begin(), missing.out.end(), '\n'), 1) << missing.out;
+
+  auto bad_size = Cli("init --path " + path.path() + " --size twelve");
+  EXPECT_NE(bad_size.code, 0);
+  EXPECT_EQ(std::count(bad_size.out.begin(), bad_size.out.end(), '\n'), 1) << bad_size.out;
+
+  auto no_size = Cli("init --path " + path.path());
+  EXPECT_NE(no_size.code, 0);
+  EXPECT_THAT(no_size.out, HasSubstr("--size"));
+
+  auto unknown = Cli("frobnicate");
+  EXPECT_EQ(unknown.code, 2);
+
+  ASSERT_EQ(Cli("init --path " + path.path() + " --size 16M").code, 0);
+  auto twice = Cli("init --path " + path.path() + " --size 16M");
+  EXPECT_NE(twice.code, 0);
+  EXPECT_THAT(twice.out, HasSubstr("--force"));
+  EXPECT_EQ(Cli("init --path " + path.path() + " --size 16M --force").code, 0);
+}
+
+TEST(Cli, BenchRegionQuickProducesRatios) {
+  auto r = Cli("bench region --json --quick");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.stdout_only);
+  EXPECT_EQ(j["suite"], "region");
+  int with_ratio = 0;
+  for (const auto& fig : j["results"]) {
+    EXPECT_GT(fig["median"].get<double>(), 0) << fig.dump();
+    if (!fig["reference"].get<std::string>().empty()) {
+      EXPECT_GT(fig["ratio"].get<double>(), 0) << fig.dump();
+      ++with_ratio;
+    }
+  }
+  EXPECT_GE(with_ratio, 5);
+  auto unknown = Cli("bench nosuch");
+  EXPECT_NE(unknown.code, 0);
+  EXPECT_THAT(unknown.out, HasSubstr("known suites"));
+}
+
+}  // namespace
