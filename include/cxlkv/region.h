@@ -26,7 +26,7 @@ namespace cxlkv {
 
 // The superblock's layout version. It changes whenever any shared structure changes; a region
 // made by another version is refused with both versions named.
-inline constexpr uint32_t kLayoutVersion = 1;
+inline constexpr uint32_t kLayoutVersion = 2;
 // Most hosts one region supports (a CXL switch connects up to ~16; headroom for processes that
 // attach as separate nodes on one host).
 inline constexpr uint32_t kMaxNodes = 64;
@@ -72,6 +72,7 @@ struct AreaInfo {
   std::string name;  // "node-table", "data", ...
   uint64_t offset = 0;
   uint64_t size = 0;
+  uint64_t param = 0;  // the owning layer's sizing parameter (locks, chunks, roots)
 };
 
 struct RegionInfo {

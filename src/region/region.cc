@@ -94,7 +94,8 @@ RegionInfo MakeInfo(const std::string& path, BackendKind backend, CoherenceMode 
   info.checksum = sb.checksum;
   for (uint32_t i = 0; i < sb.area_count; ++i) {
     info.areas.push_back(AreaInfo{std::string(AreaKindName(static_cast<AreaKind>(sb.areas[i].kind))),
-                                  sb.areas[i].offset, sb.areas[i].size});
+                                  sb.areas[i].offset, sb.areas[i].size,
+                                  sb.areas[i].param});
   }
   return info;
 }
@@ -134,7 +135,8 @@ uint64_t SimSeedFor(const RegionAttachOptions& options) {
 
 Result<std::unique_ptr<Region>> CreateOnDevDax(const std::string& path,
                                                const RegionCreateOptions& options,
-                                               Platform& platform) {
+                                               Platform& platform,
+                                               const std::vector<AreaRequest>& areas) {
   // OpenBacking only opens and sizes the device; a brand-new device holds garbage, which is fine.
   auto mapping = OpenBacking(path, platform);
   if (!mapping.ok()) return mapping.status();
@@ -153,7 +155,7 @@ Result<std::unique_ptr<Region>> CreateOnDevDax(const std::string& path,
     return AlreadyExists(path + " already holds a cxlkv region: pass --force to re-format it "
                          "(its contents are lost)");
   }
-  CXLKV_ASSIGN_OR_RETURN(Superblock sb, PlanLayout(size, options));
+  CXLKV_ASSIGN_OR_RETURN(Superblock sb, PlanLayout(size, options, areas));
   Format(mapping->base(), sb);
   Superblock formatted;
   std::memcpy(&formatted, mapping->base(), sizeof(formatted));
@@ -166,9 +168,10 @@ Result<std::unique_ptr<Region>> CreateOnDevDax(const std::string& path,
 
 Result<std::unique_ptr<Region>> CreateRegion(const std::string& path,
                                              const RegionCreateOptions& options,
-                                             Platform& platform) {
+                                             Platform& platform,
+                                             const std::vector<AreaRequest>& areas) {
   if (path.empty()) return InvalidArgument("region path is empty");
-  if (IsDevDaxPath(path) || platform.IsCharDevice(path)) return CreateOnDevDax(path, options, platform);
+  if (IsDevDaxPath(path) || platform.IsCharDevice(path)) return CreateOnDevDax(path, options, platform, areas);
 
   if (options.size == 0) {
     return InvalidArgument("a file region needs a size (e.g. --size 1G); only /dev/daxX.Y "
@@ -182,7 +185,7 @@ Result<std::unique_ptr<Region>> CreateRegion(const std::string& path,
     return InvalidArgument("region size " + std::to_string(options.size) +
                            " is not a multiple of the 4 KiB page size");
   }
-  CXLKV_ASSIGN_OR_RETURN(Superblock sb, PlanLayout(options.size, options));
+  CXLKV_ASSIGN_OR_RETURN(Superblock sb, PlanLayout(options.size, options, areas));
 
   if (!options.overwrite) {
     int fd = platform.Open(path, O_RDONLY, 0);

@@ -28,6 +28,10 @@ class Region::Impl {
 
   // The area of `kind`. REQUIRES: the layout has one (every area of kLayoutVersion exists).
   const region::AreaDesc& area(region::AreaKind kind) const;
+  // The area of `kind`, or nullptr when this region has none.
+  const region::AreaDesc* find_area(region::AreaKind kind) const {
+    return region::FindArea(sb_, kind);
+  }
 
   // Pointer to payload bytes (never metadata: that goes through meta()). Bounds-checked in
   // debug builds; aborts on an offset outside the region.
@@ -43,9 +47,11 @@ class Region::Impl {
 namespace region {
 
 // Create/Attach with an explicit Platform (tests inject faults through it).
+// `areas`: the areas the layers above need (placed between the node table and the data area).
 Result<std::unique_ptr<Region>> CreateRegion(const std::string& path,
                                              const RegionCreateOptions& options,
-                                             Platform& platform);
+                                             Platform& platform,
+                                             const std::vector<AreaRequest>& areas = {});
 Result<std::unique_ptr<Region>> AttachRegion(const std::string& path,
                                              const RegionAttachOptions& options,
                                              Platform& platform);

@@ -34,7 +34,8 @@ uint64_t SuperblockChecksum(const Superblock& sb) {
   return XXH3_64bits(&sb, offsetof(Superblock, checksum));
 }
 
-Result<Superblock> PlanLayout(uint64_t size, const RegionCreateOptions& options) {
+Result<Superblock> PlanLayout(uint64_t size, const RegionCreateOptions& options,
+                              const std::vector<AreaRequest>& extra) {
   if (options.max_nodes < 1 || options.max_nodes > kMaxNodes) {
     return InvalidArgument("max nodes must be 1.." + std::to_string(kMaxNodes) + ", got " +
                            std::to_string(options.max_nodes));
@@ -54,13 +55,18 @@ Result<Superblock> PlanLayout(uint64_t size, const RegionCreateOptions& options)
   sb.numa_node = options.numa_node;
 
   uint64_t cursor = kSuperblockBytes;
-  auto add = [&sb, &cursor](AreaKind kind, uint64_t bytes, uint64_t align) {
+  auto add = [&sb, &cursor](AreaKind kind, uint64_t bytes, uint64_t align, uint64_t param) {
     cursor = AlignUp(cursor, align);
-    sb.areas[sb.area_count++] = AreaDesc{static_cast<uint32_t>(kind), 0, cursor, bytes, 0};
+    sb.areas[sb.area_count++] = AreaDesc{static_cast<uint32_t>(kind), 0, cursor, bytes, param};
     cursor += bytes;
   };
   add(AreaKind::kNodeTable, AlignUp(uint64_t{options.max_nodes} * kNodeLineBytes, kAreaAlign),
-      kAreaAlign);
+      kAreaAlign, options.max_nodes);
+  if (extra.size() + 2 > kMaxAreas) return InvalidArgument("too many areas requested");
+  for (const AreaRequest& a : extra) {
+    add(a.kind, AlignUp(a.bytes, kAreaAlign), kAreaAlign, a.param);
+    if (cursor > size) break;  // reported below as too small
+  }
 
   uint64_t data_start = AlignUp(cursor, chunk);
   if (size < data_start + chunk) {
@@ -70,7 +76,7 @@ Result<Superblock> PlanLayout(uint64_t size, const RegionCreateOptions& options)
                            " chunk; use --size " + util::FormatBytes(data_start + chunk) +
                            " or more");
   }
-  add(AreaKind::kData, (size - data_start) / chunk * chunk, chunk);
+  add(AreaKind::kData, (size - data_start) / chunk * chunk, chunk, (size - data_start) / chunk);
   return sb;
 }
 

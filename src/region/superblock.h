@@ -3,6 +3,7 @@
 //
 // Layout version history (kLayoutVersion in cxlkv/region.h):
 //   1  superblock + node table + data area.
+//   2  areas carry a parameter; lock array, chunk table, object store (sync/alloc/objstore).
 #ifndef CXLKV_SRC_REGION_SUPERBLOCK_H_
 #define CXLKV_SRC_REGION_SUPERBLOCK_H_
 
@@ -11,6 +12,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <vector>
 
 #include "cxlkv/region.h"
 #include "cxlkv/status.h"
@@ -40,7 +42,7 @@ struct AreaDesc {
   uint32_t reserved0;
   uint64_t offset;    // from the region's start; 4 KiB aligned (the data area: chunk aligned)
   uint64_t size;
-  uint64_t reserved1;
+  uint64_t param;     // what the owning layer sized it by (locks, chunks, roots)
 };
 static_assert(sizeof(AreaDesc) == 32);
 static_assert(std::is_standard_layout_v<AreaDesc> && std::is_trivially_copyable_v<AreaDesc>);
@@ -75,7 +77,14 @@ uint64_t SuperblockChecksum(const Superblock& sb);
 // Lays out the areas of a region of `size` bytes for `options`; fills every field but
 // created_unix_ns, region_id and checksum. Fails with kInvalidArgument when the options do not
 // fit (too small, too many nodes).
-Result<Superblock> PlanLayout(uint64_t size, const RegionCreateOptions& options);
+struct AreaRequest {
+  AreaKind kind;
+  uint64_t bytes;
+  uint64_t param;
+};
+// `extra` areas are placed after the node table, in order, 4 KiB aligned; the data area last.
+Result<Superblock> PlanLayout(uint64_t size, const RegionCreateOptions& options,
+                              const std::vector<AreaRequest>& extra = {});
 
 // Validates the raw superblock bytes of a region mapped from a file of `file_size` bytes at
 // `path`; the message names what is wrong and what to do. On success fills *out.

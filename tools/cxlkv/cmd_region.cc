@@ -20,6 +20,18 @@ std::string IsoTime(uint64_t unix_ns) {
 
 }  // namespace
 
+std::vector<std::string> SplitPaths(const std::string& list) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= list.size()) {
+    size_t comma = list.find(',', start);
+    if (comma == std::string::npos) comma = list.size();
+    if (comma > start) out.push_back(list.substr(start, comma - start));
+    start = comma + 1;
+  }
+  return out;
+}
+
 nlohmann::json RegionInfoJson(const RegionInfo& info) {
   nlohmann::json j;
   j["path"] = info.path;
@@ -36,7 +48,7 @@ nlohmann::json RegionInfoJson(const RegionInfo& info) {
   j["checksum"] = util::Hex64(info.checksum);
   j["areas"] = nlohmann::json::array();
   for (const AreaInfo& a : info.areas) {
-    j["areas"].push_back({{"name", a.name}, {"offset", a.offset}, {"size", a.size}});
+    j["areas"].push_back({{"name", a.name}, {"offset", a.offset}, {"size", a.size}, {"param", a.param}});
   }
   return j;
 }
@@ -66,12 +78,14 @@ void AddRegionCommands(CLI::App& app, CommandResult& result) {
   struct InitArgs {
     std::string path, size;
     uint32_t nodes = 16;
+    uint32_t locks = 256;
+    uint32_t roots = 1024;
     int numa = -1;
     bool force = false;
   };
   auto init_args = std::make_shared<InitArgs>();
   CLI::App* init = app.add_subcommand("init", "Create and format a region (shm/hugetlbfs file or /dev/daxX.Y)");
-  init->add_option("--path", init_args->path, "Region path: /dev/shm/NAME, a hugetlbfs file, or /dev/daxX.Y")
+  init->add_option("--path", init_args->path, "Region path(s), comma-separated for a pool of several devices: /dev/shm/NAME, a hugetlbfs file, or /dev/daxX.Y")
       ->required();
   init->add_option("--size", init_args->size, "Region size, e.g. 1G, 512M (files; devdax uses the device size)");
   init->add_option("--nodes", init_args->nodes, "Most nodes (hosts) that may attach")
@@ -79,8 +93,10 @@ void AddRegionCommands(CLI::App& app, CommandResult& result) {
       ->capture_default_str();
   init->add_option("--numa", init_args->numa, "Bind the region's memory to this NUMA node (CXL memory in system-ram mode)");
   init->add_flag("--force", init_args->force, "Replace an existing region at the path");
+  init->add_option("--locks", init_args->locks, "Global locks")->check(CLI::Range(4u, 65536u))->capture_default_str();
+  init->add_option("--roots", init_args->roots, "Named roots the object store holds")->check(CLI::Range(1u, 1u << 24))->capture_default_str();
   init->callback([init_args, &result] {
-    RegionCreateOptions opts;
+    PoolCreateOptions opts;
     if (!init_args->size.empty()) {
       auto size = util::ParseByteSize(init_args->size);
       if (!size.ok()) {
@@ -92,15 +108,22 @@ void AddRegionCommands(CLI::App& app, CommandResult& result) {
     opts.max_nodes = init_args->nodes;
     opts.numa_node = init_args->numa;
     opts.overwrite = init_args->force;
-    auto region = Region::Create(init_args->path, opts);
-    if (!region.ok()) {
-      result.status = region.status();
-      return;
+    opts.max_locks = init_args->locks;
+    opts.max_roots = init_args->roots;
+    auto paths = SplitPaths(init_args->path);
+    result.status = Pool::Create(paths, opts);
+    if (!result.status.ok()) return;
+    for (const auto& p : paths) {
+      auto region = Region::Attach(p);
+      if (!region.ok()) {
+        result.status = region.status();
+        return;
+      }
+      std::printf("created %s: %s, %u nodes, layout version %u, region id %s\n", p.c_str(),
+                  util::FormatBytes((*region)->info().region_size).c_str(),
+                  (*region)->info().max_nodes, (*region)->info().layout_version,
+                  (*region)->info().region_id.c_str());
     }
-    std::printf("created %s: %s, %u nodes, layout version %u, region id %s\n",
-                init_args->path.c_str(), util::FormatBytes((*region)->info().region_size).c_str(),
-                (*region)->info().max_nodes, (*region)->info().layout_version,
-                (*region)->info().region_id.c_str());
   });
 
   struct InfoArgs {

@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "cxlkv/pool.h"
 #include "cxlkv/region.h"
 #include "cxlkv/status.h"
 
@@ -19,6 +20,10 @@ struct CommandResult {
 void AddRegionCommands(CLI::App& app, CommandResult& result);  // init, info
 void AddBenchCommands(CLI::App& app, CommandResult& result);   // bench
 void AddDemoCommands(CLI::App& app, CommandResult& result);    // demo
+void AddPoolCommands(CLI::App& app, CommandResult& result);    // stat, check
+
+// "a,b,c" → {"a", "b", "c"}: a pool of several regions.
+std::vector<std::string> SplitPaths(const std::string& list);
 
 // Shared by info and demo.
 nlohmann::json RegionInfoJson(const RegionInfo& info);

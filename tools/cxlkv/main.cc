@@ -10,6 +10,7 @@ int main(int argc, char** argv) {
   cxlkv::cli::AddRegionCommands(app, result);
   cxlkv::cli::AddBenchCommands(app, result);
   cxlkv::cli::AddDemoCommands(app, result);
+  cxlkv::cli::AddPoolCommands(app, result);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -1,0 +1,107 @@
+// The pool allocator: a global chunk allocator over one or more regions plus this node's heap
+// (TraCT §3.5, Beluga §5.3 O9).
+//
+//   alloc::Allocator a(regions, node);
+//   auto off = a.Alloc(20 << 10);        // a 20 KiB object: a slot of a 32 KiB-class heap chunk
+//   NtCopy(a.Ptr(*off, n), src, n);      // payload: non-temporal (rule P3)
+//   a.Free(*off);                        // from any node
+//
+// Objects up to kMaxHeapObject come from per-node heaps: chunks of one size class (64 B ..
+// 256 KiB, powers of two) whose slot bitmap lives in the chunk's header, written only by the
+// owner node; the node's current chunk per class is kept in node-local DRAM (sync::LocalNode).
+// Larger objects take a run of whole chunks. Single chunks are spread round-robin over the
+// pool's regions (software interleaving across CXL devices); an offset names its region.
+//
+// Frees: the owner frees in place; another node pushes the offset into the owner's remote-free
+// ring (one single-producer ring per pair of nodes), which the owner drains every heartbeat.
+// Whole-chunk objects and orphaned heap chunks are freed under the allocator lock by anyone.
+//
+// Node death: the lock manager's process calls Recover(node, incarnation). Everything the dead
+// life owned that is not reachable from a published root (AddReachability) is freed; heap
+// chunks that still hold published objects become orphans, freed object by object later.
+//
+// Thread-safety: all methods are thread-safe and may be called from any process of the node.
+#ifndef CXLKV_SRC_ALLOC_ALLOCATOR_H_
+#define CXLKV_SRC_ALLOC_ALLOCATOR_H_
+
+#include <atomic>
+#include <functional>
+#include <mutex>
+#include <vector>
+
+#include "alloc/chunk_table.h"
+#include "region/offset.h"
+#include "sync/node.h"
+
+namespace cxlkv::alloc {
+
+inline constexpr uint32_t kSizeClasses = 13;                  // 64 B .. 256 KiB
+inline constexpr uint64_t kMaxHeapObject = uint64_t{64} << (kSizeClasses - 1);
+
+using ObjectOffset = region::Offset<void>;
+
+class Allocator {
+ public:
+  // `regions[0]` is the pool's first region (locks, rings). The node must outlive this.
+  Allocator(std::vector<Region*> regions, sync::Node& node);
+
+  // Errors: kInvalidArgument (0 bytes, larger than a region's data area), kNoSpace (pool full),
+  // kTimeout (the allocator lock was not granted within 4 leases).
+  Result<ObjectOffset> Alloc(uint64_t bytes);
+  // Errors: kInvalidArgument (not an allocated object: a double free or a foreign offset; the
+  // pool is left untouched), kBusy (the owner's remote-free ring stayed full; retry).
+  Status Free(ObjectOffset off);
+  // Payload pointer of `bytes` at `off` (bounds-checked in debug builds).
+  uint8_t* Ptr(ObjectOffset off, uint64_t bytes) const;
+
+  void DrainRemoteFrees();
+  // Drains remote frees and returns this node's empty heap chunks to the pool.
+  void Trim();
+  // Reachability for recovery: a provider appends the raw offsets of every published object.
+  void AddReachability(std::function<void(std::vector<uint64_t>&)> provider);
+  // Reclaims what `node`'s life `incarnation` held (see above). Idempotent.
+  void Recover(uint32_t node, uint64_t incarnation);
+
+  static uint64_t ClassBytes(uint32_t c) { return uint64_t{64} << c; }
+  uint64_t chunk_bytes() const { return tables_[0].chunk_bytes(); }
+  size_t region_count() const { return regions_.size(); }
+
+ private:
+  struct ChunkRef {
+    uint32_t region;
+    uint64_t chunk;
+  };
+  uint64_t ChunkBase(ChunkRef c) const { return tables_[c.region].data_offset() + c.chunk * chunk_bytes(); }
+  ObjectOffset OffsetOf(ChunkRef c, uint64_t within) const {
+    return ObjectOffset::Make(c.region, ChunkBase(c) + within);
+  }
+  region::MetaAccess& meta(uint32_t r) const { return regions_[r]->impl().meta(); }
+  bool Locate(ObjectOffset off, ChunkRef* c, uint64_t* within) const;
+
+  // Allocator-lock helpers. REQUIRES for *Locked: the allocator lock is held.
+  Status LockAllocator();
+  void UnlockAllocator(std::span<const sync::Range> written = {});
+  void RedoIntentLocked();
+  void CommitLocked(uint32_t region, uint64_t op, uint64_t first, uint64_t count, uint64_t owner);
+  Result<ChunkRef> TakeRunLocked(uint64_t count, OwnerWord head);
+  bool FindRunLocked(uint32_t r, uint64_t count, uint64_t* first);
+
+  // Heap helpers. REQUIRES: heap_mu held.
+  Result<ObjectOffset> AllocSlotLocked(uint32_t c);
+  bool TrySlotIn(ChunkRef chunk, uint32_t c, ObjectOffset* out);
+  bool FindPartialChunk(uint32_t c, ChunkRef* out);
+  Status FreeSlot(ChunkRef chunk, uint64_t within, bool orphan);
+  Status PushRemoteFree(uint32_t owner, ObjectOffset off);
+
+  std::vector<Region*> regions_;
+  std::vector<ChunkTableLayout> tables_;
+  sync::Node& node_;
+  uint32_t max_nodes_;
+  std::atomic<uint32_t> next_region_{0};
+  std::mutex providers_mu_;
+  std::vector<std::function<void(std::vector<uint64_t>&)>> providers_;
+};
+
+}  // namespace cxlkv::alloc
+
+#endif  // CXLKV_SRC_ALLOC_ALLOCATOR_H_

@@ -1,0 +1,172 @@
+#include "alloc/chunk_table.h"
+
+#include <bit>
+
+namespace cxlkv::alloc {
+namespace {
+
+uint64_t RoundLine(uint64_t v) { return (v + 63) / 64 * 64; }
+
+}  // namespace
+
+uint64_t ChunkTableLayout::Bytes(uint64_t chunks, uint32_t max_nodes, bool with_inboxes) {
+  uint64_t bytes = 64 + RoundLine(chunks * 8) + RoundLine((chunks + 63) / 64 * 8);
+  if (with_inboxes) bytes += uint64_t{max_nodes} * max_nodes * kInboxBytes;
+  return bytes;
+}
+
+ChunkTableLayout::ChunkTableLayout(const Region::Impl& region, uint32_t max_nodes) {
+  const auto* table = region.find_area(region::AreaKind::kChunkTable);
+  const auto* data = region.find_area(region::AreaKind::kData);
+  if (table == nullptr || data == nullptr) return;
+  max_nodes_ = max_nodes;
+  chunk_bytes_ = region.superblock().chunk_bytes;
+  data_offset_ = data->offset;
+  chunks_ = std::min<uint64_t>(table->param, data->size / chunk_bytes_);
+  base_ = table->offset;
+  bitmap_ = base_ + 64 + RoundLine(table->param * 8);
+  inboxes_ = bitmap_ + RoundLine((table->param + 63) / 64 * 8);
+  has_inboxes_ = table->size >= Bytes(table->param, max_nodes, true);
+}
+
+HeapGeometry GeometryFor(uint64_t chunk_bytes, uint64_t class_bytes) {
+  uint64_t slots = (chunk_bytes - 64) * 8 / (8 * class_bytes + 1);
+  for (;;) {
+    uint64_t bitmap = RoundLine((slots + 63) / 64 * 8);
+    uint64_t first = 64 + bitmap;
+    if (first + slots * class_bytes <= chunk_bytes) return {slots, bitmap, first};
+    --slots;
+  }
+}
+
+void ApplyIntent(region::MetaAccess& meta, const ChunkTableLayout& table, const Intent& intent) {
+  for (uint64_t i = 0; i < intent.count; ++i) {
+    uint64_t c = intent.first + i;
+    uint64_t word = 0;
+    if (intent.op == 1 || intent.op == 3) {
+      OwnerWord head = OwnerWord::Decode(intent.owner);
+      if (i == 0) {
+        word = intent.owner;
+      } else {
+        word = OwnerWord{ChunkKind::kLargeTail, head.node, head.incarnation, static_cast<uint32_t>(i)}.Encode();
+      }
+    }
+    meta.Store(table.owner(c), word);
+    uint64_t bit = uint64_t{1} << (c % 64);
+    uint64_t bits = meta.Load(table.bitmap_word(c));
+    meta.Store(table.bitmap_word(c), word != 0 ? (bits | bit) : (bits & ~bit));
+  }
+  if (intent.count > 0) {
+    meta.Flush(table.owner(intent.first), intent.count * 8);
+    meta.Flush(table.bitmap_word(intent.first),
+               table.bitmap_word(intent.first + intent.count - 1) - table.bitmap_word(intent.first) + 8);
+  }
+}
+
+RegionUsage InspectChunks(Region& region, uint32_t max_nodes) {
+  RegionUsage u;
+  u.per_node.assign(max_nodes, 0);
+  ChunkTableLayout t(region.impl(), max_nodes);
+  if (!t.valid()) return u;
+  auto& meta = region.impl().meta();
+  u.chunks = t.chunks();
+  for (uint64_t c = 0; c < t.chunks(); ++c) {
+    OwnerWord w = OwnerWord::Decode(meta.Fetch(t.owner(c)));
+    switch (w.kind) {
+      case ChunkKind::kFree: ++u.free; break;
+      case ChunkKind::kHeap: ++u.heap; break;
+      case ChunkKind::kLargeHead:
+      case ChunkKind::kLargeTail: ++u.large; break;
+      case ChunkKind::kOrphanHeap: ++u.orphan; break;
+    }
+    if (w.kind == ChunkKind::kHeap || w.kind == ChunkKind::kLargeHead || w.kind == ChunkKind::kLargeTail) {
+      if (w.node < max_nodes) ++u.per_node[w.node];
+    }
+  }
+  return u;
+}
+
+void CheckChunks(Region& region, uint32_t region_index, uint32_t max_nodes,
+                 std::vector<std::string>& problems) {
+  ChunkTableLayout t(region.impl(), max_nodes);
+  std::string where = "region " + std::to_string(region_index) + " ";
+  if (!t.valid()) {
+    problems.push_back(where + "has no chunk table");
+    return;
+  }
+  auto& meta = region.impl().meta();
+  meta.Invalidate(t.intent(), 64);
+  auto intent = meta.ReadStruct<Intent>(t.intent());
+  if (intent.valid) {
+    problems.push_back(where + "has a pending allocator intent (a holder died mid-update; the next "
+                       "allocation redoes it)");
+  }
+  for (uint64_t c = 0; c < t.chunks(); ++c) {
+    uint64_t raw = meta.Fetch(t.owner(c));
+    bool bit = (meta.Fetch(t.bitmap_word(c)) >> (c % 64)) & 1;
+    OwnerWord w = OwnerWord::Decode(raw);
+    std::string chunk = where + "chunk " + std::to_string(c) + ": ";
+    if (bit != (raw != 0)) {
+      problems.push_back(chunk + (bit ? "marked allocated but has no owner" : "owned but marked free"));
+    }
+    if (raw != 0 && w.node >= max_nodes) problems.push_back(chunk + "owner node out of range");
+    if (w.kind == ChunkKind::kLargeHead) {
+      if (w.detail == 0 || c + w.detail > t.chunks()) {
+        problems.push_back(chunk + "large run length " + std::to_string(w.detail) + " is out of range");
+        continue;
+      }
+      for (uint64_t i = 1; i < w.detail; ++i) {
+        OwnerWord tail = OwnerWord::Decode(meta.Fetch(t.owner(c + i)));
+        if (tail.kind != ChunkKind::kLargeTail || tail.detail != i) {
+          problems.push_back(chunk + "run of " + std::to_string(w.detail) + " broken at +" + std::to_string(i));
+          break;
+        }
+      }
+      c += w.detail - 1;
+    } else if (w.kind == ChunkKind::kLargeTail) {
+      problems.push_back(chunk + "a run tail without its head");
+    } else if (w.kind == ChunkKind::kHeap || w.kind == ChunkKind::kOrphanHeap) {
+      uint64_t base = t.data_offset() + c * t.chunk_bytes();
+      meta.Invalidate(base, 64);
+      auto h = meta.ReadStruct<HeapHeader>(base);
+      if (h.magic != kHeapMagic) {
+        // An owner that died between taking the chunk and formatting it; recovery frees it.
+        if (w.kind == ChunkKind::kOrphanHeap) problems.push_back(chunk + "orphan heap chunk without a header");
+        continue;
+      }
+      HeapGeometry g = GeometryFor(t.chunk_bytes(), h.class_bytes);
+      if (h.slots != g.slots || h.first_slot != g.first_slot) {
+        problems.push_back(chunk + "heap header geometry is wrong");
+        continue;
+      }
+      uint64_t set = 0;
+      meta.Invalidate(base + 64, g.bitmap_bytes);
+      for (uint64_t wd = 0; wd < (g.slots + 63) / 64; ++wd) set += std::popcount(meta.Load(base + 64 + wd * 8));
+      if (set != h.used) {
+        problems.push_back(chunk + "heap header says " + std::to_string(h.used) + " objects, bitmap has " +
+                           std::to_string(set));
+      }
+    }
+  }
+}
+
+bool IsAllocated(Region& region, uint64_t off, uint32_t max_nodes) {
+  ChunkTableLayout t(region.impl(), max_nodes);
+  if (!t.valid() || off < t.data_offset()) return false;
+  uint64_t c = (off - t.data_offset()) / t.chunk_bytes();
+  if (c >= t.chunks()) return false;
+  auto& meta = region.impl().meta();
+  OwnerWord w = OwnerWord::Decode(meta.Fetch(t.owner(c)));
+  uint64_t within = off - t.data_offset() - c * t.chunk_bytes();
+  if (w.kind == ChunkKind::kLargeHead) return within == 0;
+  if (w.kind != ChunkKind::kHeap && w.kind != ChunkKind::kOrphanHeap) return false;
+  uint64_t base = t.data_offset() + c * t.chunk_bytes();
+  meta.Invalidate(base, 64);
+  auto h = meta.ReadStruct<HeapHeader>(base);
+  if (h.magic != kHeapMagic || within < h.first_slot || (within - h.first_slot) % h.class_bytes) return false;
+  uint64_t slot = (within - h.first_slot) / h.class_bytes;
+  if (slot >= h.slots) return false;
+  return (meta.Fetch(base + 64 + (slot / 64) * 8) >> (slot % 64)) & 1;
+}
+
+}  // namespace cxlkv::alloc

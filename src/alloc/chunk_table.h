@@ -1,0 +1,131 @@
+// The global chunk allocator's state in the region (TraCT §3.5): per region of a pool, an owner
+// word per chunk, a bitmap (bit set iff the chunk is allocated), and in the first region a
+// redo intent record and the remote-free rings. Chunk tables change only under the allocator
+// lock (sync::kAllocatorLock); heap-chunk headers only by their owner node.
+//
+// Crash rule (docs/protocol.md, "Recovery rule"): every multi-word change of a chunk table is
+// first written as an intent record and flushed, then published by one word (intent.valid),
+// applied, and retired by one word. The next holder of the allocator lock redoes a valid intent
+// — the operations are idempotent — so a holder that dies mid-update leaves nothing torn.
+#ifndef CXLKV_SRC_ALLOC_CHUNK_TABLE_H_
+#define CXLKV_SRC_ALLOC_CHUNK_TABLE_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cxlkv/region.h"
+#include "region/region_internal.h"
+
+namespace cxlkv::alloc {
+
+// Owner word: [63:60] kind, [59:52] node, [51:32] incarnation (low 20 bits), [31:0] detail
+// (heap: size class; large head: run length in chunks; large tail: distance to the head).
+enum class ChunkKind : uint64_t {
+  kFree = 0,
+  kHeap = 1,         // split into objects of one size class by its owner node
+  kLargeHead = 2,    // first chunk of an object of one or more whole chunks
+  kLargeTail = 3,    // a following chunk of such an object
+  kOrphanHeap = 4,   // a heap chunk whose owner died with published objects in it
+};
+
+struct OwnerWord {
+  ChunkKind kind = ChunkKind::kFree;
+  uint32_t node = 0;
+  uint32_t incarnation = 0;
+  uint32_t detail = 0;
+  uint64_t Encode() const {
+    return (static_cast<uint64_t>(kind) << 60) | (uint64_t{node & 0xff} << 52) |
+           (uint64_t{incarnation & 0xfffff} << 32) | detail;
+  }
+  static OwnerWord Decode(uint64_t w) {
+    return {static_cast<ChunkKind>(w >> 60), static_cast<uint32_t>((w >> 52) & 0xff),
+            static_cast<uint32_t>((w >> 32) & 0xfffff), static_cast<uint32_t>(w)};
+  }
+};
+inline uint32_t Inc20(uint64_t incarnation) { return static_cast<uint32_t>(incarnation & 0xfffff); }
+
+// Remote-free ring (owner node o, freeing node f): single producer f, single consumer o.
+inline constexpr uint64_t kInboxEntries = 256;
+inline constexpr uint64_t kInboxBytes = 128 + kInboxEntries * 8;
+
+struct Intent {
+  uint64_t valid;     // commit word: 1 while the intent must be (re)applied
+  uint64_t op;        // 1: set a run's owner words (allocate), 2: clear a run (free), 3: set one word
+  uint64_t region;
+  uint64_t first;
+  uint64_t count;
+  uint64_t owner;     // encoded OwnerWord of the head (op 1, 3)
+  uint64_t reserved[2];
+};
+static_assert(sizeof(Intent) == 64);
+
+// Offsets of one region's chunk table.
+class ChunkTableLayout {
+ public:
+  ChunkTableLayout() = default;
+  ChunkTableLayout(const Region::Impl& region, uint32_t max_nodes);
+
+  static uint64_t Bytes(uint64_t chunks, uint32_t max_nodes, bool with_inboxes);
+
+  bool valid() const { return chunks_ != 0; }
+  uint64_t chunks() const { return chunks_; }
+  uint64_t intent() const { return base_; }
+  uint64_t owner(uint64_t chunk) const { return base_ + 64 + chunk * 8; }
+  uint64_t bitmap_word(uint64_t chunk) const { return bitmap_ + (chunk / 64) * 8; }
+  uint64_t inbox(uint32_t owner, uint32_t freer) const {
+    return inboxes_ + (uint64_t{owner} * max_nodes_ + freer) * kInboxBytes;
+  }
+  bool has_inboxes() const { return has_inboxes_; }
+  uint64_t data_offset() const { return data_offset_; }
+  uint64_t chunk_bytes() const { return chunk_bytes_; }
+
+ private:
+  uint64_t base_ = 0, bitmap_ = 0, inboxes_ = 0, chunks_ = 0;
+  uint64_t data_offset_ = 0, chunk_bytes_ = 0;
+  uint32_t max_nodes_ = 0;
+  bool has_inboxes_ = false;
+};
+
+// Heap chunk header: the first line of a heap chunk, then its slot bitmap. Written by the owner
+// node only (or, for an orphan, by the allocator-lock holder).
+struct HeapHeader {
+  uint64_t magic;
+  uint64_t class_bytes;
+  uint64_t slots;
+  uint64_t used;
+  uint64_t owner;        // the owner word at the time the chunk was formatted
+  uint64_t first_slot;   // byte offset of slot 0 from the chunk start
+  uint64_t reserved[2];
+};
+static_assert(sizeof(HeapHeader) == 64);
+inline constexpr uint64_t kHeapMagic = 0x5041454856584c43ull;  // "CLXVHEAP"
+
+// Slots, bitmap bytes and first-slot offset of a heap chunk of `class_bytes` objects.
+struct HeapGeometry {
+  uint64_t slots, bitmap_bytes, first_slot;
+};
+HeapGeometry GeometryFor(uint64_t chunk_bytes, uint64_t class_bytes);
+
+// Applies an intent to region `r`'s table (idempotent).
+void ApplyIntent(region::MetaAccess& meta, const ChunkTableLayout& table, const Intent& intent);
+
+// Read-only accounting and invariant checks for `cxlkv stat` / `cxlkv check` (no lock taken:
+// run them on a quiet pool, or accept a snapshot).
+struct RegionUsage {
+  uint64_t chunks = 0, free = 0, heap = 0, large = 0, orphan = 0;
+  std::vector<uint64_t> per_node;  // chunks owned, by node
+};
+RegionUsage InspectChunks(Region& region, uint32_t max_nodes);
+
+// Appends a line per violated invariant to `problems`: bit vs owner word, run heads and tails,
+// heap headers (magic, used == bits set), a pending intent.
+void CheckChunks(Region& region, uint32_t region_index, uint32_t max_nodes,
+                 std::vector<std::string>& problems);
+
+// True when the object at byte offset `off` of `region` is allocated (for root checks).
+bool IsAllocated(Region& region, uint64_t off, uint32_t max_nodes);
+
+}  // namespace cxlkv::alloc
+
+#endif  // CXLKV_SRC_ALLOC_CHUNK_TABLE_H_

@@ -1,0 +1,91 @@
+// Read-only views of a pool for `cxlkv stat` and `cxlkv check`; nothing here takes a lock.
+#include <thread>
+
+#include "pool/pool_internal.h"
+#include "region/region_internal.h"
+#include "sync/layout.h"
+
+namespace cxlkv::pool {
+namespace {
+
+std::vector<sync::NodeLine> ReadNodeLines(Region& r) {
+  auto& meta = r.impl().meta();
+  const auto* area = r.impl().find_area(region::AreaKind::kNodeTable);
+  std::vector<sync::NodeLine> lines(r.info().max_nodes);
+  for (uint32_t j = 0; j < lines.size(); ++j) {
+    meta.Invalidate(area->offset + j * 64, 64);
+    lines[j] = meta.ReadStruct<sync::NodeLine>(area->offset + j * 64);
+  }
+  return lines;
+}
+
+}  // namespace
+
+nlohmann::json Stat(std::vector<std::unique_ptr<Region>>& regions, uint32_t watch_ms) {
+  Region& first = *regions[0];
+  uint32_t max_nodes = first.info().max_nodes;
+  auto before = ReadNodeLines(first);
+  std::this_thread::sleep_for(std::chrono::milliseconds(watch_ms));
+  auto after = ReadNodeLines(first);
+  nlohmann::json j;
+  j["nodes"] = nlohmann::json::array();
+  for (uint32_t n = 0; n < max_nodes; ++n) {
+    const auto& l = after[n];
+    if (l.incarnation == 0) continue;
+    const char* state = l.state == static_cast<uint64_t>(sync::NodeState::kLeft) ? "left"
+                        : l.heartbeat != before[n].heartbeat                      ? "live"
+                                                                                  : "silent";
+    j["nodes"].push_back({{"id", n}, {"state", state}, {"incarnation", l.incarnation},
+                          {"heartbeat", l.heartbeat}, {"pid", l.pid}, {"lease_ms", l.lease_ms}});
+  }
+  const auto* locks = first.impl().find_area(region::AreaKind::kLockArray);
+  sync::LockArrayLayout layout(locks->offset, max_nodes, static_cast<uint32_t>(locks->param));
+  auto& meta = first.impl().meta();
+  meta.Invalidate(layout.manager_line(), 64);
+  auto ml = meta.ReadStruct<sync::ManagerLine>(layout.manager_line());
+  j["lock_manager"] = ml.node_plus_one == 0 ? nlohmann::json(nullptr)
+                                            : nlohmann::json{{"node", ml.node_plus_one - 1},
+                                                             {"incarnation", ml.incarnation}};
+  uint32_t allocated = 0;
+  for (uint32_t k = sync::kReservedLocks; k < layout.max_locks(); ++k) {
+    allocated += (meta.Fetch(layout.bitmap_word(k)) >> (k % 64)) & 1;
+  }
+  j["locks"] = {{"max", layout.max_locks()}, {"internal", sync::kReservedLocks}, {"allocated", allocated}};
+  j["regions"] = nlohmann::json::array();
+  for (size_t i = 0; i < regions.size(); ++i) {
+    auto u = alloc::InspectChunks(*regions[i], max_nodes);
+    nlohmann::json per_node = nlohmann::json::object();
+    for (uint32_t n = 0; n < max_nodes; ++n) {
+      if (u.per_node[n]) per_node[std::to_string(n)] = u.per_node[n];
+    }
+    j["regions"].push_back({{"path", regions[i]->info().path}, {"chunk_bytes", regions[i]->info().chunk_bytes},
+                            {"chunks", u.chunks}, {"free", u.free}, {"heap", u.heap},
+                            {"large", u.large}, {"orphan_heap", u.orphan}, {"per_node", per_node}});
+  }
+  objstore::ObjectStore store(first, nullptr);
+  j["roots"] = nlohmann::json::array();
+  for (const auto& r : store.List()) {
+    j["roots"].push_back({{"name", r.name}, {"offset", r.offset}, {"size", r.size}});
+  }
+  return j;
+}
+
+std::vector<std::string> Check(std::vector<std::unique_ptr<Region>>& regions) {
+  std::vector<std::string> problems;
+  uint32_t max_nodes = regions[0]->info().max_nodes;
+  for (size_t i = 0; i < regions.size(); ++i) {
+    alloc::CheckChunks(*regions[i], static_cast<uint32_t>(i), max_nodes, problems);
+  }
+  objstore::ObjectStore store(*regions[0], nullptr);
+  for (const auto& r : store.List()) {
+    region::Offset<void> off(r.offset);
+    if (off.region_index() >= regions.size() ||
+        !alloc::IsAllocated(*regions[off.region_index()], off.byte_offset(), max_nodes)) {
+      problems.push_back("root '" + r.name + "' points at unallocated space (offset " +
+                         std::to_string(r.offset) + ")");
+    }
+  }
+  return problems;
+}
+
+}  // namespace cxlkv::pool

@@ -1,0 +1,126 @@
+#include "pool/pool_internal.h"
+
+#include <thread>
+
+#include "region/region_internal.h"
+#include "sync/layout.h"
+
+namespace cxlkv {
+
+Status Pool::Create(const std::vector<std::string>& paths, const PoolCreateOptions& options) {
+  if (paths.empty()) return InvalidArgument("a pool needs at least one region path");
+  if (paths.size() > region::kMaxPoolRegions) return InvalidArgument("too many regions");
+  if (options.max_locks <= sync::kReservedLocks || options.max_locks > 65536) {
+    return InvalidArgument("max locks must be " + std::to_string(sync::kReservedLocks + 1) + "..65536");
+  }
+  if (options.max_roots < 1 || options.max_roots > (1u << 24)) return InvalidArgument("max roots must be 1..16M");
+  if (options.max_nodes > 255) return InvalidArgument("a pool admits at most 255 nodes");
+  RegionCreateOptions ro{options.size, options.max_nodes, options.numa_node, options.overwrite,
+                         options.chunk_bytes};
+  for (size_t i = 0; i < paths.size(); ++i) {
+    uint64_t chunks = options.size / (options.chunk_bytes ? options.chunk_bytes : 1);
+    std::vector<region::AreaRequest> areas;
+    if (i == 0) {
+      areas.push_back({region::AreaKind::kLockArray,
+                       sync::LockArrayLayout::Bytes(options.max_nodes, options.max_locks), options.max_locks});
+    }
+    areas.push_back({region::AreaKind::kChunkTable,
+                     alloc::ChunkTableLayout::Bytes(chunks, options.max_nodes, i == 0), chunks});
+    if (i == 0) {
+      areas.push_back({region::AreaKind::kObjectStore, objstore::StoreBytes(options.max_roots),
+                       options.max_roots});
+    }
+    auto r = region::CreateRegion(paths[i], ro, region::Platform::Default(), areas);
+    if (!r.ok()) return r.status();
+  }
+  return Status::Ok();
+}
+
+namespace pool {
+
+Result<std::vector<std::unique_ptr<Region>>> AttachAll(const std::vector<std::string>& paths,
+                                                       const RegionAttachOptions& attach) {
+  std::vector<std::unique_ptr<Region>> regions;
+  for (const std::string& p : paths) {
+    CXLKV_ASSIGN_OR_RETURN(auto r, Region::Attach(p, attach));
+    if (!r->impl().find_area(region::AreaKind::kChunkTable)) {
+      return InvalidArgument("region " + p + " was not made as part of a pool (no chunk table): "
+                             "create it with 'cxlkv init'");
+    }
+    if (!regions.empty() && (r->info().max_nodes != regions[0]->info().max_nodes ||
+                             r->info().chunk_bytes != regions[0]->info().chunk_bytes)) {
+      return InvalidArgument("region " + p + " does not match the pool's first region (node count "
+                             "or chunk size differ)");
+    }
+    regions.push_back(std::move(r));
+  }
+  if (regions.empty()) return InvalidArgument("a pool needs at least one region path");
+  if (!regions[0]->impl().find_area(region::AreaKind::kLockArray)) {
+    return InvalidArgument("the first path must be the pool's first region (it holds the locks)");
+  }
+  return regions;
+}
+
+Result<std::vector<std::unique_ptr<Region>>> AttachAll(const std::vector<std::string>& paths) {
+  return AttachAll(paths, RegionAttachOptions{});
+}
+
+}  // namespace pool
+
+Result<std::unique_ptr<Pool>> Pool::Open(const std::vector<std::string>& paths,
+                                         const PoolOpenOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  CXLKV_ASSIGN_OR_RETURN(impl->regions, pool::AttachAll(paths, options.attach));
+  sync::NodeOptions no;
+  no.node_id = options.node_id;
+  no.lease = std::chrono::milliseconds(options.lease_ms);
+  no.may_host_manager = options.may_host_manager;
+  CXLKV_ASSIGN_OR_RETURN(impl->node, sync::Node::Join(*impl->regions[0], no));
+  impl->roots = std::make_unique<objstore::ObjectStore>(*impl->regions[0], impl->node.get());
+  std::vector<Region*> raw;
+  for (auto& r : impl->regions) raw.push_back(r.get());
+  impl->allocator = std::make_unique<alloc::Allocator>(raw, *impl->node);
+  // Published objects are those named by roots: recovery keeps them.
+  objstore::ObjectStore* roots = impl->roots.get();
+  alloc::Allocator* allocator = impl->allocator.get();
+  allocator->AddReachability([roots](std::vector<uint64_t>& out) {
+    for (const auto& r : roots->List()) out.push_back(r.offset);
+  });
+  impl->node->AddRecoveryHandler([allocator](uint32_t node, uint64_t inc) { allocator->Recover(node, inc); });
+  impl->node->AddPeriodicTask([allocator] { allocator->DrainRemoteFrees(); });
+  return std::make_unique<Pool>(std::move(impl));
+}
+
+Pool::Pool(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Pool::~Pool() {
+  // Stop the node's threads (they call into the allocator) before the allocator goes.
+  impl_->node.reset();
+}
+
+Result<uint64_t> Pool::Alloc(uint64_t bytes) {
+  CXLKV_ASSIGN_OR_RETURN(auto off, impl_->allocator->Alloc(bytes));
+  return off.raw();
+}
+Status Pool::Free(uint64_t offset) { return impl_->allocator->Free(alloc::ObjectOffset(offset)); }
+uint8_t* Pool::Ptr(uint64_t offset, uint64_t bytes) {
+  return impl_->allocator->Ptr(alloc::ObjectOffset(offset), bytes);
+}
+Status Pool::Put(std::string_view name, uint64_t offset, uint64_t size) {
+  return impl_->roots->Put(name, offset, size);
+}
+Result<PoolRoot> Pool::Get(std::string_view name) {
+  CXLKV_ASSIGN_OR_RETURN(auto r, impl_->roots->Get(name));
+  return PoolRoot{r.name, r.offset, r.size};
+}
+Status Pool::Destroy(std::string_view name) { return impl_->roots->Destroy(name); }
+Result<uint32_t> Pool::AllocateLock() { return impl_->node->AllocateLock(); }
+Status Pool::FreeLock(uint32_t lock) { return impl_->node->FreeLock(lock); }
+Status Pool::Lock(uint32_t lock, uint32_t timeout_ms) {
+  if (lock < sync::kReservedLocks) return InvalidArgument("lock " + std::to_string(lock) + " is internal");
+  auto held = impl_->node->AcquireFor(lock, std::chrono::milliseconds(timeout_ms));
+  return held.status();
+}
+void Pool::Unlock(uint32_t lock) { impl_->node->Release(lock); }
+
+}  // namespace cxlkv

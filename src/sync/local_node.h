@@ -1,0 +1,83 @@
+// The node-local tier: state shared by the processes of one node (one host) in local DRAM — a
+// small file in /dev/shm named after the region id and node id, holding process-shared robust
+// mutexes. A process that dies holding one does not wedge its node: the next locker gets
+// EOWNERDEAD, learns that the holder died, and takes over (TraCT §3.3's local_lock, made robust).
+//
+// Thread- and process-safety: everything here is meant for concurrent use by the processes of
+// one node; the atomics are plain CPU atomics (one host is coherent).
+#ifndef CXLKV_SRC_SYNC_LOCAL_NODE_H_
+#define CXLKV_SRC_SYNC_LOCAL_NODE_H_
+
+#include <pthread.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "cxlkv/status.h"
+
+namespace cxlkv::sync {
+
+inline constexpr uint32_t kLocalSizeClasses = 16;
+
+struct alignas(64) LocalLock {
+  pthread_mutex_t mu;           // the local tier of lock k
+  std::atomic<uint32_t> seq;    // last request sequence this node published for lock k
+};
+
+// Heap state of the node's allocator (alloc layer), kept here so every process of the node
+// allocates from the same per-node heap.
+struct LocalHeapClass {
+  std::atomic<uint64_t> current_chunk;  // global chunk id + 1; 0 = none
+  std::atomic<uint64_t> cursor;         // slot to start searching from
+};
+
+struct LocalHeader {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t max_locks;
+  std::atomic<uint64_t> incarnation;     // this node's current incarnation (0: not joined)
+  std::atomic<int64_t> last_beat_ns;     // CLOCK_MONOTONIC of the last heartbeat (this host)
+  std::atomic<uint32_t> attached;        // processes attached (best effort: kill -9 leaks one)
+  alignas(64) pthread_mutex_t beat_owner;  // held by the process that heartbeats for the node
+  alignas(64) pthread_mutex_t heap_mu;     // guards the node heap (alloc layer)
+  alignas(64) pthread_mutex_t inbox_mu;    // guards this node's outgoing remote-free rings
+  LocalHeapClass heap[kLocalSizeClasses];
+};
+
+// Locks `mu`; returns true when the previous owner died holding it (state may need repair;
+// the mutex is made consistent before returning).
+bool LockRobust(pthread_mutex_t* mu);
+// Try-lock: 0 = got it, 1 = got it and the previous owner died, -1 = busy.
+int TryLockRobust(pthread_mutex_t* mu);
+
+class LocalNode {
+ public:
+  // Opens (creating on first use) the local file of `node` for the region `region_id`.
+  static Result<std::unique_ptr<LocalNode>> Open(const std::string& region_id, uint32_t node,
+                                                 uint32_t max_locks);
+  ~LocalNode();
+  LocalNode(const LocalNode&) = delete;
+  LocalNode& operator=(const LocalNode&) = delete;
+
+  LocalHeader& header() { return *header_; }
+  LocalLock& lock(uint32_t k) { return locks_[k]; }
+  bool created() const { return created_; }  // this process made the file
+  const std::string& path() const { return path_; }
+
+  static std::string PathFor(const std::string& region_id, uint32_t node);
+
+ private:
+  LocalNode() = default;
+  std::string path_;
+  void* base_ = nullptr;
+  size_t size_ = 0;
+  LocalHeader* header_ = nullptr;
+  LocalLock* locks_ = nullptr;
+  bool created_ = false;
+};
+
+}  // namespace cxlkv::sync
+
+#endif  // CXLKV_SRC_SYNC_LOCAL_NODE_H_

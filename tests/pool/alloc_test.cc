@@ -1,0 +1,218 @@
+// Allocator and object store across real processes: no overlap under random churn, remote frees,
+// recovery after kill -9, no leak, and `cxlkv check`'s invariants.
+#include <random>
+#include <set>
+
+#include <gtest/gtest.h>
+
+#include "pool_test_util.h"
+#include "region/coherence.h"
+
+namespace cxlkv {
+namespace {
+
+using testing::OpenOrNull;
+
+constexpr uint64_t kRegionBytes = 48 << 20;
+
+uint64_t FreeChunks(const std::vector<std::string>& paths) {
+  auto regions = pool::AttachAll(paths);
+  EXPECT_TRUE(regions.ok());
+  uint64_t free = 0;
+  for (auto& r : *regions) free += alloc::InspectChunks(*r, r->info().max_nodes).free;
+  return free;
+}
+
+std::vector<std::string> CheckProblems(const std::vector<std::string>& paths) {
+  auto regions = pool::AttachAll(paths);
+  EXPECT_TRUE(regions.ok());
+  return pool::Check(*regions);
+}
+
+// Random churn: objects carry a pattern naming their owner and sequence; any overlap between
+// two live objects corrupts one pattern, caught before it is freed.
+int Churn(const std::vector<std::string>& paths, uint32_t node, int ops, int publish_every) {
+  auto p = OpenOrNull(paths, node);
+  CHILD_CHECK(p != nullptr, "open");
+  std::mt19937_64 rng(node * 7919 + 1);
+  struct Obj {
+    uint64_t off, size, tag;
+  };
+  std::vector<Obj> live;
+  auto fill = [&](const Obj& o) {
+    std::vector<uint64_t> words(o.size / 8, o.tag);
+    region::NtCopy(p->Ptr(o.off, o.size), words.data(), o.size);
+  };
+  auto verify = [&](const Obj& o) {
+    const uint64_t* w = reinterpret_cast<const uint64_t*>(p->Ptr(o.off, o.size));
+    for (uint64_t i = 0; i < o.size / 8; ++i) if (w[i] != o.tag) return false;
+    return true;
+  };
+  for (int i = 0; i < ops; ++i) {
+    bool do_alloc = live.empty() || rng() % 100 < 55;
+    if (do_alloc) {
+      uint64_t size = rng() % 10 == 0 ? (uint64_t{3} << 20) : (uint64_t{64} << (rng() % 12));
+      auto off = p->Alloc(size);
+      if (!off.ok() && off.status().code() == StatusCode::kNoSpace) continue;
+      CHILD_CHECK(off.ok(), "%s", off.status().ToString().c_str());
+      Obj o{*off, size, (uint64_t{node} << 48) | static_cast<uint64_t>(i)};
+      fill(o);
+      live.push_back(o);
+      if (publish_every && i % publish_every == 0) {
+        std::string name = "n" + std::to_string(node) + "-" + std::to_string(i);
+        CHILD_CHECK(p->Put(name, o.off, o.size).ok(), "put");
+        live.pop_back();  // published: left to a consumer (or to recovery)
+      }
+    } else {
+      size_t k = rng() % live.size();
+      CHILD_CHECK(verify(live[k]), "node %u: object at %lx overwritten: overlapping allocation", node, live[k].off);
+      CHILD_CHECK(p->Free(live[k].off).ok(), "free");
+      live[k] = live.back();
+      live.pop_back();
+    }
+  }
+  for (auto& o : live) {
+    CHILD_CHECK(verify(o), "overlap");
+    CHILD_CHECK(p->Free(o.off).ok(), "free");
+  }
+  // Consume the roots the next node published: free the object (a remote free), then drop the
+  // name. Freeing first keeps the object reachable — so recovery of a producer that already
+  // left never reclaims it under us.
+  auto& roots = *p->impl().roots;
+  std::string producer = "n" + std::to_string((node + 1) % 3) + "-";
+  for (const auto& r : roots.List()) {
+    if (r.name.rfind(producer, 0) != 0) continue;
+    Status freed = p->Free(r.offset);
+    CHILD_CHECK(freed.ok(), "remote free of %s: %s", r.name.c_str(), freed.ToString().c_str());
+    CHILD_CHECK(roots.Destroy(r.name).ok(), "destroy %s", r.name.c_str());
+  }
+  // Let owners drain the frees we sent them, then hand empty chunks back.
+  ::usleep(3 * testing::kTestLeaseMs * 1000 / 8 * 2);
+  p->impl().allocator->Trim();
+  return 0;
+}
+
+TEST(Allocator, ChurnAcrossProcessesNeverOverlapsAndLeaksNothing) {
+  testing::TempRegionPath a("alloc-a"), b("alloc-b");
+  std::vector<std::string> paths{a.path(), b.path()};  // two "devices": chunks interleave
+  PoolCreateOptions co;
+  co.size = kRegionBytes;
+  co.max_nodes = 4;
+  ASSERT_TRUE(Pool::Create(paths, co).ok());
+  uint64_t total = FreeChunks(paths);
+  auto codes = testing::RunForked(3, [&](int i) { return Churn(paths, i, 1500, 50); });
+  for (int c : codes) EXPECT_EQ(c, 0);
+  // Roots nobody consumed (a node's own) still hold their objects; free them as a last node.
+  {
+    auto p = OpenOrNull(paths, 3);
+    ASSERT_TRUE(p);
+    for (const auto& r : p->impl().roots->List()) {
+      Status freed = p->Free(r.offset);
+      ASSERT_TRUE(freed.ok()) << r.name << ": " << freed.ToString();
+      ASSERT_TRUE(p->Destroy(r.name).ok());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(3 * testing::kTestLeaseMs));
+    p->impl().allocator->Trim();
+  }
+  // Nodes 0..2 left: recovery (by whichever node managed) reclaimed anything they still held.
+  auto p = OpenOrNull(paths, 0);
+  ASSERT_TRUE(p);
+  std::this_thread::sleep_for(std::chrono::milliseconds(3 * testing::kTestLeaseMs));
+  p->impl().allocator->Trim();
+  p.reset();
+  auto problems = CheckProblems(paths);
+  EXPECT_TRUE(problems.empty()) << problems.front();
+  EXPECT_EQ(FreeChunks(paths), total) << "chunks leaked";
+}
+
+TEST(Allocator, KillNineMidChurnKeepsPublishedAndReclaimsTheRest) {
+  testing::TempRegionPath path("alloc-kill");
+  std::vector<std::string> paths{path.path()};
+  PoolCreateOptions co;
+  co.size = kRegionBytes;
+  co.max_nodes = 4;
+  ASSERT_TRUE(Pool::Create(paths, co).ok());
+  uint64_t total = FreeChunks(paths);
+  pid_t victim = ::fork();
+  if (victim == 0) {
+    // Node 2 allocates and publishes some objects, then keeps churning until killed.
+    auto p = OpenOrNull(paths, 2);
+    if (!p) ::_exit(1);
+    for (int i = 0; i < 6; ++i) {
+      auto off = p->Alloc(i % 2 ? 4096 : (uint64_t{3} << 20));
+      if (!off.ok() || !p->Put("keep-" + std::to_string(i), *off, 4096).ok()) ::_exit(1);
+    }
+    for (uint64_t i = 0;; ++i) {
+      auto off = p->Alloc(64 << (i % 10));
+      if (off.ok() && i % 3) (void)p->Free(*off);
+    }
+  }
+  auto survivor = OpenOrNull(paths, 0);  // hosts the manager: runs the recovery
+  ASSERT_TRUE(survivor);
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  ::kill(victim, SIGKILL);
+  int status;
+  ::waitpid(victim, &status, 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(4 * testing::kTestLeaseMs));
+  auto roots = survivor->impl().roots->List();
+  survivor->impl().allocator->Trim();
+  survivor.reset();
+  auto problems = CheckProblems(paths);
+  EXPECT_TRUE(problems.empty()) << problems.front();
+  // Published objects survive; the only chunks still used are the ones holding them.
+  std::set<uint64_t> chunks;
+  uint64_t large = 0;
+  for (const auto& r : roots) {
+    if (r.name.rfind("keep-", 0) != 0) continue;
+    region::Offset<void> off(r.offset);
+    auto regions = pool::AttachAll(paths);
+    ASSERT_TRUE(alloc::IsAllocated(*(*regions)[0], off.byte_offset(), 4)) << r.name;
+    uint64_t chunk = off.byte_offset() / (2 << 20);
+    if (chunks.insert(chunk).second && off.byte_offset() % (2 << 20) == 0) large += 1;
+  }
+  EXPECT_EQ(roots.size(), 6u);
+  // Each 3 MiB object holds a run of 2 chunks; the 4 KiB ones share one orphan heap chunk.
+  EXPECT_EQ(FreeChunks(paths), total - (3 * 2 + 1));
+}
+
+TEST(ObjectStore, PutGetDestroyAndEveryRefusal) {
+  testing::TempRegionPath path("roots");
+  PoolCreateOptions co;
+  co.size = 16 << 20;
+  co.max_nodes = 2;
+  co.max_roots = 4;
+  ASSERT_TRUE(Pool::Create({path.path()}, co).ok());
+  auto p = OpenOrNull({path.path()}, 0);
+  ASSERT_TRUE(p);
+  auto off = p->Alloc(128);
+  ASSERT_TRUE(off.ok());
+  ASSERT_TRUE(p->Put("index", *off, 128).ok());
+  auto got = p->Get("index");
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(got->offset, *off);
+  EXPECT_EQ(got->size, 128u);
+  EXPECT_EQ(p->Put("index", *off, 128).code(), StatusCode::kAlreadyExists);
+  EXPECT_EQ(p->Get("missing").status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(p->Destroy("missing").code(), StatusCode::kNotFound);
+  std::string long_name(64, 'x');
+  auto too_long = p->Put(long_name, *off, 1);
+  EXPECT_EQ(too_long.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(too_long.message().find("63-byte"), std::string::npos);
+  EXPECT_TRUE(p->Put(std::string(63, 'y'), *off, 1).ok());
+  EXPECT_EQ(p->Put("", *off, 1).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(p->Put("b", *off, 1).ok());
+  EXPECT_TRUE(p->Put("c", *off, 1).ok());
+  EXPECT_EQ(p->Put("d", *off, 1).code(), StatusCode::kNoSpace);
+  EXPECT_TRUE(p->Destroy("b").ok());
+  EXPECT_TRUE(p->Put("d", *off, 1).ok());  // the tombstone is reused
+  EXPECT_EQ(p->Get("index")->offset, *off);
+  // Double free and foreign offsets are refused without damage.
+  ASSERT_TRUE(p->Free(*off).ok());
+  EXPECT_EQ(p->Free(*off).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(p->Free(12345).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(p->Alloc(0).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(p->Alloc(uint64_t{1} << 40).status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace cxlkv

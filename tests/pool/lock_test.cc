@@ -1,0 +1,182 @@
+// The two-tier lock across real processes: exact counts, the simulator, kill -9 of a holder and
+// of the lock manager's host.
+#include <gtest/gtest.h>
+
+#include "pool_test_util.h"
+
+namespace cxlkv {
+namespace {
+
+using testing::Meta;
+using testing::OpenOrNull;
+
+struct LockSetup {
+  std::string path;
+  uint32_t lock = 0;
+  uint64_t counter = 0;  // raw offset of a published 64-byte counter
+};
+
+// The parent joins as the last node only to allocate the lock and the counter, and leaves before
+// forking (no threads may cross a fork).
+LockSetup Prepare(const std::string& path, uint32_t nodes) {
+  LockSetup s{path};
+  PoolCreateOptions co;
+  co.size = 32 << 20;
+  co.max_nodes = nodes + 1;
+  EXPECT_TRUE(Pool::Create({path}, co).ok());
+  auto p = OpenOrNull({path}, nodes);
+  if (!p) return s;
+  auto lock = p->AllocateLock();
+  EXPECT_TRUE(lock.ok()) << lock.status().ToString();
+  s.lock = lock.ok() ? *lock : 0;
+  auto off = p->Alloc(64);
+  EXPECT_TRUE(off.ok());
+  s.counter = *off;
+  Meta(*p).Publish(region::Offset<void>(s.counter).byte_offset(), 0);
+  EXPECT_TRUE(p->Put("counter", s.counter, 64).ok());
+  return s;
+}
+
+uint64_t ReadCounter(const LockSetup& s) {
+  auto r = Region::Attach(s.path);
+  EXPECT_TRUE(r.ok());
+  return (*r)->impl().meta().Fetch(region::Offset<void>(s.counter).byte_offset());
+}
+
+int Incrementer(const LockSetup& s, uint32_t node, int iterations, uint64_t sim_seed, bool skip_flush) {
+  auto p = OpenOrNull({s.path}, node, sim_seed);
+  CHILD_CHECK(p != nullptr, "open");
+  auto& n = *p->impl().node;
+  n.TestSkipReleaseFlush(skip_flush);
+  uint64_t off = region::Offset<void>(s.counter).byte_offset();
+  for (int i = 0; i < iterations; ++i) {
+    auto held = n.AcquireFor(s.lock, std::chrono::seconds(30));
+    CHILD_CHECK(held.ok(), "%s", held.status().ToString().c_str());
+    uint64_t v = n.meta().Fetch(off);  // P2 before reading what the last holder wrote
+    n.meta().Store(off, v + 1);
+    sync::Range r{off, 8};
+    n.Release(s.lock, {&r, 1});        // flushes the counter (P1), then releases
+  }
+  return 0;
+}
+
+TEST(TwoTierLock, FourNodesCountExactly) {
+  testing::TempRegionPath path("lock4");
+  LockSetup s = Prepare(path.path(), 4);
+  constexpr int kIters = 20000;
+  auto codes = testing::RunForked(4, [&](int i) { return Incrementer(s, i, kIters, 0, false); });
+  for (int c : codes) EXPECT_EQ(c, 0);
+  EXPECT_EQ(ReadCounter(s), 4u * kIters);
+}
+
+TEST(TwoTierLock, TwoNodesOfTwoProcessesCountExactly) {
+  testing::TempRegionPath path("lock2x2");
+  LockSetup s = Prepare(path.path(), 2);
+  constexpr int kIters = 20000;
+  auto codes = testing::RunForked(4, [&](int i) { return Incrementer(s, i / 2, kIters, 0, false); });
+  for (int c : codes) EXPECT_EQ(c, 0);
+  EXPECT_EQ(ReadCounter(s), 4u * kIters);
+}
+
+TEST(TwoTierLock, ExactUnderTheSimulatorOverManySeeds) {
+  for (uint64_t seed : {3, 17, 29, 41, 53}) {
+    testing::TempRegionPath path("locksim");
+    LockSetup s = Prepare(path.path(), 4);
+    constexpr int kIters = 150;
+    auto codes = testing::RunForked(4, [&](int i) { return Incrementer(s, i, kIters, seed * 100 + i, false); });
+    for (int c : codes) EXPECT_EQ(c, 0) << "seed " << seed;
+    EXPECT_EQ(ReadCounter(s), 4u * kIters) << "seed " << seed;
+  }
+}
+
+TEST(TwoTierLock, SimulatorCatchesAReleaseWithoutItsFlush) {
+  int lost_in = 0;
+  for (uint64_t seed : {3, 17, 29}) {
+    testing::TempRegionPath path("locksimbad");
+    LockSetup s = Prepare(path.path(), 4);
+    constexpr int kIters = 150;
+    auto codes = testing::RunForked(4, [&](int i) { return Incrementer(s, i, kIters, seed * 100 + i, true); });
+    for (int c : codes) EXPECT_EQ(c, 0);
+    if (ReadCounter(s) != 4u * kIters) ++lost_in;
+  }
+  EXPECT_GT(lost_in, 0) << "dropping the release flush must lose increments under the simulator";
+}
+
+// A child that acquires the lock, increments once, and then hangs holding it.
+int HoldForever(const LockSetup& s, uint32_t node, int ready_fd) {
+  auto p = OpenOrNull({s.path}, node);
+  CHILD_CHECK(p != nullptr, "open");
+  auto held = p->impl().node->AcquireFor(s.lock, std::chrono::seconds(30));
+  CHILD_CHECK(held.ok(), "%s", held.status().ToString().c_str());
+  char c = 'x';
+  CHILD_CHECK(::write(ready_fd, &c, 1) == 1, "pipe");
+  for (;;) ::pause();
+}
+
+void KillScenario(bool kill_manager) {
+  testing::TempRegionPath path(kill_manager ? "killmgr" : "killholder");
+  LockSetup s = Prepare(path.path(), 3);
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  std::fflush(stdout);
+  // Node 0 hosts the manager (lowest live id). Victim: node 0 itself, or node 2 holding the lock.
+  uint32_t victim_node = kill_manager ? 0 : 2;
+  pid_t victim = ::fork();
+  if (victim == 0) {
+    if (kill_manager) {
+      auto p = OpenOrNull({s.path}, 0);
+      char c = 'x';
+      if (!p || ::write(fds[1], &c, 1) != 1) ::_exit(1);
+      for (;;) ::pause();
+    }
+    ::_exit(HoldForever(s, victim_node, fds[1]));
+  }
+  char c;
+  ASSERT_EQ(::read(fds[0], &c, 1), 1);
+  constexpr int kIters = 200;
+  std::vector<uint32_t> survivors = kill_manager ? std::vector<uint32_t>{1, 2} : std::vector<uint32_t>{0, 1};
+  // Survivors start, then the victim dies under them.
+  auto codes = testing::RunForked(3, [&](int i) {
+    if (i == 2) {
+      ::usleep(200 * 1000);
+      ::kill(victim, SIGKILL);
+      return 0;
+    }
+    return Incrementer(s, survivors[i], kIters, 0, false);
+  });
+  int status;
+  ::waitpid(victim, &status, 0);
+  for (int code : codes) EXPECT_EQ(code, 0);
+  // The holder may have been killed after its one increment or none: only survivors count.
+  uint64_t count = ReadCounter(s);
+  EXPECT_EQ(count, 2u * kIters);
+  auto regions = pool::AttachAll({s.path});
+  ASSERT_TRUE(regions.ok());
+  auto problems = pool::Check(*regions);
+  EXPECT_TRUE(problems.empty()) << problems.front();
+  ::close(fds[0]);
+  ::close(fds[1]);
+}
+
+TEST(TwoTierLock, KillNineOfTheHolderLetsOthersProceed) { KillScenario(false); }
+TEST(TwoTierLock, KillNineOfTheManagersHostHandsManagementOver) { KillScenario(true); }
+
+TEST(TwoTierLock, TimeoutWithdrawsTheRequestAndLocksCanBeFreed) {
+  testing::TempRegionPath path("locktimeout");
+  LockSetup s = Prepare(path.path(), 2);
+  auto p = OpenOrNull({s.path}, 0);
+  ASSERT_TRUE(p);
+  ASSERT_TRUE(p->Lock(s.lock, 5000).ok());
+  // The same node cannot re-enter from another thread: the local tier times out.
+  std::thread t([&] { EXPECT_EQ(p->Lock(s.lock, 100).code(), StatusCode::kTimeout); });
+  t.join();
+  p->Unlock(s.lock);
+  EXPECT_TRUE(p->Lock(s.lock, 5000).ok());
+  p->Unlock(s.lock);
+  EXPECT_TRUE(p->FreeLock(s.lock).ok());
+  EXPECT_EQ(p->FreeLock(s.lock).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(p->Lock(1, 10).code(), StatusCode::kInvalidArgument);  // internal
+}
+
+}  // namespace
+}  // namespace cxlkv

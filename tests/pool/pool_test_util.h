@@ -1,0 +1,39 @@
+// Shared set-up for pool tests: a pool in /dev/shm, a counter published as a root, children
+// that open the pool as a given node.
+#ifndef CXLKV_TESTS_POOL_POOL_TEST_UTIL_H_
+#define CXLKV_TESTS_POOL_POOL_TEST_UTIL_H_
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <memory>
+#include <string>
+
+#include "pool/pool_internal.h"
+#include "region/region_internal.h"
+#include "test_region.h"
+
+namespace cxlkv::testing {
+
+inline constexpr uint32_t kTestLeaseMs = 400;
+
+inline std::unique_ptr<Pool> OpenOrNull(const std::vector<std::string>& paths, uint32_t node,
+                                        uint64_t sim_seed = 0) {
+  PoolOpenOptions o;
+  o.node_id = node;
+  o.lease_ms = kTestLeaseMs;
+  o.attach.sim_seed = sim_seed;
+  auto p = Pool::Open(paths, o);
+  if (!p.ok()) {
+    std::fprintf(stderr, "open as node %u: %s\n", node, p.status().ToString().c_str());
+    return nullptr;
+  }
+  return std::move(p).value();
+}
+
+inline region::MetaAccess& Meta(Pool& p) { return p.impl().regions[0]->impl().meta(); }
+
+}  // namespace cxlkv::testing
+
+#endif  // CXLKV_TESTS_POOL_POOL_TEST_UTIL_H_
