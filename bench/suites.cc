@@ -8,6 +8,9 @@ const std::vector<Suite>& Suites() {
        "coherence primitives: clflush/clflushopt/clwb cost per line vs DRAM latency; "
        "non-temporal copy vs memcpy bandwidth at 4 KiB..256 MiB",
        &RunRegionBench},
+      {"lock", "two-tier lock acquire+release, 1/2/4 processes, vs a process-shared pthread mutex",
+       &RunLockBench},
+      {"alloc", "pool alloc+free pairs/s, 256 B and 2 MiB objects, vs malloc", &RunAllocBench},
   };
   return suites;
 }

@@ -26,6 +26,8 @@ Result<nlohmann::json> RunSuite(const std::string& name, const BenchOptions& opt
 
 // Suites, one per layer (bench/<layer>_bench.cc).
 Result<nlohmann::json> RunRegionBench(const BenchOptions& options);
+Result<nlohmann::json> RunLockBench(const BenchOptions& options);
+Result<nlohmann::json> RunAllocBench(const BenchOptions& options);
 
 }  // namespace cxlkv::bench
 

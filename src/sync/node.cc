@@ -41,7 +41,7 @@ class Backoff {
     } else if (round_ < 48) {
       std::this_thread::yield();
     } else {
-      int shift = std::min(round_ - 48, 6);
+      int shift = std::min(round_ - 48, 3);  // at most 40 us: a grant is not left waiting long
       std::this_thread::sleep_for(std::chrono::microseconds(5 << shift));
     }
     ++round_;

@@ -1,0 +1,208 @@
+// `cxlkv bench lock` and `cxlkv bench alloc`.
+//
+//   lock   acquire+release latency of one global lock, 1 (uncontended), 2 and 4 processes each
+//          its own node, next to a process-shared pthread mutex used the same way by the same
+//          number of processes in the same run: the same-host limit the two-tier lock chases.
+//   alloc  alloc+free pairs per second of 256 B objects (node heap) and 2 MiB objects (whole
+//          chunks under the allocator lock), next to malloc/free of the same sizes.
+#include <pthread.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <thread>
+
+#include "pool/pool_internal.h"
+#include "suites.h"
+
+namespace cxlkv::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+PoolOpenOptions AsNode(uint32_t node) {
+  PoolOpenOptions o;
+  o.node_id = node;
+  return o;
+}
+
+double NsSince(Clock::time_point t0) {
+  return std::chrono::duration<double, std::nano>(Clock::now() - t0).count();
+}
+
+// Shared between the bench and its children: a start flag and each child's ns per op.
+struct Shared {
+  pthread_mutex_t mutex;
+  std::atomic<int> ready;
+  std::atomic<int> go;
+  double ns_per_op[8];
+  int failed;
+};
+
+// Runs `procs` children each calling body(i, shared) and returns the mean of their ns/op.
+template <typename Body>
+Result<double> RunProcs(int procs, Shared* shared, Body body) {
+  shared->ready = 0;
+  shared->go = 0;
+  shared->failed = 0;
+  std::vector<pid_t> pids;
+  for (int i = 0; i < procs; ++i) {
+    pid_t pid = ::fork();
+    if (pid == 0) ::_exit(body(i, shared));
+    pids.push_back(pid);
+  }
+  while (shared->ready.load() < procs && shared->failed == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  shared->go = 1;
+  bool ok = true;
+  for (pid_t pid : pids) {
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    ok &= WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  }
+  if (!ok) return Internal("a benchmark process failed");
+  double sum = 0;
+  for (int i = 0; i < procs; ++i) sum += shared->ns_per_op[i];
+  return sum / procs;
+}
+
+void WaitGo(Shared* s) {
+  s->ready.fetch_add(1);
+  while (!s->go.load()) std::this_thread::yield();
+}
+
+}  // namespace
+
+Result<nlohmann::json> RunLockBench(const BenchOptions& options) {
+  const int reps = options.quick ? 2 : options.repetitions;
+  const int ops = options.quick ? 500 : 5000;
+  std::string path = options.workdir + "/cxlkv-bench-lock-" + std::to_string(::getpid());
+  PoolCreateOptions co;
+  co.size = 16 << 20;
+  co.max_nodes = 5;
+  co.overwrite = true;
+  CXLKV_RETURN_IF_ERROR(Pool::Create({path}, co));
+  uint32_t lock;
+  {
+    auto p = Pool::Open({path}, AsNode(4));
+    if (!p.ok()) return p.status();
+    CXLKV_ASSIGN_OR_RETURN(lock, (*p)->AllocateLock());
+  }
+  auto* shared = static_cast<Shared*>(mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE,
+                                           MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+  pthread_mutexattr_t attr;
+  pthread_mutexattr_init(&attr);
+  pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+  pthread_mutex_init(&shared->mutex, &attr);
+
+  nlohmann::json results = nlohmann::json::array();
+  for (int procs : {1, 2, 4}) {
+    std::vector<double> ours, theirs;
+    for (int rep = 0; rep < reps; ++rep) {
+      auto cx = RunProcs(procs, shared, [&](int i, Shared* s) {
+        auto p = Pool::Open({path}, AsNode(static_cast<uint32_t>(i)));
+        if (!p.ok()) {
+          s->failed = 1;
+          return 1;
+        }
+        // Warm-up: wait for a manager, and let every node see the others.
+        if (!(*p)->Lock(lock, 10000).ok()) return 1;
+        (*p)->Unlock(lock);
+        WaitGo(s);
+        auto t0 = Clock::now();
+        for (int k = 0; k < ops; ++k) {
+          if (!(*p)->Lock(lock, 30000).ok()) return 1;
+          (*p)->Unlock(lock);
+        }
+        s->ns_per_op[i] = NsSince(t0) / ops;
+        return 0;
+      });
+      if (!cx.ok()) return cx.status();
+      auto px = RunProcs(procs, shared, [&](int i, Shared* s) {
+        WaitGo(s);
+        auto t0 = Clock::now();
+        for (int k = 0; k < ops * 10; ++k) {
+          pthread_mutex_lock(&s->mutex);
+          pthread_mutex_unlock(&s->mutex);
+        }
+        s->ns_per_op[i] = NsSince(t0) / (ops * 10);
+        return 0;
+      });
+      if (!px.ok()) return px.status();
+      ours.push_back(*cx);
+      theirs.push_back(*px);
+    }
+    std::string n = std::to_string(procs);
+    results.push_back(FigureJson({"pthread_mutex/" + n + "proc", "ns/op", false, theirs, "", {},
+                                  "process-shared pthread mutex, same processes: the same-host limit"}));
+    results.push_back(FigureJson({"two_tier_lock/" + n + "proc", "ns/op", false, ours,
+                                  "pthread_mutex/" + n + "proc", theirs,
+                                  n + " process(es), each its own node; acquire+release through the "
+                                      "lock manager with flushes (software-coherent)"}));
+  }
+  munmap(shared, sizeof(Shared));
+  ::unlink(path.c_str());
+  nlohmann::json report;
+  report["suite"] = "lock";
+  report["machine"] = MachineJson();
+  report["repetitions"] = reps;
+  report["results"] = results;
+  return report;
+}
+
+Result<nlohmann::json> RunAllocBench(const BenchOptions& options) {
+  const int reps = options.quick ? 2 : options.repetitions;
+  std::string path = options.workdir + "/cxlkv-bench-alloc-" + std::to_string(::getpid());
+  PoolCreateOptions co;
+  co.size = 256 << 20;
+  co.max_nodes = 2;
+  co.overwrite = true;
+  CXLKV_RETURN_IF_ERROR(Pool::Create({path}, co));
+  auto pool = Pool::Open({path}, AsNode(0));
+  if (!pool.ok()) return pool.status();
+  Pool& p = **pool;
+  nlohmann::json results = nlohmann::json::array();
+  struct Case {
+    const char* name;
+    uint64_t bytes;
+    int batch;
+  };
+  for (Case c : {Case{"small_256B", 256, options.quick ? 2000 : 20000},
+                 Case{"chunk_2MiB", uint64_t{2} << 20, options.quick ? 20 : 100}}) {
+    std::vector<double> ours, theirs;
+    std::vector<uint64_t> offs(c.batch);
+    std::vector<void*> ptrs(c.batch);
+    for (int rep = 0; rep < reps; ++rep) {
+      auto t0 = Clock::now();
+      for (int i = 0; i < c.batch; ++i) {
+        auto off = p.Alloc(c.bytes);
+        if (!off.ok()) return off.status();
+        offs[i] = *off;
+      }
+      for (int i = 0; i < c.batch; ++i) CXLKV_RETURN_IF_ERROR(p.Free(offs[i]));
+      ours.push_back(c.batch / (NsSince(t0) / 1e9));
+      t0 = Clock::now();
+      for (int i = 0; i < c.batch; ++i) {
+        ptrs[i] = std::malloc(c.bytes);
+        static_cast<volatile char*>(ptrs[i])[0] = 1;
+      }
+      for (int i = 0; i < c.batch; ++i) std::free(ptrs[i]);
+      theirs.push_back(c.batch / (NsSince(t0) / 1e9));
+    }
+    std::string n = c.name;
+    results.push_back(FigureJson({"malloc/" + n, "pairs/s", true, theirs, "", {}, "glibc malloc+free, local DRAM"}));
+    results.push_back(FigureJson({"pool_alloc/" + n, "pairs/s", true, ours, "malloc/" + n, theirs,
+                                  "alloc+free in the shared pool with flushes (software-coherent)"}));
+  }
+  pool->reset();
+  ::unlink(path.c_str());
+  nlohmann::json report;
+  report["suite"] = "alloc";
+  report["machine"] = MachineJson();
+  report["repetitions"] = reps;
+  report["results"] = results;
+  return report;
+}
+
+}  // namespace cxlkv::bench
