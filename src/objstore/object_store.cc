@@ -45,65 +45,60 @@ int64_t ObjectStore::FindLocked(std::string_view name, uint64_t hash, int64_t* f
   return -1;
 }
 
-Status ObjectStore::Put(std::string_view name, uint64_t offset, uint64_t size) {
+template <typename Fn>
+Status ObjectStore::Locked(std::string_view name, Fn fn) {
   CXLKV_RETURN_IF_ERROR(CheckName(name));
-  if (offset == 0) return InvalidArgument("cannot publish a null offset");
   uint64_t hash = XXH3_64bits(name.data(), name.size());
   CXLKV_ASSIGN_OR_RETURN(auto held, node_->AcquireFor(sync::kObjectStoreLock, node_->lease() * 4));
   (void)held;
   int64_t free_slot;
-  if (FindLocked(name, hash, &free_slot) >= 0) {
-    node_->Release(sync::kObjectStoreLock);
-    return AlreadyExists("root '" + std::string(name) + "' already exists; destroy it first");
-  }
-  if (free_slot < 0) {
-    node_->Release(sync::kObjectStoreLock);
-    return NoSpace("object store is full (" + std::to_string(max_roots_) + " roots); destroy "
-                   "unused roots or re-create the region with more");
-  }
-  auto& meta = region_.impl().meta();
-  uint64_t off = EntryOffset(static_cast<uint32_t>(free_slot));
-  RootEntry e{};
-  e.state = meta.Load(off);  // unchanged until the commit below
-  e.offset = offset;
-  e.size = size;
-  e.name_hash = hash;
-  std::memcpy(e.name, name.data(), name.size());
-  meta.WriteStruct(off, e);
-  meta.Flush(off, sizeof e);
-  meta.Publish(off, 2);  // P4: the entry is visible from this single word on
+  int64_t found = FindLocked(name, hash, &free_slot);
+  Status s = fn(found, free_slot, hash);
   node_->Release(sync::kObjectStoreLock);
-  return Status::Ok();
+  return s;
+}
+
+Status ObjectStore::Put(std::string_view name, uint64_t offset, uint64_t size) {
+  if (offset == 0) return InvalidArgument("cannot publish a null offset");
+  return Locked(name, [&](int64_t found, int64_t free_slot, uint64_t hash) -> Status {
+    if (found >= 0) return AlreadyExists("root '" + std::string(name) + "' already exists; destroy it first");
+    if (free_slot < 0) {
+      return NoSpace("object store is full (" + std::to_string(max_roots_) + " roots); destroy "
+                     "unused roots or re-create the region with more");
+    }
+    auto& meta = region_.impl().meta();
+    uint64_t off = EntryOffset(static_cast<uint32_t>(free_slot));
+    RootEntry e{};
+    e.state = meta.Load(off);  // unchanged until the commit below
+    e.offset = offset;
+    e.size = size;
+    e.name_hash = hash;
+    std::memcpy(e.name, name.data(), name.size());
+    meta.WriteStruct(off, e);
+    meta.Flush(off, sizeof e);
+    meta.Publish(off, 2);  // P4: the entry is visible from this single word on
+    return Status::Ok();
+  });
 }
 
 Result<Root> ObjectStore::Get(std::string_view name) {
-  CXLKV_RETURN_IF_ERROR(CheckName(name));
-  uint64_t hash = XXH3_64bits(name.data(), name.size());
-  CXLKV_ASSIGN_OR_RETURN(auto held, node_->AcquireFor(sync::kObjectStoreLock, node_->lease() * 4));
-  (void)held;
-  int64_t free_slot;
-  int64_t i = FindLocked(name, hash, &free_slot);
   Root root;
-  if (i >= 0) {
-    auto e = region_.impl().meta().ReadStruct<RootEntry>(EntryOffset(static_cast<uint32_t>(i)));
+  Status s = Locked(name, [&](int64_t found, int64_t, uint64_t) -> Status {
+    if (found < 0) return NotFound("no root named '" + std::string(name) + "'");
+    auto e = region_.impl().meta().ReadStruct<RootEntry>(EntryOffset(static_cast<uint32_t>(found)));
     root = Root{std::string(name), e.offset, e.size};
-  }
-  node_->Release(sync::kObjectStoreLock);
-  if (i < 0) return NotFound("no root named '" + std::string(name) + "'");
+    return Status::Ok();
+  });
+  if (!s.ok()) return s;
   return root;
 }
 
 Status ObjectStore::Destroy(std::string_view name) {
-  CXLKV_RETURN_IF_ERROR(CheckName(name));
-  uint64_t hash = XXH3_64bits(name.data(), name.size());
-  CXLKV_ASSIGN_OR_RETURN(auto held, node_->AcquireFor(sync::kObjectStoreLock, node_->lease() * 4));
-  (void)held;
-  int64_t free_slot;
-  int64_t i = FindLocked(name, hash, &free_slot);
-  if (i >= 0) region_.impl().meta().Publish(EntryOffset(static_cast<uint32_t>(i)), 1);
-  node_->Release(sync::kObjectStoreLock);
-  if (i < 0) return NotFound("no root named '" + std::string(name) + "'");
-  return Status::Ok();
+  return Locked(name, [&](int64_t found, int64_t, uint64_t) -> Status {
+    if (found < 0) return NotFound("no root named '" + std::string(name) + "'");
+    region_.impl().meta().Publish(EntryOffset(static_cast<uint32_t>(found)), 1);
+    return Status::Ok();
+  });
 }
 
 std::vector<Root> ObjectStore::List() {

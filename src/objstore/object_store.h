@@ -64,6 +64,10 @@ class ObjectStore {
   // REQUIRES: lock held. Index of the live entry named `name`, or -1; *free_slot gets the first
   // reusable slot on the probe path (or -1).
   int64_t FindLocked(std::string_view name, uint64_t hash, int64_t* free_slot);
+  // Checks the name, takes the object-store lock, probes for `name`, runs
+  // fn(found_index_or_-1, first_reusable_slot_or_-1, name_hash) and releases the lock.
+  template <typename Fn>
+  Status Locked(std::string_view name, Fn fn);
 
   Region& region_;
   sync::Node* node_;

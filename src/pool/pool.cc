@@ -17,8 +17,9 @@ Status Pool::Create(const std::vector<std::string>& paths, const PoolCreateOptio
   if (options.max_nodes > 255) return InvalidArgument("a pool admits at most 255 nodes");
   RegionCreateOptions ro{options.size, options.max_nodes, options.numa_node, options.overwrite,
                          options.chunk_bytes};
+  // An upper bound: the data area is smaller than the region by the metadata before it.
+  const uint64_t chunks = options.size / (options.chunk_bytes ? options.chunk_bytes : 1);
   for (size_t i = 0; i < paths.size(); ++i) {
-    uint64_t chunks = options.size / (options.chunk_bytes ? options.chunk_bytes : 1);
     std::vector<region::AreaRequest> areas;
     if (i == 0) {
       areas.push_back({region::AreaKind::kLockArray,

@@ -100,46 +100,28 @@ void InvalidateLines(const void* p, size_t n) {
   _mm_mfence();
 }
 
-void NtCopyScalar(void* dst, const void* src, size_t n) {
-  auto* d = static_cast<uint8_t*>(dst);
-  auto* s = static_cast<const uint8_t*>(src);
-  uint8_t* td;
-  const uint8_t* ts;
-  size_t tn;
-  SplitHeadTail(d, s, n, &td, &ts, &tn);
+namespace {
+
+// The line-aligned middle of a copy, one body per instruction set. Plain functions rather than
+// lambdas: a lambda would not inherit the target attribute its intrinsics need.
+void StreamScalar(uint8_t* d, const uint8_t* s, size_t n) {
   for (size_t i = 0; i < n; i += 8) {
     long long v;
     std::memcpy(&v, s + i, 8);
     _mm_stream_si64(reinterpret_cast<long long*>(d + i), v);
   }
-  CopyTail(td, ts, tn);
-  _mm_sfence();
 }
 
-__attribute__((target("avx2"))) void NtCopyAvx2(void* dst, const void* src, size_t n) {
-  auto* d = static_cast<uint8_t*>(dst);
-  auto* s = static_cast<const uint8_t*>(src);
-  uint8_t* td;
-  const uint8_t* ts;
-  size_t tn;
-  SplitHeadTail(d, s, n, &td, &ts, &tn);
+__attribute__((target("avx2"))) void StreamAvx2(uint8_t* d, const uint8_t* s, size_t n) {
   for (size_t i = 0; i < n; i += 64) {
     __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
     __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 32));
     _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i), a);
     _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 32), b);
   }
-  CopyTail(td, ts, tn);
-  _mm_sfence();
 }
 
-__attribute__((target("avx512f"))) void NtCopyAvx512(void* dst, const void* src, size_t n) {
-  auto* d = static_cast<uint8_t*>(dst);
-  auto* s = static_cast<const uint8_t*>(src);
-  uint8_t* td;
-  const uint8_t* ts;
-  size_t tn;
-  SplitHeadTail(d, s, n, &td, &ts, &tn);
+__attribute__((target("avx512f"))) void StreamAvx512(uint8_t* d, const uint8_t* s, size_t n) {
   size_t i = 0;
   // Four lines per iteration keeps enough stores in flight to fill the write-combining buffers.
   for (; i + 256 <= n; i += 256) {
@@ -155,9 +137,28 @@ __attribute__((target("avx512f"))) void NtCopyAvx512(void* dst, const void* src,
   for (; i < n; i += 64) {
     _mm512_stream_si512(reinterpret_cast<__m512i*>(d + i), _mm512_loadu_si512(s + i));
   }
+}
+
+// Every variant: unaligned head and tail with ordinary stores + clflush, the aligned middle
+// streamed by `Body`, then one sfence so the streaming stores are ordered before what follows.
+template <void (*Body)(uint8_t*, const uint8_t*, size_t)>
+void NtCopyFramed(void* dst, const void* src, size_t n) {
+  auto* d = static_cast<uint8_t*>(dst);
+  auto* s = static_cast<const uint8_t*>(src);
+  uint8_t* td;
+  const uint8_t* ts;
+  size_t tn;
+  SplitHeadTail(d, s, n, &td, &ts, &tn);
+  Body(d, s, n);
   CopyTail(td, ts, tn);
   _mm_sfence();
 }
+
+}  // namespace
+
+void NtCopyScalar(void* dst, const void* src, size_t n) { NtCopyFramed<StreamScalar>(dst, src, n); }
+void NtCopyAvx2(void* dst, const void* src, size_t n) { NtCopyFramed<StreamAvx2>(dst, src, n); }
+void NtCopyAvx512(void* dst, const void* src, size_t n) { NtCopyFramed<StreamAvx512>(dst, src, n); }
 
 void NtCopy(void* dst, const void* src, size_t n) {
   static const CopyFn fn = ChooseCopy();

@@ -45,8 +45,12 @@ void Node::ManagerLoop() {
 }
 
 bool Node::ManagerScan() {
-  std::vector<bool> live(max_nodes_);
-  std::vector<uint32_t> inc(max_nodes_);
+  // Scratch reused across scans: this runs thousands of times a second while anyone waits.
+  std::vector<bool>& live = scan_live_;
+  std::vector<uint32_t>& inc = scan_inc_;
+  std::vector<uint64_t>& req = scan_req_;
+  live.assign(max_nodes_, false);
+  inc.assign(max_nodes_, 0);
   {
     std::lock_guard<std::mutex> lock(view_mu_);
     for (uint32_t j = 0; j < max_nodes_; ++j) {
@@ -65,7 +69,7 @@ bool Node::ManagerScan() {
     }
     int holder = -1;
     uint32_t want_count = 0;
-    std::vector<uint64_t> req(max_nodes_, 0);
+    req.assign(max_nodes_, 0);
     for (uint32_t j = 0; j < max_nodes_; ++j) {
       if (!live[j]) continue;
       uint64_t r = meta().Fetch(layout_.request(k, j));  // P2: node j wrote it

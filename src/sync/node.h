@@ -162,6 +162,9 @@ class Node {
   std::vector<uint64_t> recovered_incarnation_;  // per node: last incarnation queued
 
   std::vector<uint32_t> last_granted_;  // manager: per lock, the node granted last (fairness)
+  std::vector<bool> scan_live_;         // manager thread only: scratch of ManagerScan
+  std::vector<uint32_t> scan_inc_;
+  std::vector<uint64_t> scan_req_;
   std::vector<uint64_t> held_request_;  // per lock: the request word this process holds
 
   std::thread membership_thread_;

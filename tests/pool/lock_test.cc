@@ -102,7 +102,7 @@ TEST(TwoTierLock, SimulatorCatchesAReleaseWithoutItsFlush) {
   EXPECT_GT(lost_in, 0) << "dropping the release flush must lose increments under the simulator";
 }
 
-// A child that acquires the lock, increments once, and then hangs holding it.
+// A child that acquires the lock and then hangs holding it.
 int HoldForever(const LockSetup& s, uint32_t node, int ready_fd) {
   auto p = OpenOrNull({s.path}, node);
   CHILD_CHECK(p != nullptr, "open");
@@ -147,7 +147,7 @@ void KillScenario(bool kill_manager) {
   int status;
   ::waitpid(victim, &status, 0);
   for (int code : codes) EXPECT_EQ(code, 0);
-  // The holder may have been killed after its one increment or none: only survivors count.
+  // The victim never increments: the count is the survivors' alone.
   uint64_t count = ReadCounter(s);
   EXPECT_EQ(count, 2u * kIters);
   auto regions = pool::AttachAll({s.path});
