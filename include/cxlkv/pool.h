@@ -16,6 +16,7 @@
 #include <string_view>
 #include <vector>
 
+#include "cxlkv/cache.h"
 #include "cxlkv/region.h"
 #include "cxlkv/status.h"
 
@@ -29,6 +30,14 @@ struct PoolCreateOptions {
   int numa_node = -1;           // default: not bound
   bool overwrite = false;       // default false
   uint64_t chunk_bytes = kDefaultChunkBytes;  // default 2 MiB
+  // The prefix KV cache's index (in the first region).
+  bool index = true;                // default: the pool has a prefix index
+  uint64_t index_entries = 0;       // slots; 0: one per 16 KiB of data (1 Ki .. 4 Mi)
+  uint32_t index_stripes = 0;       // lock stripes; 0: up to 32
+  uint64_t cache_capacity = 0;      // payload budget of the cache; 0: all data
+  uint32_t high_watermark_pct = 95; // eviction starts above this share of the capacity...
+  uint32_t low_watermark_pct = 85;  // ...and stops below this one
+  bool checksum = false;            // keep and verify an xxh3 checksum per block
 };
 
 struct PoolOpenOptions {
@@ -68,6 +77,9 @@ class Pool {
   Status FreeLock(uint32_t lock);
   Status Lock(uint32_t lock, uint32_t timeout_ms);
   void Unlock(uint32_t lock);
+
+  // The prefix KV cache. Errors: kNotFound (the pool was created without an index).
+  Result<KvCache*> Cache();
 
   Impl& impl() { return *impl_; }
 

@@ -65,6 +65,12 @@ class Allocator {
   static uint64_t ClassBytes(uint32_t c) { return uint64_t{64} << c; }
   uint64_t chunk_bytes() const { return tables_[0].chunk_bytes(); }
   size_t region_count() const { return regions_.size(); }
+  // Bytes of all data areas (every chunk of every region).
+  uint64_t data_bytes() const {
+    uint64_t n = 0;
+    for (const auto& t : tables_) n += t.chunks() * t.chunk_bytes();
+    return n;
+  }
 
  private:
   struct ChunkRef {

@@ -76,8 +76,14 @@ RegionUsage InspectChunks(Region& region, uint32_t max_nodes) {
       case ChunkKind::kFree: ++u.free; break;
       case ChunkKind::kHeap: ++u.heap; break;
       case ChunkKind::kLargeHead:
-      case ChunkKind::kLargeTail: ++u.large; break;
+      case ChunkKind::kLargeTail: ++u.large; u.allocated_bytes += t.chunk_bytes(); break;
       case ChunkKind::kOrphanHeap: ++u.orphan; break;
+    }
+    if (w.kind == ChunkKind::kHeap || w.kind == ChunkKind::kOrphanHeap) {
+      uint64_t base = t.data_offset() + c * t.chunk_bytes();
+      meta.Invalidate(base, sizeof(HeapHeader));
+      auto h = meta.ReadStruct<HeapHeader>(base);
+      if (h.magic == kHeapMagic) u.allocated_bytes += h.used * h.class_bytes;
     }
     if (w.kind == ChunkKind::kHeap || w.kind == ChunkKind::kLargeHead || w.kind == ChunkKind::kLargeTail) {
       if (w.node < max_nodes) ++u.per_node[w.node];

@@ -114,6 +114,7 @@ void ApplyIntent(region::MetaAccess& meta, const ChunkTableLayout& table, const 
 // run them on a quiet pool, or accept a snapshot).
 struct RegionUsage {
   uint64_t chunks = 0, free = 0, heap = 0, large = 0, orphan = 0;
+  uint64_t allocated_bytes = 0;    // objects: heap slots in use × class + whole-chunk runs
   std::vector<uint64_t> per_node;  // chunks owned, by node
 };
 RegionUsage InspectChunks(Region& region, uint32_t max_nodes);

@@ -1,6 +1,7 @@
 // Read-only views of a pool for `cxlkv stat` and `cxlkv check`; nothing here takes a lock.
 #include <thread>
 
+#include "cache/inspect.h"
 #include "pool/pool_internal.h"
 #include "region/region_internal.h"
 #include "sync/layout.h"
@@ -17,6 +18,25 @@ std::vector<sync::NodeLine> ReadNodeLines(Region& r) {
     lines[j] = meta.ReadStruct<sync::NodeLine>(area->offset + j * 64);
   }
   return lines;
+}
+
+// Liveness from two readings of the node lines `watch_ms` apart.
+std::vector<cache::NodeStatus> Statuses(const std::vector<sync::NodeLine>& before,
+                                        const std::vector<sync::NodeLine>& after) {
+  std::vector<cache::NodeStatus> out(after.size(), cache::NodeStatus::kNever);
+  for (size_t n = 0; n < after.size(); ++n) {
+    if (after[n].incarnation == 0) continue;
+    out[n] = after[n].state == static_cast<uint64_t>(sync::NodeState::kLeft) ? cache::NodeStatus::kLeft
+             : after[n].heartbeat != before[n].heartbeat                      ? cache::NodeStatus::kLive
+                                                                               : cache::NodeStatus::kSilent;
+  }
+  return out;
+}
+
+std::vector<Region*> Raw(std::vector<std::unique_ptr<Region>>& regions) {
+  std::vector<Region*> raw;
+  for (auto& r : regions) raw.push_back(r.get());
+  return raw;
 }
 
 }  // namespace
@@ -60,23 +80,34 @@ nlohmann::json Stat(std::vector<std::unique_ptr<Region>>& regions, uint32_t watc
     }
     j["regions"].push_back({{"path", regions[i]->info().path}, {"chunk_bytes", regions[i]->info().chunk_bytes},
                             {"chunks", u.chunks}, {"free", u.free}, {"heap", u.heap},
-                            {"large", u.large}, {"orphan_heap", u.orphan}, {"per_node", per_node}});
+                            {"large", u.large}, {"orphan_heap", u.orphan}, {"allocated_bytes", u.allocated_bytes},
+                            {"per_node", per_node}});
   }
   objstore::ObjectStore store(first, nullptr);
   j["roots"] = nlohmann::json::array();
   for (const auto& r : store.List()) {
     j["roots"].push_back({{"name", r.name}, {"offset", r.offset}, {"size", r.size}});
   }
+  j["cache"] = cache::Stat(first, Statuses(before, after));
+  uint64_t allocated_bytes = 0;
+  for (const auto& r : j["regions"]) allocated_bytes += r["allocated_bytes"].get<uint64_t>();
+  j["allocated_bytes"] = allocated_bytes;
   return j;
 }
 
-std::vector<std::string> Check(std::vector<std::unique_ptr<Region>>& regions) {
+std::vector<std::string> Check(std::vector<std::unique_ptr<Region>>& regions, uint32_t watch_ms) {
   std::vector<std::string> problems;
+  auto before = ReadNodeLines(*regions[0]);
+  std::this_thread::sleep_for(std::chrono::milliseconds(watch_ms));
+  auto after = ReadNodeLines(*regions[0]);
   uint32_t max_nodes = regions[0]->info().max_nodes;
   for (size_t i = 0; i < regions.size(); ++i) {
     alloc::CheckChunks(*regions[i], static_cast<uint32_t>(i), max_nodes, problems);
   }
   objstore::ObjectStore store(*regions[0], nullptr);
+  std::vector<uint64_t> roots;
+  for (const auto& r : store.List()) roots.push_back(r.offset);
+  cache::Check(Raw(regions), Statuses(before, after), roots, problems);
   for (const auto& r : store.List()) {
     region::Offset<void> off(r.offset);
     if (off.region_index() >= regions.size() ||

@@ -7,6 +7,30 @@
 
 namespace cxlkv {
 
+namespace {
+
+// Creation is single-process: the header and the stripe locks' bitmap bits are written before
+// any node can join.
+void WriteIndexHeader(Region& region, cache::IndexHeader h, uint32_t total_locks) {
+  auto& impl = region.impl();
+  auto& meta = impl.meta();
+  const uint64_t base = impl.area(region::AreaKind::kIndex).offset;
+  h.namespaces_offset += base;
+  h.entries_offset += base;
+  h.pins_offset += base;
+  h.counters_offset += base;
+  meta.WriteStruct(base, h);
+  meta.Flush(base, sizeof h);
+  const auto& locks = impl.area(region::AreaKind::kLockArray);
+  sync::LockArrayLayout layout(locks.offset, impl.info().max_nodes, total_locks);
+  for (uint32_t k = h.lock_base; k < total_locks; ++k) {
+    uint64_t off = layout.bitmap_word(k);
+    meta.Publish(off, meta.Load(off) | (uint64_t{1} << (k % 64)));
+  }
+}
+
+}  // namespace
+
 Status Pool::Create(const std::vector<std::string>& paths, const PoolCreateOptions& options) {
   if (paths.empty()) return InvalidArgument("a pool needs at least one region path");
   if (paths.size() > region::kMaxPoolRegions) return InvalidArgument("too many regions");
@@ -17,22 +41,42 @@ Status Pool::Create(const std::vector<std::string>& paths, const PoolCreateOptio
   if (options.max_nodes > 255) return InvalidArgument("a pool admits at most 255 nodes");
   RegionCreateOptions ro{options.size, options.max_nodes, options.numa_node, options.overwrite,
                          options.chunk_bytes};
+  if (options.low_watermark_pct > options.high_watermark_pct || options.high_watermark_pct > 100) {
+    return InvalidArgument("cache watermarks must satisfy low <= high <= 100 (percent of capacity)");
+  }
+  // The index's stripe locks sit above the user locks, marked allocated at creation.
+  cache::IndexOptions io;
+  io.entries = options.index_entries;
+  io.stripes = options.index_stripes;
+  io.capacity_bytes = options.cache_capacity;
+  io.high_watermark_pct = options.high_watermark_pct;
+  io.low_watermark_pct = options.low_watermark_pct;
+  io.checksum = options.checksum;
+  const cache::IndexHeader index = cache::PlanIndex(io, options.size * paths.size(), options.max_nodes,
+                                                    options.max_locks);
+  if (options.index && (index.stripes > 4096 || uint64_t{index.stripes} * index.slots_per_stripe > (1ull << 26))) {
+    return InvalidArgument("index of " + std::to_string(uint64_t{index.stripes} * index.slots_per_stripe) +
+                           " entries in " + std::to_string(index.stripes) + " stripes is too large (64 Mi entries, 4096 stripes at most)");
+  }
+  const uint32_t total_locks = options.max_locks + (options.index ? cache::IndexLocks(index) : 0);
   // An upper bound: the data area is smaller than the region by the metadata before it.
   const uint64_t chunks = options.size / (options.chunk_bytes ? options.chunk_bytes : 1);
   for (size_t i = 0; i < paths.size(); ++i) {
     std::vector<region::AreaRequest> areas;
     if (i == 0) {
       areas.push_back({region::AreaKind::kLockArray,
-                       sync::LockArrayLayout::Bytes(options.max_nodes, options.max_locks), options.max_locks});
+                       sync::LockArrayLayout::Bytes(options.max_nodes, total_locks), total_locks});
     }
     areas.push_back({region::AreaKind::kChunkTable,
                      alloc::ChunkTableLayout::Bytes(chunks, options.max_nodes, i == 0), chunks});
     if (i == 0) {
       areas.push_back({region::AreaKind::kObjectStore, objstore::StoreBytes(options.max_roots),
                        options.max_roots});
+      if (options.index) areas.push_back({region::AreaKind::kIndex, cache::IndexAreaBytes(index), 0});
     }
     auto r = region::CreateRegion(paths[i], ro, region::Platform::Default(), areas);
     if (!r.ok()) return r.status();
+    if (i == 0 && options.index) WriteIndexHeader(**r, index, total_locks);
   }
   return Status::Ok();
 }
@@ -89,14 +133,35 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::vector<std::string>& paths,
   });
   impl->node->AddRecoveryHandler([allocator](uint32_t node, uint64_t inc) { allocator->Recover(node, inc); });
   impl->node->AddPeriodicTask([allocator] { allocator->DrainRemoteFrees(); });
+  // The prefix index: every process that joins takes part in its recovery, so whichever
+  // process manages the pool keeps READY payloads reachable and reclaims a dead writer's.
+  auto layout = cache::ReadLayout(*impl->regions[0]);
+  if (layout.ok()) {
+    impl->index = std::make_unique<cache::Index>(*impl->regions[0], *layout, *impl->node, *allocator);
+    impl->cache = std::make_unique<KvCache>(*impl->index);
+    cache::Index* index = impl->index.get();
+    allocator->AddReachability([index](std::vector<uint64_t>& out) { index->AppendReachable(out); });
+    impl->node->AddRecoveryHandler([index](uint32_t node, uint64_t inc) { index->Recover(node, inc); });
+    impl->node->AddPeriodicTask([index] { index->PublishCounters(); });
+  } else if (layout.status().code() != StatusCode::kNotFound) {
+    return layout.status();
+  }
   return std::make_unique<Pool>(std::move(impl));
 }
 
 Pool::Pool(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Pool::~Pool() {
-  // Stop the node's threads (they call into the allocator) before the allocator goes.
+  if (impl_->index) impl_->index->PublishCounters();
+  // Stop the node's threads (they call into the allocator and index) before those go.
   impl_->node.reset();
+}
+
+Result<KvCache*> Pool::Cache() {
+  if (!impl_->cache) {
+    return NotFound("this pool has no prefix index: re-create it with 'cxlkv init' (without --no-index)");
+  }
+  return impl_->cache.get();
 }
 
 Result<uint64_t> Pool::Alloc(uint64_t bytes) {

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "alloc/allocator.h"
+#include "cache/index.h"
 #include "cxlkv/pool.h"
 #include "objstore/object_store.h"
 #include "sync/node.h"
@@ -21,6 +22,8 @@ class Pool::Impl {
   std::unique_ptr<sync::Node> node;
   std::unique_ptr<objstore::ObjectStore> roots;
   std::unique_ptr<alloc::Allocator> allocator;
+  std::unique_ptr<cache::Index> index;   // null when the pool has no prefix index
+  std::unique_ptr<KvCache> cache;
 };
 
 namespace pool {
@@ -30,8 +33,9 @@ Result<std::vector<std::unique_ptr<Region>>> AttachAll(const std::vector<std::st
 // `cxlkv stat`: nodes (as the node table says; live = heartbeat moved within `watch_ms`),
 // lock manager, chunks per region and node, roots.
 nlohmann::json Stat(std::vector<std::unique_ptr<Region>>& regions, uint32_t watch_ms);
-// `cxlkv check`: one line per violated invariant; empty when healthy.
-std::vector<std::string> Check(std::vector<std::unique_ptr<Region>>& regions);
+// `cxlkv check`: one line per violated invariant; empty when healthy. Watches heartbeats for
+// `watch_ms` to tell live nodes (whose in-flight entries and pins are legitimate) from dead.
+std::vector<std::string> Check(std::vector<std::unique_ptr<Region>>& regions, uint32_t watch_ms = 300);
 
 }  // namespace pool
 }  // namespace cxlkv

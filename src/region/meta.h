@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 
 #include "cxlkv/region.h"
 #include "region/coherence.h"
@@ -89,6 +90,36 @@ class MetaAccess {
     return Load(off);
   }
 
+  // Read-modify-write among the processes of ONE host (rule 4 allows local atomics): for words
+  // only one node writes, such as its own pin counts and counters. Other hosts see the result
+  // after a Flush. Returns the previous value.
+  uint64_t LocalFetchAdd(uint64_t off, uint64_t delta) {
+    CheckWord(off);
+    if (sim_) [[unlikely]] {
+      std::lock_guard<std::mutex> lock(sim_rmw_mu_);
+      uint64_t v = sim_->Load64(off);
+      sim_->Store64(off, v + delta);
+      return v;
+    }
+    return __atomic_fetch_add(reinterpret_cast<uint64_t*>(base_ + off), delta, __ATOMIC_ACQ_REL);
+  }
+  // As above: replaces `expected` by `desired`; on failure `expected` gets the current value.
+  bool LocalCompareExchange(uint64_t off, uint64_t& expected, uint64_t desired) {
+    CheckWord(off);
+    if (sim_) [[unlikely]] {
+      std::lock_guard<std::mutex> lock(sim_rmw_mu_);
+      uint64_t v = sim_->Load64(off);
+      if (v != expected) {
+        expected = v;
+        return false;
+      }
+      sim_->Store64(off, desired);
+      return true;
+    }
+    return __atomic_compare_exchange_n(reinterpret_cast<uint64_t*>(base_ + off), &expected, desired,
+                                       false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+  }
+
   // Typed helpers for one trivially-copyable struct at `off`.
   template <typename T>
   T ReadStruct(uint64_t off) {
@@ -127,6 +158,7 @@ class MetaAccess {
   uint64_t size_;
   CoherenceMode mode_;
   std::unique_ptr<NcSimCache> sim_;
+  std::mutex sim_rmw_mu_;  // local read-modify-writes through the simulator
 };
 
 }  // namespace cxlkv::region

@@ -4,6 +4,7 @@
 // Layout version history (kLayoutVersion in cxlkv/region.h):
 //   1  superblock + node table + data area.
 //   2  areas carry a parameter; lock array, chunk table, object store (sync/alloc/objstore).
+//   3  prefix index area (cache layer); the lock array also holds the index's stripe locks.
 #ifndef CXLKV_SRC_REGION_SUPERBLOCK_H_
 #define CXLKV_SRC_REGION_SUPERBLOCK_H_
 

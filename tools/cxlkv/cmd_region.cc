@@ -82,6 +82,11 @@ void AddRegionCommands(CLI::App& app, CommandResult& result) {
     uint32_t roots = 1024;
     int numa = -1;
     bool force = false;
+    uint64_t index_entries = 0;
+    uint32_t index_stripes = 0;
+    std::string cache_capacity;
+    uint32_t high = 95, low = 85;
+    bool checksum = false, no_index = false;
   };
   auto init_args = std::make_shared<InitArgs>();
   CLI::App* init = app.add_subcommand("init", "Create and format a region (shm/hugetlbfs file or /dev/daxX.Y)");
@@ -95,8 +100,31 @@ void AddRegionCommands(CLI::App& app, CommandResult& result) {
   init->add_flag("--force", init_args->force, "Replace an existing region at the path");
   init->add_option("--locks", init_args->locks, "Global locks")->check(CLI::Range(4u, 65536u))->capture_default_str();
   init->add_option("--roots", init_args->roots, "Named roots the object store holds")->check(CLI::Range(1u, 1u << 24))->capture_default_str();
+  init->add_option("--index-entries", init_args->index_entries,
+                   "Prefix-index slots (0: one per 16 KiB of data, 1 Ki..4 Mi)")->capture_default_str();
+  init->add_option("--index-stripes", init_args->index_stripes, "Lock stripes of the index (0: up to 32)")
+      ->check(CLI::Range(0u, 4096u))->capture_default_str();
+  init->add_option("--cache-capacity", init_args->cache_capacity, "Payload budget of the KV cache, e.g. 8G (default: all data)");
+  init->add_option("--high-watermark", init_args->high, "Evict above this % of the capacity")->check(CLI::Range(1u, 100u))->capture_default_str();
+  init->add_option("--low-watermark", init_args->low, "...down to this %")->check(CLI::Range(0u, 100u))->capture_default_str();
+  init->add_flag("--checksum", init_args->checksum, "Keep an xxh3 checksum per block, verified on whole-block reads");
+  init->add_flag("--no-index", init_args->no_index, "A pool without the prefix KV cache");
   init->callback([init_args, &result] {
     PoolCreateOptions opts;
+    if (!init_args->cache_capacity.empty()) {
+      auto cap = util::ParseByteSize(init_args->cache_capacity);
+      if (!cap.ok()) {
+        result.status = cap.status();
+        return;
+      }
+      opts.cache_capacity = *cap;
+    }
+    opts.index = !init_args->no_index;
+    opts.index_entries = init_args->index_entries;
+    opts.index_stripes = init_args->index_stripes;
+    opts.high_watermark_pct = init_args->high;
+    opts.low_watermark_pct = init_args->low;
+    opts.checksum = init_args->checksum;
     if (!init_args->size.empty()) {
       auto size = util::ParseByteSize(init_args->size);
       if (!size.ok()) {

@@ -15,12 +15,14 @@ namespace cxlkv::cli {
 
 struct CommandResult {
   Status status;
+  int failure_exit_code = 1;  // exit code when status is not ok (get of a missing key: 2)
 };
 
 void AddRegionCommands(CLI::App& app, CommandResult& result);  // init, info
 void AddBenchCommands(CLI::App& app, CommandResult& result);   // bench
 void AddDemoCommands(CLI::App& app, CommandResult& result);    // demo
 void AddPoolCommands(CLI::App& app, CommandResult& result);    // stat, check
+void AddCacheCommands(CLI::App& app, CommandResult& result);   // put, get, evict
 
 // "a,b,c" → {"a", "b", "c"}: a pool of several regions.
 std::vector<std::string> SplitPaths(const std::string& list);

@@ -11,6 +11,7 @@ int main(int argc, char** argv) {
   cxlkv::cli::AddBenchCommands(app, result);
   cxlkv::cli::AddDemoCommands(app, result);
   cxlkv::cli::AddPoolCommands(app, result);
+  cxlkv::cli::AddCacheCommands(app, result);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -24,7 +25,7 @@ int main(int argc, char** argv) {
   }
   if (!result.status.ok()) {
     std::fprintf(stderr, "cxlkv: error: %s\n", result.status.ToString().c_str());
-    return 1;
+    return result.failure_exit_code;
   }
   return 0;
 }

@@ -1,0 +1,154 @@
+// The prefix KV cache in the shared region (TraCT §4.2, Beluga §6): every node can look up,
+// pin, read, insert and evict KV blocks, keyed by chained block hashes.
+//
+//   auto pool = cxlkv::Pool::Open({"/dev/shm/cxlkv"}, opts);
+//   cxlkv::KvCache& cache = *(*pool)->Cache();
+//   auto ns = cache.Namespace({.model_id = "llama-3.1-8b", .layout = layout});
+//   auto keys = cache.ChainKeys(*ns, prompt_tokens);        // one key per full block
+//   auto hit = cache.Lookup(*ns, keys);                     // longest READY prefix, pinned
+//   ... read hit->pins[i] with cache.Read, compute the rest ...
+//   auto r = cache.Reserve(*ns, keys[k], bytes);            // WRITING, space allocated
+//   cache.Write(*r, 0, kv, bytes); cache.Commit(*r);        // READY: visible everywhere
+//   cache.Release(hit->pins);
+//
+// A block is READY only after its payload is complete and flushed (the visibility boundary).
+// Pinned blocks are never evicted; when space runs out, unpinned READY blocks are evicted
+// least-recently-used first, from a high to a low watermark.
+//
+// Thread-safety: all methods are thread-safe. A KvCache belongs to its Pool.
+#ifndef CXLKV_CACHE_H_
+#define CXLKV_CACHE_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cxlkv/status.h"
+
+namespace cxlkv {
+
+namespace cache {
+class Index;
+}
+
+// A 128-bit block key (xxh3-128). Opaque: compare, hash, store.
+struct BlockKey {
+  uint64_t lo = 0;
+  uint64_t hi = 0;
+  friend bool operator==(const BlockKey&, const BlockKey&) = default;
+};
+
+enum class KvDtype : uint32_t { kFp16 = 0, kBf16 = 1, kFp8 = 2, kFp32 = 3 };
+uint32_t DtypeBytes(KvDtype dtype);
+
+// What a block of KV is, as the engine computes it. Two engines share blocks only when every
+// field is equal (and the model id and extra key are).
+struct KvLayoutSignature {
+  KvDtype dtype = KvDtype::kFp16;
+  uint32_t num_layers = 0;
+  uint32_t num_kv_heads = 0;      // heads of this tensor-parallel rank's slice
+  uint32_t head_size = 0;
+  uint32_t block_size = 16;       // tokens per block (vLLM's default)
+  uint32_t tp_rank = 0;
+  uint32_t tp_size = 1;
+  uint32_t pp_stage = 0;
+  uint32_t kv_parts = 2;          // 2: K and V; 1: one latent (MLA)
+  uint32_t block_format = 1;      // pool-side block layout version (cxlkv's, see docs)
+
+  // Bytes of one block: parts × layers × tokens × heads × head size × dtype. 0 when the
+  // layout is unspecified (num_layers == 0): blocks of any size are accepted.
+  uint64_t BlockBytes() const;
+};
+
+struct KeyNamespace {
+  std::string model_id;           // required, at most 95 bytes
+  KvLayoutSignature layout;
+  std::string extra_key;          // LoRA id, multimodal hash...; at most 63 bytes
+};
+
+// A namespace registered in the pool (its slot in the index's namespace table).
+struct NamespaceHandle {
+  uint32_t id = 0;
+  uint32_t block_size = 16;
+  uint64_t block_bytes = 0;       // 0: any size
+  BlockKey seed;                  // h_0 of every chain
+};
+
+// A pinned READY block: where its payload is. Valid until released.
+struct BlockPin {
+  uint32_t slot = 0;
+  uint64_t generation = 0;
+  uint64_t offset = 0;            // pool offset of the payload
+  uint64_t bytes = 0;
+  uint32_t tier = 0;              // 0: the shared region (later: pooled DRAM, SSD)
+  uint64_t checksum = 0;          // xxh3-64 of the payload, 0 when checksums are off
+};
+
+struct LookupResult {
+  size_t hit_blocks = 0;          // the longest prefix of `keys` that is READY
+  std::vector<BlockPin> pins;     // one per hit block, in key order
+};
+
+// A WRITING entry this process owns until Commit or Abort.
+struct Reservation {
+  uint32_t slot = 0;
+  uint64_t generation = 0;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  bool open = false;
+};
+
+class KvCache {
+ public:
+  explicit KvCache(cache::Index& index) : index_(index) {}
+
+  // Registers the namespace, or finds it. Errors: kInvalidArgument (empty or over-long model
+  // id, inconsistent layout), kVersionMismatch (the model is registered with another KV
+  // layout), kNoSpace (namespace table full).
+  Result<NamespaceHandle> Namespace(const KeyNamespace& ns);
+
+  // Keys of every *full* block of `tokens`: h_i = xxh3-128(h_{i-1} ‖ tokens of block i).
+  std::vector<BlockKey> ChainKeys(const NamespaceHandle& ns, std::span<const int32_t> tokens) const;
+  // An engine's own block hash (vLLM, SGLang), folded into the namespace.
+  BlockKey KeyFromEngineHash(const NamespaceHandle& ns, std::span<const uint8_t> hash) const;
+
+  // Longest READY prefix of `keys`, pinned. Errors: kInvalidArgument (a key of another
+  // namespace, a stale handle).
+  Result<LookupResult> Lookup(const NamespaceHandle& ns, std::span<const BlockKey> keys);
+  // Length of the READY prefix without pinning (for schedulers; may be stale at once).
+  Result<size_t> Exists(const NamespaceHandle& ns, std::span<const BlockKey> keys);
+  void Release(std::span<const BlockPin> pins);
+
+  // Errors: kAlreadyExists (READY: nothing to do), kBusy (being written or evicted; the message
+  // names the writer node), kInvalidArgument (size 0, not the namespace's block size, larger
+  // than a region), kNoSpace (pool full of pinned or in-flight blocks).
+  Result<Reservation> Reserve(const NamespaceHandle& ns, const BlockKey& key, uint64_t bytes);
+  // Non-temporal copy into bytes [at, at+n) of the reserved payload.
+  Status Write(Reservation& r, uint64_t at, const void* src, uint64_t bytes);
+  Status Commit(Reservation& r);
+  Status Abort(Reservation& r);
+  // Reserve + Write + Commit; kAlreadyExists when the block is there already.
+  Status Put(const NamespaceHandle& ns, const BlockKey& key, const void* data, uint64_t bytes);
+
+  // Reads bytes [at, at+n) of a pinned block (invalidating first where the mode needs it);
+  // verifies the checksum when the pool keeps them and the whole block is read.
+  Status Read(const BlockPin& pin, uint64_t at, void* dst, uint64_t bytes);
+  // Pointer to a pinned block's payload (for DMA engines; the caller invalidates).
+  const uint8_t* PayloadPtr(const BlockPin& pin);
+
+  // Evicts these keys if unpinned; returns how many were evicted.
+  Result<uint64_t> Evict(const NamespaceHandle& ns, std::span<const BlockKey> keys);
+  // Evicts every unpinned READY block; returns how many.
+  Result<uint64_t> EvictAll();
+
+  cache::Index& index() { return index_; }
+
+ private:
+  cache::Index& index_;
+};
+
+}  // namespace cxlkv
+
+#endif  // CXLKV_CACHE_H_

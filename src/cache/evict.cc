@@ -1,0 +1,215 @@
+// Index: eviction (LRU over every node's access stamps), tombstones, repair and recovery.
+#include <algorithm>
+#include <map>
+
+#include "cache/index.h"
+
+namespace cxlkv::cache {
+
+namespace {
+// Entries and pin words are scanned in batches: one invalidate + read per batch.
+constexpr uint64_t kScanBatch = 1024;
+}  // namespace
+
+void Index::TombstoneLocked(uint64_t slot, uint64_t gen) {
+  meta_.Publish(layout_.entry(slot), StateWord(gen, kTombstone));
+  // A run of tombstones that ends at an EMPTY slot is on no live entry's probe path (every
+  // path from a home slot to its entry crosses no EMPTY): turn it back to EMPTY.
+  const uint32_t n = layout_.h.slots_per_stripe;
+  const uint64_t stripe = slot / n;
+  uint64_t i = slot % n;
+  if (StateOf(meta_.Fetch(layout_.entry(SlotAt(stripe, (i + 1) % n)))) != kEmpty) return;
+  for (uint32_t k = 0; k < n; ++k) {
+    uint64_t s = SlotAt(stripe, i);
+    uint64_t w = meta_.Fetch(layout_.entry(s));
+    if (StateOf(w) != kTombstone) break;
+    meta_.Publish(layout_.entry(s), StateWord(GenOf(w), kEmpty));  // keeps the generation
+    i = (i + n - 1) % n;
+  }
+}
+
+bool Index::AnyPins(uint64_t slot) {
+  for (uint32_t node = 0; node < layout_.h.max_nodes; ++node) {
+    if (PinCount(meta_.Fetch(layout_.pin(node, slot))) != 0) return true;  // P2: node wrote it
+  }
+  return false;
+}
+
+bool Index::TryEvictLocked(uint64_t slot, uint64_t gen, uint64_t* payload, uint64_t* bytes) {
+  const uint64_t off = layout_.entry(slot);
+  if (meta_.Fetch(off) != StateWord(gen, kReady)) return false;
+  meta_.Publish(off, StateWord(gen, kEvicting));
+  // EVICTING is flushed; a pinner whose pin we do not see now will see EVICTING and back off.
+  if (AnyPins(slot)) {
+    meta_.Publish(off, StateWord(gen, kReady));
+    return false;
+  }
+  Entry e = ReadEntry(slot);
+  // Free while the entry still names the payload (EVICTING counts as reachable for the
+  // allocator's recovery), then tombstone. A crash in between leaves EVICTING, which repair
+  // tombstones without freeing again.
+  FreePayload(e.payload, e.bytes);
+  TombstoneLocked(slot, gen);
+  Add(kEvictions, 1);
+  Add(kEvictedBytes, e.bytes);
+  Add(kBytesReleased, e.bytes);
+  *payload = e.payload;
+  *bytes = e.bytes;
+  return true;
+}
+
+uint64_t Index::RepairStripeLocked(uint32_t stripe, int64_t dead_node, uint64_t dead_inc) {
+  uint64_t repaired = 0;
+  for (uint32_t i = 0; i < layout_.h.slots_per_stripe; ++i) {
+    const uint64_t slot = SlotAt(stripe, i);
+    Entry e = ReadEntry(slot);
+    EntryState s = StateOf(e.state);
+    bool leftover_eviction = s == kEvicting;  // only a dead lock holder leaves one
+    bool dead_writer = s == kWriting && dead_node >= 0 &&
+                       e.writer == WriterWord(static_cast<uint32_t>(dead_node), dead_inc);
+    if (!leftover_eviction && !dead_writer) continue;
+    // The dead writer's payload is unreachable, so the allocator's recovery frees it; a
+    // leftover eviction may have freed its payload already. Either way: never free here.
+    TombstoneLocked(slot, GenOf(e.state));
+    Add(kBytesReleased, e.bytes);
+    ++repaired;
+  }
+  if (repaired) Add(kReclaimed, repaired);
+  return repaired;
+}
+
+uint64_t Index::EvictLru(uint64_t target) {
+  if (target == 0) return 0;
+  struct Candidate {
+    uint64_t stamp, slot, gen, bytes;
+    bool pinned;
+  };
+  const uint64_t entries = layout_.entries();
+  std::vector<Candidate> cands;
+  std::vector<uint64_t> slot_to_cand(entries, UINT64_MAX);
+  std::vector<Entry> batch(kScanBatch);
+  for (uint64_t first = 0; first < entries; first += kScanBatch) {
+    uint64_t n = std::min(kScanBatch, entries - first);
+    meta_.Invalidate(layout_.entry(first), n * sizeof(Entry));
+    meta_.Read(layout_.entry(first), batch.data(), n * sizeof(Entry));
+    for (uint64_t i = 0; i < n; ++i) {
+      if (StateOf(batch[i].state) != kReady) continue;
+      slot_to_cand[first + i] = cands.size();
+      cands.push_back({batch[i].stamp_us, first + i, GenOf(batch[i].state), batch[i].bytes, false});
+    }
+  }
+  if (cands.empty()) return 0;
+  // Last access = the latest stamp any node left in its pin word (pin or release time).
+  std::vector<uint64_t> pins(kScanBatch);
+  for (uint32_t node = 0; node < layout_.h.max_nodes; ++node) {
+    for (uint64_t first = 0; first < entries; first += kScanBatch) {
+      uint64_t n = std::min(kScanBatch, entries - first);
+      meta_.Invalidate(layout_.pin(node, first), n * 8);
+      meta_.Read(layout_.pin(node, first), pins.data(), n * 8);
+      for (uint64_t i = 0; i < n; ++i) {
+        if (pins[i] == 0 || slot_to_cand[first + i] == UINT64_MAX) continue;
+        Candidate& c = cands[slot_to_cand[first + i]];
+        c.stamp = std::max(c.stamp, PinStamp(pins[i]));
+        c.pinned |= PinCount(pins[i]) != 0;
+      }
+    }
+  }
+  std::erase_if(cands, [](const Candidate& c) { return c.pinned; });
+  std::sort(cands.begin(), cands.end(), [](const Candidate& a, const Candidate& b) { return a.stamp < b.stamp; });
+  // The oldest entries that cover the target, grouped by stripe: one lock per stripe.
+  std::map<uint32_t, std::vector<const Candidate*>> by_stripe;
+  uint64_t planned = 0;
+  for (const Candidate& c : cands) {
+    if (planned >= target) break;
+    by_stripe[layout_.stripe_of(c.slot)].push_back(&c);
+    planned += c.bytes;
+  }
+  uint64_t freed = 0;
+  for (auto& [stripe, list] : by_stripe) {
+    if (!LockStripe(stripe).ok()) continue;
+    for (const Candidate* c : list) {
+      uint64_t payload, bytes;
+      if (TryEvictLocked(c->slot, c->gen, &payload, &bytes)) freed += bytes;
+    }
+    UnlockStripe(stripe);
+  }
+  return freed;
+}
+
+Result<uint64_t> Index::EvictKeys(const NamespaceHandle& ns, std::span<const BlockKey> keys) {
+  CXLKV_RETURN_IF_ERROR(CheckHandle(ns));
+  uint64_t evicted = 0;
+  for (const BlockKey& key : keys) {
+    const uint32_t stripe = static_cast<uint32_t>(StripeOf(key));
+    CXLKV_RETURN_IF_ERROR(LockStripe(stripe));
+    Probe p = Find(key);
+    uint64_t payload, bytes;
+    if (p.found >= 0 && p.entry.ns == ns.id &&
+        TryEvictLocked(static_cast<uint64_t>(p.found), GenOf(p.entry.state), &payload, &bytes)) {
+      ++evicted;
+    }
+    UnlockStripe(stripe);
+  }
+  return evicted;
+}
+
+Result<uint64_t> Index::EvictAll() {
+  uint64_t evicted = 0;
+  for (uint32_t stripe = 0; stripe < layout_.h.stripes; ++stripe) {
+    CXLKV_RETURN_IF_ERROR(LockStripe(stripe));
+    for (uint32_t i = 0; i < layout_.h.slots_per_stripe; ++i) {
+      const uint64_t slot = SlotAt(stripe, i);
+      uint64_t w = meta_.Fetch(layout_.entry(slot));
+      uint64_t payload, bytes;
+      if (StateOf(w) == kReady && TryEvictLocked(slot, GenOf(w), &payload, &bytes)) ++evicted;
+    }
+    UnlockStripe(stripe);
+  }
+  return evicted;
+}
+
+uint64_t Index::UsedBytes() {
+  uint64_t claimed = 0, released = 0;
+  for (uint32_t node = 0; node < layout_.h.max_nodes; ++node) {
+    meta_.Invalidate(layout_.counter(node, kLookups), kCounterRowBytes);
+    claimed += meta_.Load(layout_.counter(node, kBytesClaimed));
+    released += meta_.Load(layout_.counter(node, kBytesReleased));
+  }
+  return claimed > released ? claimed - released : 0;
+}
+
+void Index::Recover(uint32_t node, uint64_t inc) {
+  for (uint32_t stripe = 0; stripe < layout_.h.stripes; ++stripe) {
+    if (!LockStripe(stripe).ok()) continue;  // the manager retries recovery on a later beat
+    RepairStripeLocked(stripe, node, inc);
+    UnlockStripe(stripe);
+  }
+  // The dead node's pins: it writes its row no more; recovery takes the row over (P5).
+  const uint64_t entries = layout_.entries();
+  std::vector<uint64_t> pins(kScanBatch);
+  for (uint64_t first = 0; first < entries; first += kScanBatch) {
+    uint64_t n = std::min(kScanBatch, entries - first);
+    meta_.Invalidate(layout_.pin(node, first), n * 8);
+    meta_.Read(layout_.pin(node, first), pins.data(), n * 8);
+    for (uint64_t i = 0; i < n; ++i) {
+      if (PinCount(pins[i]) != 0) meta_.Publish(layout_.pin(node, first + i), PinWord(PinStamp(pins[i]), 0));
+    }
+  }
+  PublishCounters();
+}
+
+void Index::AppendReachable(std::vector<uint64_t>& out) {
+  const uint64_t entries = layout_.entries();
+  std::vector<Entry> batch(kScanBatch);
+  for (uint64_t first = 0; first < entries; first += kScanBatch) {
+    uint64_t n = std::min(kScanBatch, entries - first);
+    meta_.Invalidate(layout_.entry(first), n * sizeof(Entry));
+    meta_.Read(layout_.entry(first), batch.data(), n * sizeof(Entry));
+    for (uint64_t i = 0; i < n; ++i) {
+      EntryState s = StateOf(batch[i].state);
+      if (s == kReady || s == kEvicting) out.push_back(batch[i].payload);
+    }
+  }
+}
+
+}  // namespace cxlkv::cache

@@ -1,0 +1,495 @@
+// Index: layout, namespaces, lookup/pin, reserve/commit/abort. Eviction and recovery are in
+// evict.cc.
+#include "cache/index.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "region/region_internal.h"
+
+namespace cxlkv::cache {
+
+const char* StateName(EntryState s) {
+  switch (s) {
+    case kEmpty: return "empty";
+    case kWriting: return "writing";
+    case kReady: return "ready";
+    case kEvicting: return "evicting";
+    case kTombstone: return "tombstone";
+  }
+  return "invalid";
+}
+
+const char* CounterName(Counter c) {
+  static const char* const kNames[kCounterCount] = {
+      "lookups", "lookup_blocks", "hit_blocks", "hit_tokens", "miss_blocks", "zero_hit_lookups",
+      "inserts", "insert_bytes", "duplicates", "busy", "aborts", "evictions", "evicted_bytes",
+      "reclaimed", "bytes_claimed", "bytes_released", "read_bytes", "write_bytes",
+      "checksum_failures", "full_errors"};
+  return c < kCounterCount ? kNames[c] : "invalid";
+}
+
+IndexHeader PlanIndex(const IndexOptions& o, uint64_t data_bytes, uint32_t max_nodes, uint32_t lock_base) {
+  IndexHeader h{};
+  h.magic = kIndexMagic;
+  h.version = kIndexVersion;
+  uint64_t entries = o.entries ? o.entries : std::clamp<uint64_t>(data_bytes / (16 << 10), 1024, 4u << 20);
+  uint32_t stripes = o.stripes ? o.stripes : static_cast<uint32_t>(std::clamp<uint64_t>(entries / 64, 1, 32));
+  h.stripes = stripes;
+  h.slots_per_stripe = static_cast<uint32_t>((entries + stripes - 1) / stripes);
+  h.max_nodes = max_nodes;
+  h.lock_base = lock_base;
+  h.flags = o.checksum ? kFlagChecksum : 0;
+  h.capacity_bytes = o.capacity_bytes;  // 0: every data chunk of the pool (known at open)
+  h.high_watermark_pct = o.high_watermark_pct;
+  h.low_watermark_pct = o.low_watermark_pct;
+  h.epoch_us = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                         std::chrono::system_clock::now().time_since_epoch()).count());
+  // Offsets relative to the area until init adds the area's offset.
+  const uint64_t all = uint64_t{h.stripes} * h.slots_per_stripe;
+  h.namespaces_offset = kIndexHeaderBytes;
+  h.entries_offset = h.namespaces_offset + kMaxNamespaces * sizeof(NamespaceSlot);
+  h.pins_offset = h.entries_offset + all * sizeof(Entry);
+  h.counters_offset = h.pins_offset + uint64_t{max_nodes} * all * 8;
+  return h;
+}
+
+uint64_t IndexAreaBytes(const IndexHeader& h) {
+  return h.counters_offset + uint64_t{h.max_nodes} * kCounterRowBytes;
+}
+
+Result<IndexLayout> ReadLayout(Region& region) {
+  const auto* area = region.impl().find_area(region::AreaKind::kIndex);
+  if (area == nullptr) {
+    return NotFound("this pool has no prefix index: re-create it with 'cxlkv init' (the index is "
+                    "sized by --index-entries)");
+  }
+  auto& meta = region.impl().meta();
+  meta.Invalidate(area->offset, sizeof(IndexHeader));
+  IndexLayout l;
+  l.area_offset = area->offset;
+  l.h = meta.ReadStruct<IndexHeader>(area->offset);
+  if (l.h.magic != kIndexMagic) return Corrupted("prefix index header has a bad magic: the region is damaged");
+  if (l.h.version != kIndexVersion) {
+    return VersionMismatch("prefix index version " + std::to_string(l.h.version) + ", this build reads " +
+                           std::to_string(kIndexVersion) + ": re-create the pool or use a matching cxlkv");
+  }
+  if (l.h.stripes == 0 || l.h.slots_per_stripe == 0 || l.h.max_nodes == 0 ||
+      l.h.counters_offset + uint64_t{l.h.max_nodes} * kCounterRowBytes > area->offset + area->size) {
+    return Corrupted("prefix index header describes parts outside its area: the region is damaged");
+  }
+  return l;
+}
+
+Index::Index(Region& region, IndexLayout layout, sync::Node& node, alloc::Allocator& allocator)
+    : region_(region), meta_(region.impl().meta()), layout_(layout), node_(node), allocator_(allocator),
+      capacity_(layout.h.capacity_bytes ? std::min(layout.h.capacity_bytes, allocator.data_bytes())
+                                        : allocator.data_bytes()) {}
+
+void Index::PublishCounters() { meta_.Flush(layout_.counter(node_.id(), kLookups), kCounterRowBytes); }
+
+uint64_t Index::NowStamp() const {
+  auto now = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                       std::chrono::system_clock::now().time_since_epoch()).count());
+  return now > layout_.h.epoch_us ? (now - layout_.h.epoch_us) & 0xffffffffffffull : 0;
+}
+
+Entry Index::ReadEntry(uint64_t slot) {
+  uint64_t off = layout_.entry(slot);
+  meta_.Invalidate(off, sizeof(Entry));  // P2: other nodes write entries
+  return meta_.ReadStruct<Entry>(off);
+}
+
+Index::Probe Index::Find(const BlockKey& key) {
+  Probe p;
+  const uint64_t stripe = StripeOf(key);
+  const uint32_t n = layout_.h.slots_per_stripe;
+  const uint64_t home = key.hi % n;
+  for (uint32_t i = 0; i < n; ++i) {
+    uint64_t slot = SlotAt(stripe, (home + i) % n);
+    Entry e = ReadEntry(slot);
+    EntryState s = StateOf(e.state);
+    if (s == kEmpty) {
+      if (p.free_slot < 0) p.free_slot = static_cast<int64_t>(slot);
+      return p;  // an EMPTY slot ends every probe sequence
+    }
+    if (s == kTombstone) {
+      if (p.free_slot < 0) p.free_slot = static_cast<int64_t>(slot);
+      continue;
+    }
+    if (e.key_lo == key.lo && e.key_hi == key.hi) {
+      p.found = static_cast<int64_t>(slot);
+      p.entry = e;
+      return p;
+    }
+  }
+  return p;
+}
+
+// ---- namespaces ----
+
+namespace {
+
+uint64_t IdentityHash(const KeyNamespace& ns) {
+  std::string id = "cxlkv-identity-v1";
+  id.push_back('\0');
+  id += ns.model_id;
+  id.push_back('\0');
+  id += ns.extra_key;
+  id.push_back('\0');
+  const uint32_t parts[] = {ns.layout.tp_rank, ns.layout.tp_size, ns.layout.pp_stage};
+  id.append(reinterpret_cast<const char*>(parts), sizeof parts);
+  return XXH3_64bits(id.data(), id.size());
+}
+
+BlockKey SeedOf(const KeyNamespace& ns) {
+  std::string s = "cxlkv-namespace-v1";
+  s.push_back('\0');
+  s += ns.model_id;
+  s.push_back('\0');
+  s += ns.extra_key;
+  s.push_back('\0');
+  s.append(reinterpret_cast<const char*>(&ns.layout), sizeof ns.layout);
+  XXH128_hash_t h = XXH3_128bits(s.data(), s.size());
+  return BlockKey{h.low64, h.high64};
+}
+
+std::string DescribeLayout(const KvLayoutSignature& l) {
+  static const char* const kDtypes[] = {"fp16", "bf16", "fp8", "fp32"};
+  return std::string(static_cast<uint32_t>(l.dtype) < 4 ? kDtypes[static_cast<uint32_t>(l.dtype)] : "?") +
+         " layers=" + std::to_string(l.num_layers) + " kv_heads=" + std::to_string(l.num_kv_heads) +
+         " head_size=" + std::to_string(l.head_size) + " block=" + std::to_string(l.block_size) +
+         " tp=" + std::to_string(l.tp_rank) + "/" + std::to_string(l.tp_size) +
+         " pp=" + std::to_string(l.pp_stage) + " parts=" + std::to_string(l.kv_parts) +
+         " format=" + std::to_string(l.block_format);
+}
+
+Status ValidateNamespace(const KeyNamespace& ns) {
+  const auto& l = ns.layout;
+  if (ns.model_id.empty()) return InvalidArgument("a key namespace needs a model id");
+  if (ns.model_id.size() >= sizeof(NamespaceSlot::model_id)) {
+    return InvalidArgument("model id of " + std::to_string(ns.model_id.size()) + " bytes exceeds the " +
+                           std::to_string(sizeof(NamespaceSlot::model_id) - 1) + "-byte limit");
+  }
+  if (ns.extra_key.size() >= sizeof(NamespaceSlot::extra_key)) {
+    return InvalidArgument("extra key of " + std::to_string(ns.extra_key.size()) + " bytes exceeds the " +
+                           std::to_string(sizeof(NamespaceSlot::extra_key) - 1) + "-byte limit");
+  }
+  if (l.block_size == 0 || l.block_size > 4096) return InvalidArgument("block size must be 1..4096 tokens");
+  if (l.tp_size == 0 || l.tp_rank >= l.tp_size) {
+    return InvalidArgument("tensor-parallel rank " + std::to_string(l.tp_rank) + " is not below size " +
+                           std::to_string(l.tp_size));
+  }
+  if (static_cast<uint32_t>(l.dtype) > static_cast<uint32_t>(KvDtype::kFp32)) return InvalidArgument("unknown KV dtype");
+  if (l.num_layers != 0 && (l.num_kv_heads == 0 || l.head_size == 0 || (l.kv_parts != 1 && l.kv_parts != 2))) {
+    return InvalidArgument("a KV layout with layers needs kv heads, a head size and 1 or 2 parts");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<NamespaceHandle> Index::RegisterNamespace(const KeyNamespace& ns) {
+  CXLKV_RETURN_IF_ERROR(ValidateNamespace(ns));
+  const BlockKey seed = SeedOf(ns);
+  const uint64_t identity = IdentityHash(ns);
+  const uint32_t lock = layout_.namespace_lock();
+  CXLKV_ASSIGN_OR_RETURN(auto held, node_.AcquireFor(lock, node_.lease() * 4));
+  (void)held;
+  int64_t free_slot = -1;
+  for (uint32_t i = 0; i < kMaxNamespaces; ++i) {
+    uint64_t off = layout_.ns_slot(i);
+    meta_.Invalidate(off, sizeof(NamespaceSlot));
+    auto s = meta_.ReadStruct<NamespaceSlot>(off);
+    if (s.state != 2) {
+      if (free_slot < 0) free_slot = i;
+      continue;
+    }
+    if (s.seed_lo == seed.lo && s.seed_hi == seed.hi) {
+      node_.Release(lock);
+      return NamespaceHandle{i, ns.layout.block_size, s.block_bytes, seed};
+    }
+    if (s.identity_hash == identity) {
+      node_.Release(lock);
+      return VersionMismatch("model '" + ns.model_id + "' (tp " + std::to_string(ns.layout.tp_rank) + "/" +
+                             std::to_string(ns.layout.tp_size) + ", pp " + std::to_string(ns.layout.pp_stage) +
+                             ") is registered in this pool with KV layout {" + DescribeLayout(s.layout) +
+                             "}, not {" + DescribeLayout(ns.layout) +
+                             "}: use the pool's layout, another model id, or a fresh pool");
+    }
+  }
+  if (free_slot < 0) {
+    node_.Release(lock);
+    return NoSpace("the pool's namespace table is full (" + std::to_string(kMaxNamespaces) + " models/layouts)");
+  }
+  NamespaceSlot s{};
+  s.state = 0;
+  s.seed_lo = seed.lo;
+  s.seed_hi = seed.hi;
+  s.identity_hash = identity;
+  s.block_bytes = ns.layout.BlockBytes();
+  s.layout = ns.layout;
+  std::memcpy(s.model_id, ns.model_id.data(), ns.model_id.size());
+  std::memcpy(s.extra_key, ns.extra_key.data(), ns.extra_key.size());
+  uint64_t off = layout_.ns_slot(static_cast<uint32_t>(free_slot));
+  meta_.WriteStruct(off, s);
+  meta_.Flush(off, sizeof s);
+  meta_.Publish(off, 2);  // P4: the slot is live from this word on
+  node_.Release(lock);
+  return NamespaceHandle{static_cast<uint32_t>(free_slot), ns.layout.block_size, s.block_bytes, seed};
+}
+
+Status Index::CheckHandle(const NamespaceHandle& ns) {
+  if (ns.id >= kMaxNamespaces) return InvalidArgument("namespace handle " + std::to_string(ns.id) + " is out of range");
+  uint64_t off = layout_.ns_slot(ns.id);
+  meta_.Invalidate(off, 24);
+  uint64_t w[3];
+  meta_.Read(off, w, sizeof w);
+  if (w[0] != 2 || w[1] != ns.seed.lo || w[2] != ns.seed.hi) {
+    return InvalidArgument("namespace handle " + std::to_string(ns.id) +
+                           " is not registered in this pool: obtain it from KvCache::Namespace");
+  }
+  return Status::Ok();
+}
+
+// ---- lookup and pins ----
+
+void Index::PinAdd(uint64_t slot, int64_t delta, uint64_t stamp) {
+  const uint64_t off = layout_.pin(node_.id(), slot);
+  uint64_t old = meta_.Load(off);
+  for (;;) {
+    uint64_t count = PinCount(old);
+    if (delta < 0 && count == 0) return;  // nothing to release (recovery already dropped it)
+    uint64_t next = PinWord(std::max(PinStamp(old), stamp), delta < 0 ? count - 1 : count + 1);
+    if (delta > 0 && count == kPinCountMask) return;  // saturated: cannot happen with sane callers
+    if (meta_.LocalCompareExchange(off, old, next)) break;
+  }
+  meta_.Flush(off, 8);  // P1: evictors on other hosts must see it before we re-check the state
+}
+
+Result<LookupResult> Index::Lookup(const NamespaceHandle& ns, std::span<const BlockKey> keys, bool pin) {
+  CXLKV_RETURN_IF_ERROR(CheckHandle(ns));
+  LookupResult out;
+  out.pins.reserve(keys.size());
+  const uint64_t stamp = NowStamp();
+  Status failure;
+  for (const BlockKey& key : keys) {
+    Probe p = Find(key);
+    if (p.found < 0) break;
+    if (p.entry.ns != ns.id) {
+      failure = InvalidArgument("a key was made in namespace " + std::to_string(p.entry.ns) + ", not " +
+                                std::to_string(ns.id) + ": keys are namespace-specific; make them with "
+                                "ChainKeys/KeyFromEngineHash of the namespace you look up in");
+      break;
+    }
+    if (StateOf(p.entry.state) != kReady) break;
+    const uint64_t slot = static_cast<uint64_t>(p.found);
+    if (pin) {
+      PinAdd(slot, +1, stamp);
+      // Our pin is flushed; an evictor that missed it must have published EVICTING (or reused
+      // the slot) before our pin landed, and we see that here.
+      if (meta_.Fetch(layout_.entry(slot)) != p.entry.state) {
+        PinAdd(slot, -1, 0);
+        break;
+      }
+    }
+    out.pins.push_back(BlockPin{static_cast<uint32_t>(slot), GenOf(p.entry.state), p.entry.payload, p.entry.bytes,
+                                p.entry.tier, p.entry.checksum});
+  }
+  if (!failure.ok()) {
+    Release(out.pins);
+    return failure;
+  }
+  out.hit_blocks = out.pins.size();
+  if (pin) {
+    Add(kLookups, 1);
+    Add(kLookupBlocks, keys.size());
+    Add(kHitBlocks, out.hit_blocks);
+    Add(kHitTokens, out.hit_blocks * ns.block_size);
+    Add(kMissBlocks, keys.size() - out.hit_blocks);
+    if (out.hit_blocks == 0) Add(kZeroHitLookups, 1);
+  }
+  return out;
+}
+
+void Index::Release(std::span<const BlockPin> pins) {
+  const uint64_t stamp = NowStamp();  // the last access ends now: LRU by release time
+  for (const BlockPin& p : pins) {
+    if (p.slot < layout_.entries()) PinAdd(p.slot, -1, stamp);
+  }
+}
+
+// ---- insert ----
+
+Status Index::LockStripe(uint32_t stripe) {
+  CXLKV_ASSIGN_OR_RETURN(auto held, node_.AcquireFor(layout_.stripe_lock(stripe), node_.lease() * 4));
+  if (held.holder_died) RepairStripeLocked(stripe, -1, 0);
+  return Status::Ok();
+}
+
+void Index::UnlockStripe(uint32_t stripe, std::span<const sync::Range> written) {
+  node_.Release(layout_.stripe_lock(stripe), written);
+}
+
+Result<Reservation> Index::Reserve(const NamespaceHandle& ns, const BlockKey& key, uint64_t bytes) {
+  CXLKV_RETURN_IF_ERROR(CheckHandle(ns));
+  if (bytes == 0) return InvalidArgument("a block cannot be empty");
+  if (bytes > kMaxBlockBytes) {
+    return InvalidArgument("block of " + std::to_string(bytes) + " bytes exceeds the 4 GiB limit of one block");
+  }
+  if (ns.block_bytes != 0 && bytes != ns.block_bytes) {
+    return InvalidArgument("block of " + std::to_string(bytes) + " bytes does not match the namespace's KV "
+                           "layout (" + std::to_string(ns.block_bytes) + " bytes per block)");
+  }
+  auto present = [&](const Probe& p) -> Status {
+    if (p.entry.ns != ns.id) {
+      return InvalidArgument("the key is taken by namespace " + std::to_string(p.entry.ns) +
+                             ": keys are namespace-specific");
+    }
+    EntryState s = StateOf(p.entry.state);
+    if (s == kReady) {
+      Add(kDuplicates, 1);
+      return AlreadyExists("block is already cached (READY)");
+    }
+    Add(kBusy, 1);
+    if (s == kWriting) {
+      return Busy("block is being written by node " + std::to_string(WriterNode(p.entry.writer)));
+    }
+    return Busy("block is being evicted; retry");
+  };
+  // A lock-free look first: most duplicate inserts end here without allocating.
+  if (Probe hint = Find(key); hint.found >= 0) return present(hint);
+  CXLKV_ASSIGN_OR_RETURN(auto payload, AllocatePayload(bytes));
+
+  const uint32_t stripe = static_cast<uint32_t>(StripeOf(key));
+  if (Status s = LockStripe(stripe); !s.ok()) {
+    FreePayload(payload.raw(), 0);
+    return s;
+  }
+  Probe p = Find(key);
+  if (p.found < 0 && p.free_slot < 0) {
+    // The stripe is full: make room by evicting its least recently used unpinned entry.
+    std::vector<std::pair<uint64_t, uint64_t>> ready;  // (stamp, slot)
+    for (uint32_t i = 0; i < layout_.h.slots_per_stripe; ++i) {
+      Entry e = ReadEntry(SlotAt(stripe, i));
+      if (StateOf(e.state) == kReady) ready.push_back({e.stamp_us, SlotAt(stripe, i)});
+    }
+    std::sort(ready.begin(), ready.end());
+    for (auto [stamp, slot] : ready) {
+      uint64_t off, n;
+      if (TryEvictLocked(slot, GenOf(meta_.Fetch(layout_.entry(slot))), &off, &n)) break;
+    }
+    p = Find(key);
+  }
+  if (p.found >= 0 || p.free_slot < 0) {
+    UnlockStripe(stripe);
+    FreePayload(payload.raw(), 0);
+    if (p.found >= 0) return present(p);
+    Add(kFullErrors, 1);
+    return NoSpace("index stripe " + std::to_string(stripe) + " is full of pinned or in-flight blocks (" +
+                   std::to_string(layout_.h.slots_per_stripe) + " slots): release pins, or re-create the "
+                   "pool with more --index-entries");
+  }
+  const uint64_t slot = static_cast<uint64_t>(p.free_slot);
+  const uint64_t off = layout_.entry(slot);
+  const uint64_t gen = GenOf(meta_.Load(off)) + 1;
+  Entry e{};
+  e.state = StateWord(gen, kWriting);
+  e.key_lo = key.lo;
+  e.key_hi = key.hi;
+  e.payload = payload.raw();
+  e.bytes = static_cast<uint32_t>(bytes);
+  e.tier = 0;
+  e.ns = static_cast<uint16_t>(ns.id);
+  e.writer = WriterWord(node_.id(), node_.incarnation());
+  e.stamp_us = NowStamp();
+  meta_.WriteStruct(off, e);
+  Add(kBytesClaimed, bytes);
+  sync::Range written{off, sizeof e};
+  UnlockStripe(stripe, {&written, 1});
+  return Reservation{static_cast<uint32_t>(slot), gen, payload.raw(), bytes, true};
+}
+
+Status Index::Commit(Reservation& r) {
+  if (!r.open) return InvalidArgument("reservation is not open (committed or aborted already)");
+  const uint64_t off = layout_.entry(r.slot);
+  if (meta_.Fetch(off) != StateWord(r.generation, kWriting)) {
+    r.open = false;
+    return NotFound("reservation was reclaimed: this node was presumed dead (its lease expired)");
+  }
+  uint64_t checksum = 0;
+  if (checksums()) {
+    const uint8_t* p = Payload(r.offset, r.bytes);
+    if (meta_.mode() == CoherenceMode::kSoftware) region::InvalidateLines(p, r.bytes);
+    checksum = XXH3_64bits(p, r.bytes);
+  }
+  // The writer owns a WRITING entry: no lock. Fields first, then the state word (P4). The
+  // payload was written with non-temporal stores and fenced: it is in memory already (P3).
+  meta_.Store(off + offsetof(Entry, checksum), checksum);
+  meta_.Store(off + offsetof(Entry, stamp_us), NowStamp());
+  meta_.Flush(off, sizeof(Entry));
+  meta_.Publish(off, StateWord(r.generation, kReady));
+  Add(kInserts, 1);
+  Add(kInsertBytes, r.bytes);
+  r.open = false;
+  return Status::Ok();
+}
+
+Status Index::Abort(Reservation& r) {
+  if (!r.open) return InvalidArgument("reservation is not open (committed or aborted already)");
+  r.open = false;
+  const uint32_t stripe = layout_.stripe_of(r.slot);
+  CXLKV_RETURN_IF_ERROR(LockStripe(stripe));
+  if (meta_.Fetch(layout_.entry(r.slot)) != StateWord(r.generation, kWriting)) {
+    UnlockStripe(stripe);
+    return NotFound("reservation was reclaimed: this node was presumed dead (its lease expired)");
+  }
+  TombstoneLocked(r.slot, r.generation);
+  Add(kBytesReleased, r.bytes);
+  Add(kAborts, 1);
+  UnlockStripe(stripe);
+  FreePayload(r.offset, 0);
+  return Status::Ok();
+}
+
+Result<alloc::ObjectOffset> Index::AllocatePayload(uint64_t bytes) {
+  const uint64_t cap = capacity_;
+  const uint64_t high = cap / 100 * layout_.h.high_watermark_pct;
+  const uint64_t low = cap / 100 * layout_.h.low_watermark_pct;
+  if (bytes > cap) {
+    return InvalidArgument("block of " + std::to_string(bytes) + " bytes is larger than the cache's capacity (" +
+                           std::to_string(cap) + " bytes)");
+  }
+  uint64_t used = UsedBytes();
+  if (used + bytes > high) EvictLru(used + bytes - std::min(low, used + bytes));
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    if (UsedBytes() + bytes <= cap) {
+      auto r = allocator_.Alloc(bytes);
+      if (r.ok() || r.status().code() != StatusCode::kNoSpace) return r;
+    }
+    // Full, or fragmented: evict a watermark's worth (at least this block) and retry.
+    if (EvictLru(std::max(bytes, high - std::min(high, low))) == 0) break;
+  }
+  Add(kFullErrors, 1);
+  return NoSpace("pool full: no room for a block of " + std::to_string(bytes) + " bytes and nothing "
+                 "evictable (" + std::to_string(UsedBytes()) + " bytes in pinned or in-flight blocks); "
+                 "release pins or grow the pool");
+}
+
+void Index::FreePayload(uint64_t payload, uint64_t) {
+  for (int attempt = 0;; ++attempt) {
+    Status s = allocator_.Free(alloc::ObjectOffset(payload));
+    if (s.ok() || s.code() != StatusCode::kBusy || attempt == 100) {
+      if (!s.ok()) std::fprintf(stderr, "cxlkv: cache: freeing payload %#llx: %s\n",
+                                static_cast<unsigned long long>(payload), s.ToString().c_str());
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));  // owner's ring full: it drains each beat
+  }
+}
+
+}  // namespace cxlkv::cache

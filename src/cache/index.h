@@ -1,0 +1,126 @@
+// The prefix index in decentralized mode (TraCT §4.2): every node reads and updates the table
+// in the region directly. Lookups take no lock; inserts, evictions and recovery take the
+// two-tier lock of the key's stripe (lock striping: unrelated keys do not contend).
+//
+// Protocol (docs/protocol.md, "prefix index"):
+//   lookup   invalidate + read the entry; if READY: add a pin in this node's pin word, flush
+//            it, re-fetch the state word; unchanged → pinned; changed → unpin, miss.
+//   reserve  allocate the payload, then under the stripe lock claim a slot: WRITING with this
+//            life's writer word, flushed by the release.
+//   commit   (the writer owns a WRITING entry) flush checksum/stamp, then publish READY.
+//   evict    under the stripe lock: publish EVICTING, fetch every node's pin word for the
+//            slot; any pin → publish READY again; none → free the payload, publish TOMBSTONE.
+// A pinner writes its pin then reads the state; an evictor writes the state then reads the
+// pins: with both flushed before the read, at least one of them sees the other.
+//
+// Thread-safety: all methods are thread-safe.
+#ifndef CXLKV_SRC_CACHE_INDEX_H_
+#define CXLKV_SRC_CACHE_INDEX_H_
+
+#include <atomic>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "alloc/allocator.h"
+#include "cache/layout.h"
+#include "cxlkv/cache.h"
+#include "region/coherence.h"
+#include "sync/node.h"
+
+namespace cxlkv::cache {
+
+// Reads the index header of `region` (the pool's first). kNotFound when the pool has none;
+// kCorrupted / kVersionMismatch when it is damaged or from another build.
+Result<IndexLayout> ReadLayout(Region& region);
+
+class Index {
+ public:
+  Index(Region& region, IndexLayout layout, sync::Node& node, alloc::Allocator& allocator);
+
+  const IndexLayout& layout() const { return layout_; }
+  uint32_t node_id() const { return node_.id(); }
+  uint64_t capacity() const { return capacity_; }
+  bool checksums() const { return layout_.h.flags & kFlagChecksum; }
+
+  Result<NamespaceHandle> RegisterNamespace(const KeyNamespace& ns);
+
+  Result<LookupResult> Lookup(const NamespaceHandle& ns, std::span<const BlockKey> keys, bool pin);
+  void Release(std::span<const BlockPin> pins);
+  Result<Reservation> Reserve(const NamespaceHandle& ns, const BlockKey& key, uint64_t bytes);
+  Status Commit(Reservation& r);
+  Status Abort(Reservation& r);
+  uint8_t* Payload(uint64_t offset, uint64_t bytes) {
+    return allocator_.Ptr(alloc::ObjectOffset(offset), bytes);
+  }
+  // Drops this host's copies of payload lines before reading them (no-op on a coherent host).
+  void InvalidatePayload(const uint8_t* p, uint64_t bytes) {
+    if (meta_.mode() == CoherenceMode::kSoftware) region::InvalidateLines(p, bytes);
+  }
+  void CountRead(uint64_t bytes) { Add(kReadBytes, bytes); }
+  void CountWrite(uint64_t bytes) { Add(kWriteBytes, bytes); }
+  void CountChecksumFailure() { Add(kChecksumFailures, 1); }
+
+  // Evicts these keys of `ns` (or every READY entry when `keys` is empty and `all`) if unpinned.
+  Result<uint64_t> EvictKeys(const NamespaceHandle& ns, std::span<const BlockKey> keys);
+  Result<uint64_t> EvictAll();
+  // Evicts unpinned READY entries, least recently used first, until `bytes` are freed.
+  // Returns the bytes freed (less when not enough is evictable).
+  uint64_t EvictLru(uint64_t bytes);
+  // Payload bytes of WRITING, READY and EVICTING entries, from every node's counters.
+  uint64_t UsedBytes();
+
+  // Recovery handler (the manager's process): reclaims `node`'s WRITING entries of life `inc`,
+  // finishes any eviction left half done, and drops the node's pins.
+  void Recover(uint32_t node, uint64_t inc);
+  // Reachability for the allocator's recovery: payloads of READY and EVICTING entries.
+  void AppendReachable(std::vector<uint64_t>& out);
+  // Publishes this node's counters (the membership thread calls it every beat).
+  void PublishCounters();
+
+  uint64_t NowStamp() const;
+
+ private:
+  struct Probe {
+    int64_t found = -1;       // slot holding the key (any live state), or -1
+    int64_t free_slot = -1;   // first EMPTY or TOMBSTONE on the probe path, or -1
+    Entry entry{};            // the found entry
+  };
+  uint64_t StripeOf(const BlockKey& k) const { return k.lo % layout_.h.stripes; }
+  uint64_t SlotAt(uint64_t stripe, uint64_t i) const { return stripe * layout_.h.slots_per_stripe + i; }
+  Entry ReadEntry(uint64_t slot);
+  // Probes the key's stripe. Without the lock the answer is a hint.
+  Probe Find(const BlockKey& key);
+
+  // Stripe lock helpers. On taking a lock whose holder died, repairs the stripe first.
+  Status LockStripe(uint32_t stripe);
+  void UnlockStripe(uint32_t stripe, std::span<const sync::Range> written = {});
+  // REQUIRES: stripe lock held. EVICTING leftovers become TOMBSTONE (their payload may be freed
+  // already: never free it again); WRITING entries of `dead` (node, inc) too. Returns count.
+  uint64_t RepairStripeLocked(uint32_t stripe, int64_t dead_node, uint64_t dead_inc);
+  // REQUIRES: stripe lock held. Publishes TOMBSTONE (and turns a tombstone run that ends at an
+  // EMPTY slot back to EMPTY so probe sequences stay short).
+  void TombstoneLocked(uint64_t slot, uint64_t gen);
+  // REQUIRES: stripe lock held. Tries to evict `slot` at generation `gen`; returns the payload
+  // (offset, bytes) to free after the lock is released, or bytes = 0 when pinned or changed.
+  bool TryEvictLocked(uint64_t slot, uint64_t gen, uint64_t* payload, uint64_t* bytes);
+  bool AnyPins(uint64_t slot);
+  void FreePayload(uint64_t payload, uint64_t bytes);
+
+  void Add(Counter c, uint64_t delta) { meta_.LocalFetchAdd(layout_.counter(node_.id(), c), delta); }
+  void PinAdd(uint64_t slot, int64_t delta, uint64_t stamp);
+  Status CheckHandle(const NamespaceHandle& ns);
+  Result<alloc::ObjectOffset> AllocatePayload(uint64_t bytes);
+
+  Region& region_;
+  region::MetaAccess& meta_;
+  IndexLayout layout_;
+  sync::Node& node_;
+  alloc::Allocator& allocator_;
+  const uint64_t capacity_;  // payload budget: the header's, or every data chunk of the pool
+};
+
+}  // namespace cxlkv::cache
+
+#endif  // CXLKV_SRC_CACHE_INDEX_H_

@@ -1,0 +1,167 @@
+// The prefix index's shared layout (TraCT §4.2, §4.3): the kIndex area of a pool's first region.
+//
+//   header (4 KiB)          written once by `init`
+//   namespace table         kMaxNamespaces × 256 B, under the namespace lock
+//   entries                 stripes × slots_per_stripe × 64 B; a stripe is an independent
+//                           linear-probing table guarded by its own two-tier lock
+//   pin words               max_nodes × entries × 8 B: row n written only by node n
+//   node counters           max_nodes × 256 B: row n written only by node n
+//
+// An entry's first word is its state: generation << 8 | state. Every reuse of a slot bumps the
+// generation, so a reader that saw (gen, READY), pinned, and sees the same word again knows the
+// entry did not change under it. Every struct here is part of the layout version.
+#ifndef CXLKV_SRC_CACHE_LAYOUT_H_
+#define CXLKV_SRC_CACHE_LAYOUT_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cxlkv/cache.h"
+
+namespace cxlkv::cache {
+
+inline constexpr uint64_t kIndexMagic = 0x5844494b564c5843ull;  // "CXLKVIDX"
+inline constexpr uint32_t kIndexVersion = 1;
+inline constexpr uint32_t kMaxNamespaces = 64;
+inline constexpr uint64_t kIndexHeaderBytes = 4096;
+inline constexpr uint64_t kMaxBlockBytes = 0xffffffffull;
+
+enum EntryState : uint64_t {
+  kEmpty = 0,      // never used since the last cleanup: ends a probe sequence
+  kWriting = 1,    // reserved by `writer`; payload being written; invisible to lookups
+  kReady = 2,      // payload complete and flushed; may be pinned
+  kEvicting = 3,   // an evictor holds the stripe lock and is checking pins / freeing
+  kTombstone = 4,  // deleted: probing continues past it; reusable by inserts
+};
+
+inline uint64_t StateWord(uint64_t gen, EntryState s) { return (gen << 8) | s; }
+inline EntryState StateOf(uint64_t word) { return static_cast<EntryState>(word & 0xff); }
+inline uint64_t GenOf(uint64_t word) { return word >> 8; }
+const char* StateName(EntryState s);
+
+struct IndexHeader {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t stripes;
+  uint32_t slots_per_stripe;
+  uint32_t max_nodes;
+  uint32_t lock_base;         // stripe s uses lock lock_base + s; lock_base + stripes: namespaces
+  uint32_t flags;             // kFlagChecksum
+  uint64_t capacity_bytes;    // payload budget for the watermarks
+  uint32_t high_watermark_pct;
+  uint32_t low_watermark_pct;
+  uint64_t epoch_us;          // origin of access stamps (realtime µs at init)
+  uint64_t namespaces_offset; // region offsets of the parts
+  uint64_t entries_offset;
+  uint64_t pins_offset;
+  uint64_t counters_offset;
+  uint64_t reserved[5];
+};
+static_assert(sizeof(IndexHeader) == 128);
+inline constexpr uint32_t kFlagChecksum = 1;
+
+struct NamespaceSlot {
+  uint64_t state;             // 0 empty, 2 live (written last)
+  uint64_t seed_lo, seed_hi;  // h_0 of its chains
+  uint64_t identity_hash;     // model id, extra key, tp rank/size, pp stage
+  uint64_t block_bytes;
+  KvLayoutSignature layout;   // 40 bytes
+  char model_id[96];
+  char extra_key[64];
+  uint64_t reserved[2];
+};
+static_assert(sizeof(KvLayoutSignature) == 40);
+static_assert(sizeof(NamespaceSlot) == 256);
+
+struct Entry {
+  uint64_t state;             // StateWord(gen, state)
+  uint64_t key_lo, key_hi;
+  uint64_t payload;           // pool offset
+  uint32_t bytes;             // payload length (a block is < 4 GiB)
+  uint16_t tier;              // 0: this pool's regions (later: pooled DRAM, SSD)
+  uint16_t ns;                // namespace slot
+  uint64_t writer;            // node << 48 | incarnation of the reserving life
+  uint64_t checksum;
+  uint64_t stamp_us;          // commit time (the access stamp before any pin)
+};
+static_assert(sizeof(Entry) == 64);
+static_assert(offsetof(Entry, state) == 0);
+
+inline uint64_t WriterWord(uint32_t node, uint64_t inc) { return (uint64_t{node} << 48) | (inc & 0xffffffffffffull); }
+inline uint32_t WriterNode(uint64_t w) { return static_cast<uint32_t>(w >> 48); }
+inline uint64_t WriterInc(uint64_t w) { return w & 0xffffffffffffull; }
+
+// A pin word: pins held by one node on one slot (low 16 bits) and that node's last access
+// stamp in µs since the epoch (high 48 bits).
+inline constexpr uint64_t kPinCountMask = 0xffff;
+inline uint64_t PinCount(uint64_t w) { return w & kPinCountMask; }
+inline uint64_t PinStamp(uint64_t w) { return w >> 16; }
+inline uint64_t PinWord(uint64_t stamp, uint64_t count) { return (stamp << 16) | count; }
+
+// One node's counters (single writer: that node's processes, with local atomics).
+enum Counter : uint32_t {
+  kLookups = 0,        // Lookup calls (the denominator of hit rates)
+  kLookupBlocks,       // keys asked for
+  kHitBlocks,
+  kHitTokens,
+  kMissBlocks,         // keys asked for and not hit (a lookup stops at the first miss)
+  kZeroHitLookups,
+  kInserts,            // commits
+  kInsertBytes,
+  kDuplicates,         // reserve found the block READY
+  kBusy,               // reserve found it being written or evicted
+  kAborts,
+  kEvictions,
+  kEvictedBytes,
+  kReclaimed,          // entries of dead nodes returned to EMPTY by recovery
+  kBytesClaimed,       // payload bytes of entries this node made WRITING
+  kBytesReleased,      // payload bytes of entries this node tombstoned
+  kReadBytes,
+  kWriteBytes,
+  kChecksumFailures,
+  kFullErrors,
+  kCounterCount,
+};
+inline constexpr uint64_t kCounterRowBytes = 256;
+static_assert(kCounterCount * 8 <= kCounterRowBytes);
+const char* CounterName(Counter c);
+
+// Where each part lives, from the header.
+struct IndexLayout {
+  uint64_t area_offset = 0;
+  IndexHeader h{};
+
+  uint64_t entries() const { return uint64_t{h.stripes} * h.slots_per_stripe; }
+  uint64_t ns_slot(uint32_t i) const { return h.namespaces_offset + uint64_t{i} * sizeof(NamespaceSlot); }
+  uint64_t entry(uint64_t slot) const { return h.entries_offset + slot * sizeof(Entry); }
+  uint64_t pin(uint32_t node, uint64_t slot) const {
+    return h.pins_offset + (uint64_t{node} * entries() + slot) * 8;
+  }
+  uint64_t counter(uint32_t node, Counter c) const {
+    return h.counters_offset + uint64_t{node} * kCounterRowBytes + uint64_t{c} * 8;
+  }
+  uint32_t stripe_lock(uint32_t stripe) const { return h.lock_base + stripe; }
+  uint32_t namespace_lock() const { return h.lock_base + h.stripes; }
+  uint32_t stripe_of(uint64_t slot) const { return static_cast<uint32_t>(slot / h.slots_per_stripe); }
+};
+
+struct IndexOptions {
+  uint64_t entries = 0;          // 0: one per 16 KiB of data, 1 Ki .. 4 Mi
+  uint32_t stripes = 0;          // 0: up to 32
+  uint64_t capacity_bytes = 0;   // 0: the data areas' total
+  uint32_t high_watermark_pct = 95;
+  uint32_t low_watermark_pct = 85;
+  bool checksum = false;
+};
+
+// Sizes the index for a pool whose regions hold `data_bytes` of data in all.
+IndexHeader PlanIndex(const IndexOptions& options, uint64_t data_bytes, uint32_t max_nodes,
+                      uint32_t lock_base);
+// Bytes of the area for a planned header (offsets inside are relative to the area).
+uint64_t IndexAreaBytes(const IndexHeader& planned);
+// Locks the index needs (stripes + the namespace lock).
+inline uint32_t IndexLocks(const IndexHeader& planned) { return planned.stripes + 1; }
+
+}  // namespace cxlkv::cache
+
+#endif  // CXLKV_SRC_CACHE_LAYOUT_H_

@@ -1,0 +1,154 @@
+// cxlkv put / get / evict: the prefix KV cache from the shell. A --key STRING is hashed as a
+// one-block chain in the "cli" namespace (blocks of any size).
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "pool/pool_internal.h"
+
+namespace cxlkv::cli {
+namespace {
+
+struct CacheArgs {
+  std::string path, key, data, out;
+  int node = -1;
+  bool all = false;
+};
+
+// Joins as `node`, or (node < 0) as the highest node id nobody else is using.
+Result<std::unique_ptr<Pool>> OpenAsNode(const std::string& paths, int node) {
+  PoolOpenOptions o;
+  if (node >= 0) {
+    o.node_id = static_cast<uint32_t>(node);
+    return Pool::Open(SplitPaths(paths), o);
+  }
+  auto region = Region::Attach(SplitPaths(paths)[0]);
+  if (!region.ok()) return region.status();
+  Status last = InvalidArgument("no node id is free");
+  for (int n = static_cast<int>((*region)->info().max_nodes) - 1; n >= 0; --n) {
+    o.node_id = static_cast<uint32_t>(n);
+    auto p = Pool::Open(SplitPaths(paths), o);
+    if (p.ok() || p.status().code() != StatusCode::kAlreadyExists) return p;
+    last = p.status();
+  }
+  return Status(last.code(), "every node id is in use (" + last.message() + "); pass --node");
+}
+
+KeyNamespace CliNamespace() {
+  KeyNamespace ns;
+  ns.model_id = "cli";
+  ns.layout.block_size = 1;  // the key string is the one block; payloads of any size
+  return ns;
+}
+
+struct Opened {
+  std::unique_ptr<Pool> pool;
+  KvCache* cache = nullptr;
+  NamespaceHandle ns;
+};
+
+Result<Opened> OpenCache(const CacheArgs& a) {
+  Opened o;
+  CXLKV_ASSIGN_OR_RETURN(o.pool, OpenAsNode(a.path, a.node));
+  CXLKV_ASSIGN_OR_RETURN(o.cache, o.pool->Cache());
+  CXLKV_ASSIGN_OR_RETURN(o.ns, o.cache->Namespace(CliNamespace()));
+  return o;
+}
+
+BlockKey CliKey(const Opened& o, const std::string& key) {
+  return o.cache->KeyFromEngineHash(o.ns, {reinterpret_cast<const uint8_t*>(key.data()), key.size()});
+}
+
+Status Put(const CacheArgs& a) {
+  std::ifstream in(a.data, std::ios::binary);
+  if (!in) return NotFound("cannot open data file '" + a.data + "'");
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (bytes.empty()) return InvalidArgument("data file '" + a.data + "' is empty: a block needs at least one byte");
+  CXLKV_ASSIGN_OR_RETURN(auto o, OpenCache(a));
+  Status s = o.cache->Put(o.ns, CliKey(o, a.key), bytes.data(), bytes.size());
+  if (s.code() == StatusCode::kAlreadyExists) {
+    return AlreadyExists("key '" + a.key + "' is already cached; evict it first to replace it");
+  }
+  CXLKV_RETURN_IF_ERROR(s);
+  std::printf("put '%s': %zu bytes as node %u\n", a.key.c_str(), bytes.size(), o.pool->impl().node->id());
+  return Status::Ok();
+}
+
+Status Get(const CacheArgs& a, CommandResult& result) {
+  CXLKV_ASSIGN_OR_RETURN(auto o, OpenCache(a));
+  BlockKey key = CliKey(o, a.key);
+  CXLKV_ASSIGN_OR_RETURN(auto hit, o.cache->Lookup(o.ns, {&key, 1}));
+  if (hit.hit_blocks == 0) {
+    result.failure_exit_code = 2;
+    return NotFound("key '" + a.key + "' is not cached");
+  }
+  const BlockPin pin = hit.pins[0];
+  std::vector<char> bytes(pin.bytes);
+  Status s = o.cache->Read(pin, 0, bytes.data(), pin.bytes);
+  o.cache->Release(hit.pins);
+  CXLKV_RETURN_IF_ERROR(s);
+  if (a.out == "-") {
+    std::fwrite(bytes.data(), 1, bytes.size(), stdout);
+    return Status::Ok();
+  }
+  std::ofstream out(a.out, std::ios::binary | std::ios::trunc);
+  if (!out || !out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()))) {
+    return IoError("cannot write '" + a.out + "'");
+  }
+  return Status::Ok();
+}
+
+Status Evict(const CacheArgs& a) {
+  CXLKV_ASSIGN_OR_RETURN(auto o, OpenCache(a));
+  if (a.all) {
+    CXLKV_ASSIGN_OR_RETURN(auto n, o.cache->EvictAll());
+    std::printf("evicted %llu blocks (pinned blocks stay)\n", static_cast<unsigned long long>(n));
+    return Status::Ok();
+  }
+  BlockKey key = CliKey(o, a.key);
+  CXLKV_ASSIGN_OR_RETURN(auto n, o.cache->Evict(o.ns, {&key, 1}));
+  if (n == 0) return NotFound("key '" + a.key + "' is not cached, or is pinned or in flight");
+  std::printf("evicted '%s'\n", a.key.c_str());
+  return Status::Ok();
+}
+
+}  // namespace
+
+void AddCacheCommands(CLI::App& app, CommandResult& result) {
+  auto put_args = std::make_shared<CacheArgs>();
+  CLI::App* put = app.add_subcommand("put", "Store a file's bytes in the KV cache under a string key");
+  put->add_option("--path", put_args->path, "Region path(s) of the pool, comma-separated")->required();
+  put->add_option("--node", put_args->node, "Node id to join as (default: a free one)");
+  put->add_option("--key", put_args->key, "Key string (one block in the 'cli' namespace)")->required();
+  put->add_option("--data", put_args->data, "File whose bytes are the block")->required();
+  put->callback([put_args, &result] { result.status = Put(*put_args); });
+
+  auto get_args = std::make_shared<CacheArgs>();
+  CLI::App* get = app.add_subcommand("get", "Read a cached block into a file; exit 2 when absent");
+  get->add_option("--path", get_args->path, "Region path(s) of the pool, comma-separated")->required();
+  get->add_option("--node", get_args->node, "Node id to join as (default: a free one)");
+  get->add_option("--key", get_args->key, "Key string")->required();
+  get->add_option("--out", get_args->out, "Output file ('-': stdout)")->required();
+  get->callback([get_args, &result] { result.status = Get(*get_args, result); });
+
+  auto evict_args = std::make_shared<CacheArgs>();
+  CLI::App* evict = app.add_subcommand("evict", "Evict one key or every unpinned block");
+  evict->add_option("--path", evict_args->path, "Region path(s) of the pool, comma-separated")->required();
+  evict->add_option("--node", evict_args->node, "Node id to join as (default: a free one)");
+  auto* key = evict->add_option("--key", evict_args->key, "Key string");
+  auto* all = evict->add_flag("--all", evict_args->all, "Every unpinned READY block, of every namespace");
+  key->excludes(all);
+  evict->callback([evict_args, &result] {
+    if (!evict_args->all && evict_args->key.empty()) {
+      result.status = InvalidArgument("evict needs --key STRING or --all");
+      return;
+    }
+    result.status = Evict(*evict_args);
+  });
+}
+
+}  // namespace cxlkv::cli
