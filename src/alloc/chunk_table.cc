@@ -40,6 +40,14 @@ HeapGeometry GeometryFor(uint64_t chunk_bytes, uint64_t class_bytes) {
 }
 
 void ApplyIntent(region::MetaAccess& meta, const ChunkTableLayout& table, const Intent& intent) {
+  if (intent.count > 0) {
+    // P2 before writing: owner words and bitmap bits of neighbouring chunks share these lines
+    // and other nodes changed them under the lock. Storing into a stale cached line and
+    // flushing it would write their old values back (the simulator caught exactly that).
+    meta.Invalidate(table.owner(intent.first), intent.count * 8);
+    meta.Invalidate(table.bitmap_word(intent.first),
+                    table.bitmap_word(intent.first + intent.count - 1) - table.bitmap_word(intent.first) + 8);
+  }
   for (uint64_t i = 0; i < intent.count; ++i) {
     uint64_t c = intent.first + i;
     uint64_t word = 0;

@@ -39,6 +39,7 @@ bool Index::TryEvictLocked(uint64_t slot, uint64_t gen, uint64_t* payload, uint6
   const uint64_t off = layout_.entry(slot);
   if (meta_.Fetch(off) != StateWord(gen, kReady)) return false;
   meta_.Publish(off, StateWord(gen, kEvicting));
+  MaybeCrash(CrashPoint::kEvictAfterMark);
   // EVICTING is flushed; a pinner whose pin we do not see now will see EVICTING and back off.
   if (AnyPins(slot)) {
     meta_.Publish(off, StateWord(gen, kReady));

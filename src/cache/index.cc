@@ -2,6 +2,7 @@
 // evict.cc.
 #include "cache/index.h"
 
+#include <signal.h>
 #include <xxhash.h>
 
 #include <algorithm>
@@ -409,6 +410,7 @@ Result<Reservation> Index::Reserve(const NamespaceHandle& ns, const BlockKey& ke
   e.stamp_us = NowStamp();
   meta_.WriteStruct(off, e);
   Add(kBytesClaimed, bytes);
+  MaybeCrash(CrashPoint::kReserveHoldingLock);
   sync::Range written{off, sizeof e};
   UnlockStripe(stripe, {&written, 1});
   return Reservation{static_cast<uint32_t>(slot), gen, payload.raw(), bytes, true};
@@ -478,6 +480,12 @@ Result<alloc::ObjectOffset> Index::AllocatePayload(uint64_t bytes) {
   return NoSpace("pool full: no room for a block of " + std::to_string(bytes) + " bytes and nothing "
                  "evictable (" + std::to_string(UsedBytes()) + " bytes in pinned or in-flight blocks); "
                  "release pins or grow the pool");
+}
+
+void Index::MaybeCrash(CrashPoint p) {
+  if (crash_at_.load(std::memory_order_relaxed) == p) [[unlikely]] {
+    ::raise(SIGKILL);
+  }
 }
 
 void Index::FreePayload(uint64_t payload, uint64_t) {

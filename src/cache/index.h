@@ -81,6 +81,11 @@ class Index {
 
   uint64_t NowStamp() const;
 
+  // Test hook: the process kills itself (SIGKILL) at this point of the protocol, to prove the
+  // recovery paths. Never set outside tests.
+  enum class CrashPoint { kNone, kReserveHoldingLock, kEvictAfterMark };
+  void TestCrashAt(CrashPoint p) { crash_at_.store(p); }
+
  private:
   struct Probe {
     int64_t found = -1;       // slot holding the key (any live state), or -1
@@ -119,6 +124,8 @@ class Index {
   sync::Node& node_;
   alloc::Allocator& allocator_;
   const uint64_t capacity_;  // payload budget: the header's, or every data chunk of the pool
+  std::atomic<CrashPoint> crash_at_{CrashPoint::kNone};
+  void MaybeCrash(CrashPoint p);
 };
 
 }  // namespace cxlkv::cache

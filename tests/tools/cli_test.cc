@@ -54,7 +54,7 @@ TEST(Cli, InitThenInfoJson) {
   auto j = nlohmann::json::parse(info.stdout_only);
   EXPECT_EQ(j["region_size"].get<uint64_t>(), uint64_t{32} << 20);
   EXPECT_EQ(j["max_nodes"].get<int>(), 4);
-  EXPECT_EQ(j["layout_version"].get<uint32_t>(), kLayoutVersion);
+  EXPECT_EQ(j["layout_version"].get<uint32_t>(), cxlkv::kLayoutVersion);
   EXPECT_EQ(j["backend"].get<std::string>(), "shm-file");
   EXPECT_FALSE(j["areas"].empty());
   auto text = Cli("info --path " + path.path());

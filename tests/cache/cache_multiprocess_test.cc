@@ -1,0 +1,242 @@
+// The prefix cache across real processes on one region: the TraCT prefill→decode handoff, a
+// storm of overlapping chains with evictions (also under the non-coherent simulator), and
+// kill -9 at every step of an insert and of an eviction.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <random>
+
+#include <gtest/gtest.h>
+
+#include "cache_test_util.h"
+
+namespace cxlkv {
+namespace {
+
+using testing::FillForKey;
+using testing::MatchesKey;
+using testing::OpenOrNull;
+
+struct Opened {
+  std::unique_ptr<Pool> pool;
+  KvCache* cache = nullptr;
+  NamespaceHandle ns;
+};
+
+Opened OpenCache(const std::string& path, uint32_t node, uint64_t sim_seed = 0) {
+  Opened o;
+  o.pool = OpenOrNull({path}, node, sim_seed);
+  if (!o.pool) return o;
+  auto c = o.pool->Cache();
+  if (!c.ok()) return Opened{};
+  o.cache = *c;
+  auto ns = o.cache->Namespace(testing::TestNamespace());
+  if (!ns.ok()) return Opened{};
+  o.ns = *ns;
+  return o;
+}
+
+std::vector<std::string> Problems(const std::string& path) {
+  auto regions = pool::AttachAll({path});
+  EXPECT_TRUE(regions.ok());
+  return pool::Check(*regions, 3 * testing::kTestLeaseMs);
+}
+
+TEST(CacheProcesses, PrefillToDecodeHandoffOf64Blocks) {
+  testing::TempRegionPath path("handoff");
+  ASSERT_TRUE(testing::CreateCachePool(path.path(), 256 << 20).ok());
+  const auto tokens = testing::Tokens(42, 16 * 64, 0, 0);
+  constexpr uint64_t kBlock = 1 << 20;
+  // Process A (node 0): reserve, write with random bytes, commit — the prefill side.
+  auto a = testing::RunForked(1, [&](int) {
+    auto o = OpenCache(path.path(), 0);
+    CHILD_CHECK(o.cache, "open");
+    auto keys = o.cache->ChainKeys(o.ns, tokens);
+    CHILD_CHECK(keys.size() == 64, "keys %zu", keys.size());
+    std::vector<uint8_t> buf(kBlock);
+    for (const auto& k : keys) {
+      auto r = o.cache->Reserve(o.ns, k, kBlock);
+      CHILD_CHECK(r.ok(), "%s", r.status().ToString().c_str());
+      FillForKey(k, buf.data(), kBlock);
+      CHILD_CHECK(o.cache->Write(*r, 0, buf.data(), kBlock).ok(), "write");
+      CHILD_CHECK(o.cache->Commit(*r).ok(), "commit");
+    }
+    return 0;
+  });
+  ASSERT_EQ(a[0], 0);
+  // Process B (node 1): the decode side, a different process and node.
+  auto b = testing::RunForked(1, [&](int) {
+    auto o = OpenCache(path.path(), 1);
+    CHILD_CHECK(o.cache, "open");
+    auto keys = o.cache->ChainKeys(o.ns, tokens);
+    auto hit = o.cache->Lookup(o.ns, keys);
+    CHILD_CHECK(hit.ok() && hit->hit_blocks == 64, "hit %zu", hit.ok() ? hit->hit_blocks : 0);
+    std::vector<uint8_t> out(kBlock);
+    for (size_t i = 0; i < 64; ++i) {
+      CHILD_CHECK(o.cache->Read(hit->pins[i], 0, out.data(), kBlock).ok(), "read");
+      CHILD_CHECK(MatchesKey(keys[i], out.data(), kBlock), "block %zu differs", i);
+    }
+    o.cache->Release(hit->pins);
+    return 0;
+  });
+  ASSERT_EQ(b[0], 0);
+  auto problems = Problems(path.path());
+  for (const auto& p : problems) ADD_FAILURE() << p;
+}
+
+// One storm worker: requests over a few recurring documents (shared prefixes) with unique
+// tails; look up, verify every hit byte, insert the rest, sometimes evict. Block sizes are
+// powers of two from the key, so allocated bytes equal entry bytes exactly.
+struct StormOptions {
+  int ops = 300;
+  uint64_t sim_seed = 0;
+  int crash_after = -1;  // op index at which to die (see crash_mode)
+  int crash_mode = 0;    // 1: in reserve holding the lock, 2: mid-write, 3: after commit,
+                         // 4: mid-eviction
+};
+
+uint64_t BlockBytesFor(const BlockKey& k) { return uint64_t{4096} << (k.lo % 5); }  // 4..64 KiB
+
+int StormWorker(const std::string& path, uint32_t node, const StormOptions& so) {
+  auto o = OpenCache(path, node, so.sim_seed);
+  CHILD_CHECK(o.cache, "open node %u", node);
+  std::mt19937_64 rng(node * 1000 + so.sim_seed);
+  std::vector<uint8_t> buf(64 << 10);
+  cache::Index& index = *o.pool->impl().index;
+  for (int op = 0; op < so.ops; ++op) {
+    // Armed from crash_after on, until the step it targets comes up.
+    const bool crash_now = so.crash_mode != 0 && op >= so.crash_after;
+    uint64_t doc = rng() % 6;
+    auto tokens = testing::Tokens(doc, 16 * (2 + rng() % 10), rng() % 4, 16 * (rng() % 4));
+    auto keys = o.cache->ChainKeys(o.ns, tokens);
+    auto hit = o.cache->Lookup(o.ns, keys);
+    CHILD_CHECK(hit.ok(), "%s", hit.status().ToString().c_str());
+    for (size_t i = 0; i < hit->hit_blocks; ++i) {
+      const BlockPin& p = hit->pins[i];
+      CHILD_CHECK(p.bytes == BlockBytesFor(keys[i]), "size");
+      CHILD_CHECK(o.cache->Read(p, 0, buf.data(), p.bytes).ok(), "read");
+      CHILD_CHECK(MatchesKey(keys[i], buf.data(), p.bytes), "node %u op %d: block %zu read wrong bytes", node, op, i);
+    }
+    for (size_t i = hit->hit_blocks; i < keys.size(); ++i) {
+      const uint64_t bytes = BlockBytesFor(keys[i]);
+      if (crash_now && so.crash_mode == 1) index.TestCrashAt(cache::Index::CrashPoint::kReserveHoldingLock);
+      auto r = o.cache->Reserve(o.ns, keys[i], bytes);
+      if (!r.ok()) {
+        auto c = r.status().code();
+        CHILD_CHECK(c == StatusCode::kAlreadyExists || c == StatusCode::kBusy || c == StatusCode::kNoSpace,
+                    "%s", r.status().ToString().c_str());
+        break;  // someone else is writing it: the chain stops here for us
+      }
+      FillForKey(keys[i], buf.data(), bytes);
+      if (crash_now && so.crash_mode == 2) {
+        CHILD_CHECK(o.cache->Write(*r, 0, buf.data(), bytes / 2).ok(), "write");
+        ::raise(SIGKILL);
+      }
+      CHILD_CHECK(o.cache->Write(*r, 0, buf.data(), bytes).ok(), "write");
+      CHILD_CHECK(o.cache->Commit(*r).ok(), "commit");
+      if (crash_now && so.crash_mode == 3) ::raise(SIGKILL);
+    }
+    if (crash_now && so.crash_mode == 4) index.TestCrashAt(cache::Index::CrashPoint::kEvictAfterMark);
+    if (crash_now && so.crash_mode == 4) {
+      CHILD_CHECK(o.cache->EvictAll().ok(), "evict all");  // dies on the first READY entry
+    }
+    if (rng() % 8 == 0) {
+      // Evict a random suffix of some chain (pinned blocks are skipped by the cache).
+      size_t from = keys.empty() ? 0 : rng() % keys.size();
+      auto ev = o.cache->Evict(o.ns, std::span<const BlockKey>(keys).subspan(from));
+      CHILD_CHECK(ev.ok(), "%s", ev.status().ToString().c_str());
+    }
+    o.cache->Release(hit->pins);
+  }
+  return 0;
+}
+
+// Every READY entry's bytes match its key; allocated bytes equal the entries' bytes.
+void VerifyQuiescentPool(const std::string& path, uint32_t node) {
+  auto o = OpenCache(path, node);
+  ASSERT_TRUE(o.cache);
+  // Let this node's manager recover every node that left or died.
+  std::this_thread::sleep_for(std::chrono::milliseconds(4 * testing::kTestLeaseMs));
+  uint64_t bytes = 0;
+  std::vector<uint8_t> buf(64 << 10);
+  for (const auto& e : testing::LiveEntries(*o.pool)) {
+    ASSERT_EQ(cache::StateOf(e.state), cache::kReady) << "an in-flight entry outlived its writer";
+    BlockKey k{e.key_lo, e.key_hi};
+    auto hit = o.cache->Lookup(o.ns, {&k, 1});
+    ASSERT_TRUE(hit.ok() && hit->hit_blocks == 1);
+    ASSERT_TRUE(o.cache->Read(hit->pins[0], 0, buf.data(), e.bytes).ok());
+    EXPECT_TRUE(MatchesKey(k, buf.data(), e.bytes)) << "READY block with wrong bytes";
+    o.cache->Release(hit->pins);
+    bytes += e.bytes;
+  }
+  o.pool->impl().allocator->Trim();
+  auto regions = pool::AttachAll({path});
+  ASSERT_TRUE(regions.ok());
+  EXPECT_EQ(alloc::InspectChunks(*(*regions)[0], 8).allocated_bytes, bytes)
+      << "allocated space does not account for the cached blocks";
+}
+
+TEST(CacheProcesses, StormOfOverlappingChainsReadsOnlyRightBytes) {
+  testing::TempRegionPath path("storm");
+  // Small on purpose: ~13 chunks of data, so LRU eviction runs constantly.
+  ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
+  auto codes = testing::RunForked(4, [&](int i) { return StormWorker(path.path(), i, StormOptions{}); });
+  for (int c : codes) EXPECT_EQ(c, 0);
+  VerifyQuiescentPool(path.path(), 5);
+  auto problems = Problems(path.path());
+  for (const auto& p : problems) ADD_FAILURE() << p;
+  auto regions = pool::AttachAll({path.path()});
+  auto stat = cache::Stat(*(*regions)[0], {});
+  EXPECT_GT(stat["totals"]["hit_blocks"].get<uint64_t>(), 0u);
+  EXPECT_GT(stat["totals"]["evictions"].get<uint64_t>(), 0u);
+}
+
+TEST(CacheProcesses, StormUnderTheNonCoherentSimulator) {
+  for (uint64_t seed : {11u, 22u, 33u}) {
+    testing::TempRegionPath path("storm-sim");
+    ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
+    StormOptions so;
+    so.ops = 60;
+    auto codes = testing::RunForked(4, [&](int i) {
+      StormOptions mine = so;
+      mine.sim_seed = seed * 10 + i;
+      return StormWorker(path.path(), i, mine);
+    });
+    for (int c : codes) EXPECT_EQ(c, 0) << "seed " << seed;
+    VerifyQuiescentPool(path.path(), 5);
+    auto problems = Problems(path.path());
+    for (const auto& p : problems) ADD_FAILURE() << "seed " << seed << ": " << p;
+  }
+}
+
+TEST(CacheProcesses, KillNineAtEveryStepIsRecovered) {
+  testing::TempRegionPath path("storm-kill");
+  ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
+  auto survivor = OpenCache(path.path(), 7);  // lowest live node after the deaths: manages recovery
+  ASSERT_TRUE(survivor.cache);
+  // Workers 0..3 each die at a different step; worker 4 keeps storming through it all.
+  auto codes = testing::RunForked(5, [&](int i) {
+    StormOptions so;
+    so.ops = 200;
+    if (i < 4) {
+      so.crash_after = 20 + 10 * i;
+      so.crash_mode = i + 1;
+    }
+    int rc = StormWorker(path.path(), i, so);
+    return i < 4 && rc == 0 ? 3 : rc;  // a crasher that did not crash failed its job
+  });
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(codes[i], 128 + SIGKILL) << "worker " << i << " was to die";
+  EXPECT_EQ(codes[4], 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(4 * testing::kTestLeaseMs));
+  // The survivor's manager has reclaimed the dead nodes: check passes with the survivor live.
+  auto problems = Problems(path.path());
+  for (const auto& p : problems) ADD_FAILURE() << p;
+  survivor.pool.reset();
+  VerifyQuiescentPool(path.path(), 6);
+  problems = Problems(path.path());
+  for (const auto& p : problems) ADD_FAILURE() << p;
+}
+
+}  // namespace
+}  // namespace cxlkv

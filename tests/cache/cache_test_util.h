@@ -1,0 +1,81 @@
+// Shared set-up for prefix-cache tests: pools with an index, a block content that is a pure
+// function of the key (so any process can verify any block it reads), and index scans.
+#ifndef CXLKV_TESTS_CACHE_CACHE_TEST_UTIL_H_
+#define CXLKV_TESTS_CACHE_CACHE_TEST_UTIL_H_
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "../pool/pool_test_util.h"
+#include "cache/index.h"
+#include "cache/inspect.h"
+#include "cache/layout.h"
+
+namespace cxlkv::testing {
+
+inline Status CreateCachePool(const std::string& path, uint64_t size, uint32_t entries = 0,
+                              bool checksum = false, uint32_t max_nodes = 8) {
+  PoolCreateOptions co;
+  co.size = size;
+  co.max_nodes = max_nodes;
+  co.index_entries = entries;
+  co.checksum = checksum;
+  co.overwrite = true;
+  return Pool::Create({path}, co);
+}
+
+inline KeyNamespace TestNamespace(const std::string& model = "test-model") {
+  KeyNamespace ns;
+  ns.model_id = model;
+  ns.layout.block_size = 16;  // num_layers == 0: blocks of any size
+  return ns;
+}
+
+inline uint64_t Mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// The bytes every process expects under `key`.
+inline void FillForKey(const BlockKey& key, uint8_t* dst, uint64_t bytes) {
+  uint64_t seed = key.lo ^ Mix(key.hi);
+  for (uint64_t i = 0; i < bytes; i += 8) {
+    uint64_t w = Mix(seed + i);
+    std::memcpy(dst + i, &w, std::min<uint64_t>(8, bytes - i));
+  }
+}
+inline bool MatchesKey(const BlockKey& key, const uint8_t* p, uint64_t bytes) {
+  std::vector<uint8_t> want(bytes);
+  FillForKey(key, want.data(), bytes);
+  return std::memcmp(want.data(), p, bytes) == 0;
+}
+
+// A token sequence: `shared` tokens of document `doc` then `unique` tokens of its own.
+inline std::vector<int32_t> Tokens(uint64_t doc, size_t shared, uint64_t tail_seed, size_t unique) {
+  std::vector<int32_t> t;
+  for (size_t i = 0; i < shared; ++i) t.push_back(static_cast<int32_t>(Mix(doc * 1000003 + i) % 128000));
+  for (size_t i = 0; i < unique; ++i) t.push_back(static_cast<int32_t>(Mix(tail_seed * 7919 + i) % 128000));
+  return t;
+}
+
+// Live (non-empty, non-tombstone) entries as the region holds them now.
+inline std::vector<cache::Entry> LiveEntries(Pool& pool) {
+  cache::Index& index = *pool.impl().index;
+  auto& meta = pool.impl().regions[0]->impl().meta();
+  std::vector<cache::Entry> out;
+  for (uint64_t slot = 0; slot < index.layout().entries(); ++slot) {
+    uint64_t off = index.layout().entry(slot);
+    meta.Invalidate(off, sizeof(cache::Entry));
+    auto e = meta.ReadStruct<cache::Entry>(off);
+    auto s = cache::StateOf(e.state);
+    if (s == cache::kWriting || s == cache::kReady || s == cache::kEvicting) out.push_back(e);
+  }
+  return out;
+}
+
+}  // namespace cxlkv::testing
+
+#endif  // CXLKV_TESTS_CACHE_CACHE_TEST_UTIL_H_
