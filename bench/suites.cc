@@ -11,6 +11,10 @@ const std::vector<Suite>& Suites() {
       {"lock", "two-tier lock acquire+release, 1/2/4 processes, vs a process-shared pthread mutex",
        &RunLockBench},
       {"alloc", "pool alloc+free pairs/s, 256 B and 2 MiB objects, vs malloc", &RunAllocBench},
+      {"cache",
+       "prefix cache: lookup ns/block for chains of 1/16/256; put/get GB/s of 2 MiB blocks vs the bare "
+       "copy, and vs a local redis-server",
+       &RunCacheBench},
   };
   return suites;
 }

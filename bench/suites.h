@@ -28,6 +28,7 @@ Result<nlohmann::json> RunSuite(const std::string& name, const BenchOptions& opt
 Result<nlohmann::json> RunRegionBench(const BenchOptions& options);
 Result<nlohmann::json> RunLockBench(const BenchOptions& options);
 Result<nlohmann::json> RunAllocBench(const BenchOptions& options);
+Result<nlohmann::json> RunCacheBench(const BenchOptions& options);
 
 }  // namespace cxlkv::bench
 

@@ -110,9 +110,9 @@ class KvCache {
   Result<NamespaceHandle> Namespace(const KeyNamespace& ns);
 
   // Keys of every *full* block of `tokens`: h_i = xxh3-128(h_{i-1} ‖ tokens of block i).
-  std::vector<BlockKey> ChainKeys(const NamespaceHandle& ns, std::span<const int32_t> tokens) const;
+  static std::vector<BlockKey> ChainKeys(const NamespaceHandle& ns, std::span<const int32_t> tokens);
   // An engine's own block hash (vLLM, SGLang), folded into the namespace.
-  BlockKey KeyFromEngineHash(const NamespaceHandle& ns, std::span<const uint8_t> hash) const;
+  static BlockKey KeyFromEngineHash(const NamespaceHandle& ns, std::span<const uint8_t> hash);
 
   // Longest READY prefix of `keys`, pinned. Errors: kInvalidArgument (a key of another
   // namespace, a stale handle).

@@ -287,7 +287,18 @@ Status Allocator::Free(ObjectOffset off) {
         pthread_mutex_unlock(&node_.local().header().heap_mu);
         return s;
       }
-      return PushRemoteFree(w.node, off);
+      if (OwnerLifeIsLive(w.node, w.incarnation)) return PushRemoteFree(w.node, off);
+      // The owner's life is over (dead, left, or restarted): nobody would drain a ring entry
+      // pushed after its recovery. Free in place under the allocator lock, which that life's
+      // recovery also holds, so the two never interleave.
+      CXLKV_RETURN_IF_ERROR(LockAllocator());
+      if (meta(chunk.region).Fetch(t.owner(chunk.chunk)) == w.Encode()) {
+        Status s = FreeSlot(chunk, within, /*orphan=*/true);
+        UnlockAllocator();
+        return s;
+      }
+      UnlockAllocator();
+      return Free(off);  // recovery changed the chunk meanwhile (orphaned it): route again
     }
     case ChunkKind::kOrphanHeap: {
       CXLKV_RETURN_IF_ERROR(LockAllocator());
@@ -298,6 +309,15 @@ Status Allocator::Free(ObjectOffset off) {
     default:
       return InvalidArgument("offset is not in an allocated chunk (double free?)");
   }
+}
+
+bool Allocator::OwnerLifeIsLive(uint32_t node, uint32_t inc20) {
+  for (const sync::NodeView& v : node_.Nodes()) {
+    if (v.id != node) continue;
+    if (v.incarnation == 0) return true;  // not observed yet: assume live
+    return v.live && Inc20(v.incarnation) == inc20;
+  }
+  return false;
 }
 
 Status Allocator::PushRemoteFree(uint32_t owner, ObjectOffset off) {

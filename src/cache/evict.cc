@@ -181,6 +181,7 @@ uint64_t Index::UsedBytes() {
 
 void Index::Recover(uint32_t node, uint64_t inc) {
   for (uint32_t stripe = 0; stripe < layout_.h.stripes; ++stripe) {
+    if (node_.leaving()) return;  // the next manager recovers the node again (idempotent)
     if (!LockStripe(stripe).ok()) continue;  // the manager retries recovery on a later beat
     RepairStripeLocked(stripe, node, inc);
     UnlockStripe(stripe);

@@ -259,51 +259,80 @@ Status Index::CheckHandle(const NamespaceHandle& ns) {
 
 // ---- lookup and pins ----
 
-void Index::PinAdd(uint64_t slot, int64_t delta, uint64_t stamp) {
+bool Index::PinAddLocal(uint64_t slot, int64_t delta, uint64_t stamp) {
   const uint64_t off = layout_.pin(node_.id(), slot);
   uint64_t old = meta_.Load(off);
   for (;;) {
     uint64_t count = PinCount(old);
-    if (delta < 0 && count == 0) return;  // nothing to release (recovery already dropped it)
+    if (delta < 0 && count == 0) return false;  // nothing to release (recovery dropped it)
+    if (delta > 0 && count == kPinCountMask) return false;  // saturated: 65535 pins of one node
     uint64_t next = PinWord(std::max(PinStamp(old), stamp), delta < 0 ? count - 1 : count + 1);
-    if (delta > 0 && count == kPinCountMask) return;  // saturated: cannot happen with sane callers
-    if (meta_.LocalCompareExchange(off, old, next)) break;
+    if (meta_.LocalCompareExchange(off, old, next)) return true;
   }
-  meta_.Flush(off, 8);  // P1: evictors on other hosts must see it before we re-check the state
 }
 
 Result<LookupResult> Index::Lookup(const NamespaceHandle& ns, std::span<const BlockKey> keys, bool pin) {
   CXLKV_RETURN_IF_ERROR(CheckHandle(ns));
   LookupResult out;
-  out.pins.reserve(keys.size());
-  const uint64_t stamp = NowStamp();
-  Status failure;
-  for (const BlockKey& key : keys) {
-    Probe p = Find(key);
-    if (p.found < 0) break;
-    if (p.entry.ns != ns.id) {
-      failure = InvalidArgument("a key was made in namespace " + std::to_string(p.entry.ns) + ", not " +
-                                std::to_string(ns.id) + ": keys are namespace-specific; make them with "
-                                "ChainKeys/KeyFromEngineHash of the namespace you look up in");
-      break;
-    }
-    if (StateOf(p.entry.state) != kReady) break;
-    const uint64_t slot = static_cast<uint64_t>(p.found);
-    if (pin) {
-      PinAdd(slot, +1, stamp);
-      // Our pin is flushed; an evictor that missed it must have published EVICTING (or reused
-      // the slot) before our pin landed, and we see that here.
-      if (meta_.Fetch(layout_.entry(slot)) != p.entry.state) {
-        PinAdd(slot, -1, 0);
-        break;
-      }
-    }
-    out.pins.push_back(BlockPin{static_cast<uint32_t>(slot), GenOf(p.entry.state), p.entry.payload, p.entry.bytes,
-                                p.entry.tier, p.entry.checksum});
+  // 1. Every key's home slot at once: one batch of invalidations, so the misses overlap.
+  //    A key that is not at home (a collision) is probed one slot at a time.
+  std::vector<uint64_t> offs(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    offs[i] = layout_.entry(SlotAt(StripeOf(keys[i]), keys[i].hi % layout_.h.slots_per_stripe));
   }
-  if (!failure.ok()) {
-    Release(out.pins);
-    return failure;
+  meta_.InvalidateEach(offs, sizeof(Entry));
+  std::vector<uint64_t> slots, states;
+  slots.reserve(keys.size());
+  states.reserve(keys.size());
+  out.pins.reserve(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const BlockKey& key = keys[i];
+    Entry e = meta_.ReadStruct<Entry>(offs[i]);
+    uint64_t slot = (offs[i] - layout_.h.entries_offset) / sizeof(Entry);
+    if (e.key_lo != key.lo || e.key_hi != key.hi || StateOf(e.state) == kEmpty ||
+        StateOf(e.state) == kTombstone) {
+      if (StateOf(e.state) == kEmpty) break;  // an EMPTY home ends the probe: a miss
+      Probe p = Find(key);
+      if (p.found < 0) break;
+      slot = static_cast<uint64_t>(p.found);
+      e = p.entry;
+    }
+    if (e.ns != ns.id) {
+      return InvalidArgument("a key was made in namespace " + std::to_string(e.ns) + ", not " +
+                             std::to_string(ns.id) + ": keys are namespace-specific; make them with "
+                             "ChainKeys/KeyFromEngineHash of the namespace you look up in");
+    }
+    if (StateOf(e.state) != kReady) break;
+    slots.push_back(slot);
+    states.push_back(e.state);
+    out.pins.push_back(BlockPin{static_cast<uint32_t>(slot), GenOf(e.state), e.payload, e.bytes, e.tier, e.checksum});
+  }
+  if (pin && !slots.empty()) {
+    // 2. Pin them all, publish the pins (clflush: P1), then 3. re-fetch every state word. An
+    //    evictor that missed our pin published EVICTING (or reused the slot) before the pin
+    //    landed, and we see that now; the hit ends at the first entry that changed.
+    const uint64_t stamp = NowStamp();
+    std::vector<uint64_t> pin_offs;
+    pin_offs.reserve(slots.size());
+    size_t pinned = 0;
+    for (; pinned < slots.size() && PinAddLocal(slots[pinned], +1, stamp); ++pinned) {
+      pin_offs.push_back(layout_.pin(node_.id(), slots[pinned]));
+    }
+    if (!test_skip_pin_flush_.load(std::memory_order_relaxed)) [[likely]] meta_.FlushEach(pin_offs, 8);
+    for (size_t i = 0; i < pinned; ++i) offs[i] = layout_.entry(slots[i]);
+    offs.resize(pinned);
+    meta_.InvalidateEach(offs, 8);
+    size_t valid = 0;
+    while (valid < pinned && meta_.Load(offs[valid]) == states[valid]) ++valid;
+    if (valid < pinned) {
+      pin_offs.clear();
+      for (size_t i = valid; i < pinned; ++i) {
+        PinAddLocal(slots[i], -1, 0);
+        pin_offs.push_back(layout_.pin(node_.id(), slots[i]));
+      }
+      meta_.FlushEach(pin_offs, 8);
+    }
+    out.pins.resize(valid);
   }
   out.hit_blocks = out.pins.size();
   if (pin) {
@@ -319,9 +348,12 @@ Result<LookupResult> Index::Lookup(const NamespaceHandle& ns, std::span<const Bl
 
 void Index::Release(std::span<const BlockPin> pins) {
   const uint64_t stamp = NowStamp();  // the last access ends now: LRU by release time
+  std::vector<uint64_t> pin_offs;
+  pin_offs.reserve(pins.size());
   for (const BlockPin& p : pins) {
-    if (p.slot < layout_.entries()) PinAdd(p.slot, -1, stamp);
+    if (p.slot < layout_.entries() && PinAddLocal(p.slot, -1, stamp)) pin_offs.push_back(layout_.pin(node_.id(), p.slot));
   }
+  meta_.FlushEach(pin_offs, 8);  // P1: evictors read these
 }
 
 // ---- insert ----
@@ -362,8 +394,12 @@ Result<Reservation> Index::Reserve(const NamespaceHandle& ns, const BlockKey& ke
     }
     return Busy("block is being evicted; retry");
   };
-  // A lock-free look first: most duplicate inserts end here without allocating.
-  if (Probe hint = Find(key); hint.found >= 0) return present(hint);
+  // A lock-free look first: most duplicate inserts end here without allocating (a WRITING
+  // entry whose writer is gone is reclaimed under the lock below).
+  if (Probe hint = Find(key); hint.found >= 0 &&
+                              !(StateOf(hint.entry.state) == kWriting && !WriterLive(hint.entry.writer))) {
+    return present(hint);
+  }
   CXLKV_ASSIGN_OR_RETURN(auto payload, AllocatePayload(bytes));
 
   const uint32_t stripe = static_cast<uint32_t>(StripeOf(key));
@@ -372,6 +408,14 @@ Result<Reservation> Index::Reserve(const NamespaceHandle& ns, const BlockKey& ke
     return s;
   }
   Probe p = Find(key);
+  if (p.found >= 0 && StateOf(p.entry.state) == kWriting && !WriterLive(p.entry.writer)) {
+    // Its writer's life ended and recovery has not reached it (or skipped this stripe): the
+    // entry is reclaimed here, as recovery would (its payload is the allocator's to reclaim).
+    TombstoneLocked(static_cast<uint64_t>(p.found), GenOf(p.entry.state));
+    Add(kBytesReleased, p.entry.bytes);
+    Add(kReclaimed, 1);
+    p = Find(key);
+  }
   if (p.found < 0 && p.free_slot < 0) {
     // The stripe is full: make room by evicting its least recently used unpinned entry.
     std::vector<std::pair<uint64_t, uint64_t>> ready;  // (stamp, slot)
@@ -426,7 +470,7 @@ Status Index::Commit(Reservation& r) {
   uint64_t checksum = 0;
   if (checksums()) {
     const uint8_t* p = Payload(r.offset, r.bytes);
-    if (meta_.mode() == CoherenceMode::kSoftware) region::InvalidateLines(p, r.bytes);
+    if (meta_.mode() == CoherenceMode::kSoftware) region::InvalidateLinesOpt(p, r.bytes);
     checksum = XXH3_64bits(p, r.bytes);
   }
   // The writer owns a WRITING entry: no lock. Fields first, then the state word (P4). The
@@ -456,6 +500,16 @@ Status Index::Abort(Reservation& r) {
   UnlockStripe(stripe);
   FreePayload(r.offset, 0);
   return Status::Ok();
+}
+
+bool Index::WriterLive(uint64_t writer) {
+  for (const sync::NodeView& v : node_.Nodes()) {
+    if (v.id != WriterNode(writer)) continue;
+    if (v.incarnation == 0) return true;  // not observed yet: assume live (never reclaim early)
+    if (WriterInc(v.incarnation) != WriterInc(writer)) return false;  // restarted: that life ended
+    return v.live;
+  }
+  return false;
 }
 
 Result<alloc::ObjectOffset> Index::AllocatePayload(uint64_t bytes) {

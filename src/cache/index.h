@@ -18,6 +18,7 @@
 #define CXLKV_SRC_CACHE_INDEX_H_
 
 #include <atomic>
+#include <cstring>
 #include <mutex>
 #include <span>
 #include <string>
@@ -54,9 +55,13 @@ class Index {
   uint8_t* Payload(uint64_t offset, uint64_t bytes) {
     return allocator_.Ptr(alloc::ObjectOffset(offset), bytes);
   }
-  // Drops this host's copies of payload lines before reading them (no-op on a coherent host).
-  void InvalidatePayload(const uint8_t* p, uint64_t bytes) {
-    if (meta_.mode() == CoherenceMode::kSoftware) region::InvalidateLines(p, bytes);
+  // Copies payload out, dropping this host's stale copies first where the mode needs it.
+  void ReadPayload(void* dst, const uint8_t* p, uint64_t bytes) {
+    if (meta_.mode() == CoherenceMode::kSoftware) {
+      region::CopyFromShared(dst, p, bytes);
+    } else {
+      std::memcpy(dst, p, bytes);
+    }
   }
   void CountRead(uint64_t bytes) { Add(kReadBytes, bytes); }
   void CountWrite(uint64_t bytes) { Add(kWriteBytes, bytes); }
@@ -85,6 +90,8 @@ class Index {
   // recovery paths. Never set outside tests.
   enum class CrashPoint { kNone, kReserveHoldingLock, kEvictAfterMark };
   void TestCrashAt(CrashPoint p) { crash_at_.store(p); }
+  // Test hook: Lookup forgets to flush its pins (the protocol bug the simulator must catch).
+  void TestSkipPinFlush(bool skip) { test_skip_pin_flush_.store(skip); }
 
  private:
   struct Probe {
@@ -111,10 +118,14 @@ class Index {
   // (offset, bytes) to free after the lock is released, or bytes = 0 when pinned or changed.
   bool TryEvictLocked(uint64_t slot, uint64_t gen, uint64_t* payload, uint64_t* bytes);
   bool AnyPins(uint64_t slot);
+  // True when the life that wrote `writer` (a WriterWord) is live in this process's view.
+  bool WriterLive(uint64_t writer);
   void FreePayload(uint64_t payload, uint64_t bytes);
 
   void Add(Counter c, uint64_t delta) { meta_.LocalFetchAdd(layout_.counter(node_.id(), c), delta); }
-  void PinAdd(uint64_t slot, int64_t delta, uint64_t stamp);
+  // Adds to this node's pin word for `slot` (a local atomic; the caller flushes). False when
+  // nothing changed (releasing a pin recovery already dropped, or a saturated count).
+  bool PinAddLocal(uint64_t slot, int64_t delta, uint64_t stamp);
   Status CheckHandle(const NamespaceHandle& ns);
   Result<alloc::ObjectOffset> AllocatePayload(uint64_t bytes);
 
@@ -125,6 +136,7 @@ class Index {
   alloc::Allocator& allocator_;
   const uint64_t capacity_;  // payload budget: the header's, or every data chunk of the pool
   std::atomic<CrashPoint> crash_at_{CrashPoint::kNone};
+  std::atomic<bool> test_skip_pin_flush_{false};
   void MaybeCrash(CrashPoint p);
 };
 

@@ -25,7 +25,7 @@ uint64_t KvLayoutSignature::BlockBytes() const {
 
 Result<NamespaceHandle> KvCache::Namespace(const KeyNamespace& ns) { return index_.RegisterNamespace(ns); }
 
-std::vector<BlockKey> KvCache::ChainKeys(const NamespaceHandle& ns, std::span<const int32_t> tokens) const {
+std::vector<BlockKey> KvCache::ChainKeys(const NamespaceHandle& ns, std::span<const int32_t> tokens) {
   std::vector<BlockKey> keys;
   const size_t bs = ns.block_size ? ns.block_size : 16;
   keys.reserve(tokens.size() / bs);
@@ -44,7 +44,7 @@ std::vector<BlockKey> KvCache::ChainKeys(const NamespaceHandle& ns, std::span<co
   return keys;
 }
 
-BlockKey KvCache::KeyFromEngineHash(const NamespaceHandle& ns, std::span<const uint8_t> hash) const {
+BlockKey KvCache::KeyFromEngineHash(const NamespaceHandle& ns, std::span<const uint8_t> hash) {
   XXH3_state_t* st = XXH3_createState();
   XXH3_128bits_reset(st);
   XXH3_128bits_update(st, &ns.seed, sizeof ns.seed);
@@ -99,8 +99,7 @@ Status KvCache::Read(const BlockPin& pin, uint64_t at, void* dst, uint64_t bytes
                            " overruns the block of " + std::to_string(pin.bytes) + " bytes");
   }
   const uint8_t* src = index_.Payload(pin.offset, pin.bytes) + at;
-  index_.InvalidatePayload(src, bytes);  // P2 for payload: another host wrote it
-  std::memcpy(dst, src, bytes);
+  index_.ReadPayload(dst, src, bytes);  // P2 for payload: another host wrote it
   index_.CountRead(bytes);
   if (index_.checksums() && at == 0 && bytes == pin.bytes && XXH3_64bits(dst, bytes) != pin.checksum) {
     index_.CountChecksumFailure();

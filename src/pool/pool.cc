@@ -116,6 +116,9 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::vector<std::string>& paths,
                                          const PoolOpenOptions& options) {
   auto impl = std::make_unique<Impl>();
   CXLKV_ASSIGN_OR_RETURN(impl->regions, pool::AttachAll(paths, options.attach));
+  // A damaged or foreign index is refused before joining: nothing is written.
+  auto layout = cache::ReadLayout(*impl->regions[0]);
+  if (!layout.ok() && layout.status().code() != StatusCode::kNotFound) return layout.status();
   sync::NodeOptions no;
   no.node_id = options.node_id;
   no.lease = std::chrono::milliseconds(options.lease_ms);
@@ -131,11 +134,8 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::vector<std::string>& paths,
   allocator->AddReachability([roots](std::vector<uint64_t>& out) {
     for (const auto& r : roots->List()) out.push_back(r.offset);
   });
-  impl->node->AddRecoveryHandler([allocator](uint32_t node, uint64_t inc) { allocator->Recover(node, inc); });
-  impl->node->AddPeriodicTask([allocator] { allocator->DrainRemoteFrees(); });
   // The prefix index: every process that joins takes part in its recovery, so whichever
   // process manages the pool keeps READY payloads reachable and reclaims a dead writer's.
-  auto layout = cache::ReadLayout(*impl->regions[0]);
   if (layout.ok()) {
     impl->index = std::make_unique<cache::Index>(*impl->regions[0], *layout, *impl->node, *allocator);
     impl->cache = std::make_unique<KvCache>(*impl->index);
@@ -143,9 +143,11 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::vector<std::string>& paths,
     allocator->AddReachability([index](std::vector<uint64_t>& out) { index->AppendReachable(out); });
     impl->node->AddRecoveryHandler([index](uint32_t node, uint64_t inc) { index->Recover(node, inc); });
     impl->node->AddPeriodicTask([index] { index->PublishCounters(); });
-  } else if (layout.status().code() != StatusCode::kNotFound) {
-    return layout.status();
   }
+  // After the index's handler: the index first drops a dead node's half-done entries, so the
+  // allocator's reachability no longer counts their payloads and reclaims them.
+  impl->node->AddRecoveryHandler([allocator](uint32_t node, uint64_t inc) { allocator->Recover(node, inc); });
+  impl->node->AddPeriodicTask([allocator] { allocator->DrainRemoteFrees(); });
   return std::make_unique<Pool>(std::move(impl));
 }
 

@@ -2,6 +2,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "region/cpu.h"
@@ -98,6 +99,38 @@ void InvalidateLines(const void* p, size_t n) {
   ForEachLine(p, n, [](void* a) { _mm_clflush(a); });
   // Later loads must not be satisfied before the lines are gone.
   _mm_mfence();
+}
+
+void InvalidateLinesOpt(const void* p, size_t n) {
+  if (!Cpu().clflushopt) return InvalidateLines(p, n);
+  FlushOptBody(p, n);
+  // mfence orders every clflushopt before later loads: they miss and read memory.
+  _mm_mfence();
+}
+
+void FlushLinesUnfenced(const void* p, size_t n) {
+  ForEachLine(p, n, [](void* a) { _mm_clflush(a); });
+}
+
+void InvalidateLinesOptUnfenced(const void* p, size_t n) {
+  if (Cpu().clflushopt) {
+    FlushOptBody(p, n);
+  } else {
+    ForEachLine(p, n, [](void* a) { _mm_clflush(a); });
+  }
+}
+
+void CopyFromShared(void* dst, const void* src, size_t n) {
+  // Invalidate a slice, copy it, go on: the slice stays small enough that the copy runs from
+  // L1/L2 fills while the next slice's flushes are issued.
+  constexpr size_t kSlice = 16 << 10;
+  auto* d = static_cast<uint8_t*>(dst);
+  const auto* s = static_cast<const uint8_t*>(src);
+  for (size_t at = 0; at < n; at += kSlice) {
+    size_t len = std::min(kSlice, n - at);
+    InvalidateLinesOpt(s + at, len);
+    std::memcpy(d + at, s + at, len);
+  }
 }
 
 namespace {

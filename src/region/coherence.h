@@ -31,6 +31,19 @@ void FlushOptLines(const void* p, size_t n);
 void WritebackLines(const void* p, size_t n);
 void InvalidateLines(const void* p, size_t n);
 
+// Invalidation for reading: clflushopt each line, then mfence. Later loads miss and read
+// memory (a dirty line is written back first, and same-address ordering makes the load see
+// it). It is not a PUBLISH: whether a written-back line has reached the device by the fence
+// is exactly what TraCT §3.4 doubts, so publishing stays on FlushLines. Several times cheaper
+// per line than clflush; the metadata accessor and payload reads use it.
+void InvalidateLinesOpt(const void* p, size_t n);
+// The same without the closing fence, for batches: flush or invalidate many lines, then one
+// FullFence() before anything that depends on them.
+void FlushLinesUnfenced(const void* p, size_t n);
+void InvalidateLinesOptUnfenced(const void* p, size_t n);
+// Reads payload another host wrote: invalidate + memcpy, slice by slice.
+void CopyFromShared(void* dst, const void* src, size_t n);
+
 // Non-temporal copy. Lines of `dst` that the copy only partly covers (an unaligned head or tail)
 // are written with ordinary stores and then clflushed, so after return every byte of
 // [dst, dst+n) is in memory, not in this host's cache. A partial line is written back whole:

@@ -75,10 +75,43 @@ class MetaAccess {
     CheckSpan(off, n);
     if (sim_) [[unlikely]] return sim_->Invalidate(off, n);
     if (mode_ == CoherenceMode::kSoftware) {
-      InvalidateLines(base_ + off, n);
+      InvalidateLinesOpt(base_ + off, n);
     } else {
       std::atomic_thread_fence(std::memory_order_seq_cst);
     }
+  }
+
+  // Batched forms: flush / invalidate `n` bytes at each offset, with one fence for all (the
+  // misses and write-backs overlap instead of queueing one fence each).
+  template <typename Offsets>
+  void FlushEach(const Offsets& offs, size_t n) {
+    if (sim_) [[unlikely]] {
+      for (uint64_t off : offs) sim_->Flush(off, n);
+      return;
+    }
+    if (mode_ == CoherenceMode::kSoftware) {
+      for (uint64_t off : offs) {
+        CheckSpan(off, n);
+        FlushLinesUnfenced(base_ + off, n);
+      }
+    }
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (mode_ == CoherenceMode::kSoftware) FullFence();
+  }
+  template <typename Offsets>
+  void InvalidateEach(const Offsets& offs, size_t n) {
+    if (sim_) [[unlikely]] {
+      for (uint64_t off : offs) sim_->Invalidate(off, n);
+      return;
+    }
+    if (mode_ == CoherenceMode::kSoftware) {
+      for (uint64_t off : offs) {
+        CheckSpan(off, n);
+        InvalidateLinesOptUnfenced(base_ + off, n);
+      }
+      FullFence();
+    }
+    std::atomic_thread_fence(std::memory_order_seq_cst);
   }
 
   void Publish(uint64_t off, uint64_t value) {

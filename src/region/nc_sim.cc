@@ -81,8 +81,13 @@ void NcSimCache::FlushLine(uint64_t line_index) {
   resident_.pop_back();
 }
 
+void NcSimCache::SetChaos(bool on) {
+  std::lock_guard<std::mutex> lock(mu_);
+  chaos_ = on;
+}
+
 void NcSimCache::Chaos() {
-  if (resident_.empty()) return;
+  if (!chaos_ || resident_.empty()) return;
   std::uniform_real_distribution<double> coin(0.0, 1.0);
   if (coin(rng_) < options_.writeback_probability) {
     uint64_t pick = resident_[rng_() % resident_.size()];

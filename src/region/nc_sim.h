@@ -63,6 +63,9 @@ class NcSimCache {
 
   SimStats stats() const;
   size_t dirty_lines() const;
+  // Turns the random write-backs and evictions off (or back on): a test that must show a
+  // missing flush deterministically removes the luck that would sometimes hide it.
+  void SetChaos(bool on);
 
  private:
   struct Line {
@@ -79,6 +82,7 @@ class NcSimCache {
   uint8_t* memory_;
   uint64_t size_;
   SimOptions options_;
+  bool chaos_ = true;
   mutable std::mutex mu_;
   std::unordered_map<uint64_t, Line> lines_;
   std::vector<uint64_t> resident_;  // the keys of lines_, for picking one at random

@@ -352,12 +352,16 @@ Result<AcquireInfo> Node::Acquire(uint32_t lock, Clock::time_point deadline) {
       held_request_[lock] = req;
       return info;
     }
-    if (Clock::now() >= deadline) {
+    // A leaving node's own manager thread is gone: waiting out the deadline would only delay
+    // the exit (recovery handlers still running hit this).
+    const bool leaving = stop_.load();
+    if (Clock::now() >= deadline || leaving) {
       // Withdraw: an even request means "not wanted"; a grant racing with it matches nothing.
       uint32_t seq = static_cast<uint32_t>(req) + 1;
       ll.seq.store(seq);
       meta().Publish(layout_.request(lock, me), MakeRequest(RequestIncarnation(req), seq));
       pthread_mutex_unlock(&ll.mu);
+      if (leaving) return Busy("lock " + std::to_string(lock) + " not taken: this node is leaving");
       return Timeout("lock " + std::to_string(lock) + " not granted within the deadline; is a "
                      "lock manager running (a live node with may_host_manager)?");
     }

@@ -98,6 +98,7 @@ class Node {
   void Release(uint32_t lock, std::span<const Range> written = {});
 
   bool is_manager() const { return manager_running_.load(); }
+  bool leaving() const { return stop_.load(); }  // the destructor has begun
   std::vector<NodeView> Nodes();  // this process's current view of every node
 
   // Called (on a worker thread of the manager's process) for every node seen dead or left, with

@@ -5,6 +5,7 @@
 #include <array>
 #include <cstdio>
 #include <cstdlib>
+#include <set>
 #include <string>
 
 #include <gmock/gmock.h>
@@ -104,6 +105,74 @@ TEST(Cli, BenchRegionQuickProducesRatios) {
   auto unknown = Cli("bench nosuch");
   EXPECT_NE(unknown.code, 0);
   EXPECT_THAT(unknown.out, HasSubstr("known suites"));
+}
+
+TEST(Cli, PutGetEvictStatCheck) {
+  cxlkv::testing::TempRegionPath path("cli-cache");
+  const std::string p = " --path " + path.path();
+  ASSERT_EQ(Cli("init" + p + " --size 64M --nodes 4").code, 0);
+  std::string data = "/tmp/cxlkv-cli-data-" + std::to_string(::getpid());
+  std::string out = data + ".out";
+  {
+    FILE* f = std::fopen(data.c_str(), "wb");
+    for (int i = 0; i < 300000; ++i) std::fputc((i * 131) & 0xff, f);
+    std::fclose(f);
+  }
+  auto put = Cli("put" + p + " --node 1 --key doc-1 --data " + data);
+  ASSERT_EQ(put.code, 0) << put.out;
+  auto get = Cli("get" + p + " --node 2 --key doc-1 --out " + out);
+  ASSERT_EQ(get.code, 0) << get.out;
+  EXPECT_EQ(std::system(("cmp -s " + data + " " + out).c_str()), 0) << "bytes differ";
+  auto missing = Cli("get" + p + " --key nope --out " + out);
+  EXPECT_EQ(missing.code, 2) << missing.out;
+  EXPECT_THAT(missing.out, HasSubstr("not cached"));
+  auto again = Cli("put" + p + " --key doc-1 --data " + data);
+  EXPECT_EQ(again.code, 1);
+  EXPECT_THAT(again.out, HasSubstr("already cached"));
+  auto huge = Cli("put" + p + " --key big --data /dev/null");
+  EXPECT_NE(huge.code, 0);
+  EXPECT_THAT(huge.out, HasSubstr("empty"));
+  auto no_file = Cli("put" + p + " --key x --data /nonexistent/file");
+  EXPECT_THAT(no_file.out, HasSubstr("cannot open data file"));
+  auto stat = Cli("stat" + p + " --json --watch-ms 50");
+  ASSERT_EQ(stat.code, 0) << stat.out;
+  auto j = nlohmann::json::parse(stat.stdout_only);
+  EXPECT_EQ(j["cache"]["states"]["ready"].get<int>(), 1);
+  EXPECT_EQ(j["cache"]["totals"]["lookups"].get<int>(), 2);
+  EXPECT_EQ(j["cache"]["totals"]["hit_blocks"].get<int>(), 1);
+  EXPECT_EQ(j["cache"]["per_node"]["1"]["inserts"].get<int>(), 1);
+  auto text = Cli("stat" + p + " --watch-ms 50");
+  EXPECT_THAT(text.out, HasSubstr("1 of 2 blocks hit (50.0%)"));
+  auto check = Cli("check" + p + " --watch-ms 50");
+  EXPECT_EQ(check.code, 0) << check.out;
+  auto neither = Cli("evict" + p);
+  EXPECT_NE(neither.code, 0);
+  EXPECT_THAT(neither.out, HasSubstr("--key STRING or --all"));
+  EXPECT_EQ(Cli("evict" + p + " --key doc-1").code, 0);
+  EXPECT_EQ(Cli("get" + p + " --key doc-1 --out " + out).code, 2);
+  EXPECT_EQ(Cli("evict" + p + " --all").code, 0);
+  EXPECT_EQ(Cli("check" + p + " --watch-ms 50").code, 0);
+  ::unlink(data.c_str());
+  ::unlink(out.c_str());
+}
+
+TEST(Cli, BenchCacheQuickReportsRatiosAndThePeer) {
+  auto r = Cli("bench cache --json --quick");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.stdout_only);
+  EXPECT_EQ(j["suite"], "cache");
+  std::set<std::string> names;
+  for (const auto& fig : j["results"]) {
+    names.insert(fig["name"].get<std::string>());
+    EXPECT_GT(fig["median"].get<double>(), 0) << fig.dump();
+  }
+  for (const char* want : {"lookup/chain1", "lookup/chain16", "lookup/chain256", "put/2MiB", "get/2MiB"}) {
+    EXPECT_TRUE(names.count(want)) << want;
+  }
+  // The peer runs where redis-server is installed (scripts/setup installs it).
+  if (!j.contains("peer_skipped")) {
+    EXPECT_TRUE(names.count("get_vs_redis/2MiB"));
+  }
 }
 
 }  // namespace

@@ -1,0 +1,116 @@
+/* cxlkv's C API, for FFI (Python ctypes/cffi, Rust, Go): the prefix KV cache of a pool.
+ *
+ *   cxlkv_pool* pool;
+ *   if (cxlkv_pool_open("/dev/shm/cxlkv", 3, 0, &pool) != CXLKV_OK) puts(cxlkv_last_error());
+ *   cxlkv_layout layout = cxlkv_layout_default();            // any block size
+ *   cxlkv_namespace ns;
+ *   cxlkv_namespace_register(pool, "llama-3.1-8b", &layout, "", &ns);
+ *   cxlkv_key keys[64];
+ *   size_t n = cxlkv_chain_keys(&ns, tokens, n_tokens, keys, 64);
+ *   cxlkv_pin pins[64]; size_t hits;
+ *   cxlkv_lookup(pool, &ns, keys, n, pins, &hits);           // pinned: read, then release
+ *   cxlkv_release(pool, pins, hits);
+ *
+ * Every function that can fail returns a cxlkv_status (0 = CXLKV_OK); the message of the
+ * calling thread's last failure is cxlkv_last_error(). Thread-safe like the C++ API
+ * (include/cxlkv/cache.h), whose semantics these functions share exactly.
+ */
+#ifndef CXLKV_CXLKV_H_
+#define CXLKV_CXLKV_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The same values as cxlkv::StatusCode. */
+typedef enum {
+  CXLKV_OK = 0,
+  CXLKV_INVALID_ARGUMENT = 1,
+  CXLKV_NOT_FOUND = 2,
+  CXLKV_ALREADY_EXISTS = 3,
+  CXLKV_CORRUPTED = 4,
+  CXLKV_VERSION_MISMATCH = 5,
+  CXLKV_NO_SPACE = 6,
+  CXLKV_PERMISSION_DENIED = 7,
+  CXLKV_IO_ERROR = 8,
+  CXLKV_BUSY = 9,
+  CXLKV_TIMEOUT = 10,
+  CXLKV_NOT_SUPPORTED = 11,
+  CXLKV_INTERNAL = 12
+} cxlkv_status;
+
+typedef struct cxlkv_pool cxlkv_pool;
+
+typedef struct {
+  uint64_t lo, hi;
+} cxlkv_key;
+
+/* A KV layout signature; see cxlkv::KvLayoutSignature. dtype: 0 fp16, 1 bf16, 2 fp8, 3 fp32. */
+typedef struct {
+  uint32_t dtype, num_layers, num_kv_heads, head_size, block_size;
+  uint32_t tp_rank, tp_size, pp_stage, kv_parts, block_format;
+} cxlkv_layout;
+
+typedef struct {
+  uint32_t id, block_size;
+  uint64_t block_bytes;
+  cxlkv_key seed;
+} cxlkv_namespace;
+
+typedef struct {
+  uint32_t slot, tier;
+  uint64_t generation, offset, bytes, checksum;
+} cxlkv_pin;
+
+typedef struct {
+  uint32_t slot, open;
+  uint64_t generation, offset, bytes;
+} cxlkv_reservation;
+
+/* The calling thread's last error message ("" after success). */
+const char* cxlkv_last_error(void);
+
+/* Formats a pool (as `cxlkv init`): size_bytes per region, default index and options. */
+cxlkv_status cxlkv_pool_create(const char* paths, uint64_t size_bytes, uint32_t max_nodes, int overwrite);
+/* paths: comma-separated region paths. lease_ms 0: the default (2000). */
+cxlkv_status cxlkv_pool_open(const char* paths, uint32_t node_id, uint32_t lease_ms, cxlkv_pool** out);
+void cxlkv_pool_close(cxlkv_pool* pool);
+
+/* Layers 0 (blocks of any size), 16-token blocks, TP 1. */
+cxlkv_layout cxlkv_layout_default(void);
+cxlkv_status cxlkv_namespace_register(cxlkv_pool* pool, const char* model_id, const cxlkv_layout* layout,
+                                      const char* extra_key, cxlkv_namespace* out);
+
+/* Keys of the full blocks of tokens[0..n_tokens); returns how many were written (<= max_keys). */
+size_t cxlkv_chain_keys(const cxlkv_namespace* ns, const int32_t* tokens, size_t n_tokens, cxlkv_key* out,
+                        size_t max_keys);
+cxlkv_key cxlkv_key_from_engine_hash(const cxlkv_namespace* ns, const void* hash, size_t hash_bytes);
+
+/* pins must hold n entries; *hits gets the length of the pinned READY prefix. */
+cxlkv_status cxlkv_lookup(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_key* keys, size_t n,
+                          cxlkv_pin* pins, size_t* hits);
+cxlkv_status cxlkv_exists(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_key* keys, size_t n,
+                          size_t* hits);
+void cxlkv_release(cxlkv_pool* pool, const cxlkv_pin* pins, size_t n);
+
+cxlkv_status cxlkv_reserve(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_key* key, uint64_t bytes,
+                           cxlkv_reservation* out);
+cxlkv_status cxlkv_write(cxlkv_pool* pool, cxlkv_reservation* r, uint64_t at, const void* src, uint64_t bytes);
+cxlkv_status cxlkv_commit(cxlkv_pool* pool, cxlkv_reservation* r);
+cxlkv_status cxlkv_abort(cxlkv_pool* pool, cxlkv_reservation* r);
+cxlkv_status cxlkv_put(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_key* key, const void* data,
+                       uint64_t bytes);
+cxlkv_status cxlkv_read(cxlkv_pool* pool, const cxlkv_pin* pin, uint64_t at, void* dst, uint64_t bytes);
+
+cxlkv_status cxlkv_evict(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_key* keys, size_t n,
+                         uint64_t* evicted);
+cxlkv_status cxlkv_evict_all(cxlkv_pool* pool, uint64_t* evicted);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* CXLKV_CXLKV_H_ */

@@ -1,0 +1,217 @@
+// The C API (include/cxlkv/cxlkv.h): thin conversions onto the C++ pool and cache.
+#include "cxlkv/cxlkv.h"
+
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cxlkv/cache.h"
+#include "cxlkv/pool.h"
+
+struct cxlkv_pool {
+  std::unique_ptr<cxlkv::Pool> pool;
+  cxlkv::KvCache* cache = nullptr;
+};
+
+namespace {
+
+thread_local std::string last_error;
+
+static_assert(CXLKV_INTERNAL == static_cast<int>(cxlkv::StatusCode::kInternal));
+
+cxlkv_status Report(const cxlkv::Status& s) {
+  last_error = s.ok() ? std::string() : s.ToString();
+  return static_cast<cxlkv_status>(s.code());
+}
+
+std::vector<std::string> SplitPaths(const char* paths) {
+  std::vector<std::string> out;
+  std::stringstream in(paths ? paths : "");
+  for (std::string p; std::getline(in, p, ',');) {
+    if (!p.empty()) out.push_back(p);
+  }
+  return out;
+}
+
+cxlkv::NamespaceHandle Handle(const cxlkv_namespace* ns) {
+  return cxlkv::NamespaceHandle{ns->id, ns->block_size, ns->block_bytes, {ns->seed.lo, ns->seed.hi}};
+}
+cxlkv::BlockKey Key(const cxlkv_key& k) { return {k.lo, k.hi}; }
+cxlkv_key CKey(const cxlkv::BlockKey& k) { return {k.lo, k.hi}; }
+cxlkv::BlockPin Pin(const cxlkv_pin& p) {
+  return cxlkv::BlockPin{p.slot, p.generation, p.offset, p.bytes, p.tier, p.checksum};
+}
+cxlkv_pin CPin(const cxlkv::BlockPin& p) { return {p.slot, p.tier, p.generation, p.offset, p.bytes, p.checksum}; }
+cxlkv::Reservation Res(const cxlkv_reservation* r) {
+  return cxlkv::Reservation{r->slot, r->generation, r->offset, r->bytes, r->open != 0};
+}
+void CRes(const cxlkv::Reservation& r, cxlkv_reservation* out) {
+  *out = {r.slot, r.open ? 1u : 0u, r.generation, r.offset, r.bytes};
+}
+std::vector<cxlkv::BlockKey> Keys(const cxlkv_key* keys, size_t n) {
+  std::vector<cxlkv::BlockKey> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = Key(keys[i]);
+  return v;
+}
+
+#define CXLKV_C_REQUIRE(cond, what)                                               \
+  do {                                                                            \
+    if (!(cond)) return Report(cxlkv::InvalidArgument(std::string(what) + " is null")); \
+  } while (0)
+
+}  // namespace
+
+extern "C" {
+
+const char* cxlkv_last_error(void) { return last_error.c_str(); }
+
+cxlkv_status cxlkv_pool_create(const char* paths, uint64_t size_bytes, uint32_t max_nodes, int overwrite) {
+  cxlkv::PoolCreateOptions o;
+  o.size = size_bytes;
+  o.max_nodes = max_nodes ? max_nodes : 16;
+  o.overwrite = overwrite != 0;
+  return Report(cxlkv::Pool::Create(SplitPaths(paths), o));
+}
+
+cxlkv_status cxlkv_pool_open(const char* paths, uint32_t node_id, uint32_t lease_ms, cxlkv_pool** out) {
+  CXLKV_C_REQUIRE(out, "out");
+  *out = nullptr;
+  cxlkv::PoolOpenOptions o;
+  o.node_id = node_id;
+  if (lease_ms) o.lease_ms = lease_ms;
+  auto pool = cxlkv::Pool::Open(SplitPaths(paths), o);
+  if (!pool.ok()) return Report(pool.status());
+  auto cache = (*pool)->Cache();
+  if (!cache.ok()) return Report(cache.status());
+  auto handle = std::make_unique<cxlkv_pool>();
+  handle->pool = std::move(pool).value();
+  handle->cache = *cache;
+  *out = handle.release();
+  return Report(cxlkv::Status::Ok());
+}
+
+void cxlkv_pool_close(cxlkv_pool* pool) { delete pool; }
+
+cxlkv_layout cxlkv_layout_default(void) {
+  cxlkv::KvLayoutSignature l;
+  return {static_cast<uint32_t>(l.dtype), l.num_layers, l.num_kv_heads, l.head_size, l.block_size,
+          l.tp_rank, l.tp_size, l.pp_stage, l.kv_parts, l.block_format};
+}
+
+cxlkv_status cxlkv_namespace_register(cxlkv_pool* pool, const char* model_id, const cxlkv_layout* layout,
+                                      const char* extra_key, cxlkv_namespace* out) {
+  CXLKV_C_REQUIRE(pool && model_id && layout && out, "pool, model id, layout or out");
+  cxlkv::KeyNamespace ns;
+  ns.model_id = model_id;
+  ns.extra_key = extra_key ? extra_key : "";
+  ns.layout = {static_cast<cxlkv::KvDtype>(layout->dtype), layout->num_layers, layout->num_kv_heads,
+               layout->head_size, layout->block_size, layout->tp_rank, layout->tp_size, layout->pp_stage,
+               layout->kv_parts, layout->block_format};
+  auto h = pool->cache->Namespace(ns);
+  if (!h.ok()) return Report(h.status());
+  *out = {h->id, h->block_size, h->block_bytes, CKey(h->seed)};
+  return Report(cxlkv::Status::Ok());
+}
+
+size_t cxlkv_chain_keys(const cxlkv_namespace* ns, const int32_t* tokens, size_t n_tokens, cxlkv_key* out,
+                        size_t max_keys) {
+  if (!ns || (!tokens && n_tokens) || (!out && max_keys)) return 0;
+  auto keys = cxlkv::KvCache::ChainKeys(Handle(ns), {tokens, n_tokens});
+  size_t n = std::min(keys.size(), max_keys);
+  for (size_t i = 0; i < n; ++i) out[i] = CKey(keys[i]);
+  return n;
+}
+
+cxlkv_key cxlkv_key_from_engine_hash(const cxlkv_namespace* ns, const void* hash, size_t hash_bytes) {
+  if (!ns || (!hash && hash_bytes)) return {0, 0};
+  return CKey(cxlkv::KvCache::KeyFromEngineHash(Handle(ns), {static_cast<const uint8_t*>(hash), hash_bytes}));
+}
+
+cxlkv_status cxlkv_lookup(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_key* keys, size_t n,
+                          cxlkv_pin* pins, size_t* hits) {
+  CXLKV_C_REQUIRE(pool && ns && (keys || !n) && (pins || !n) && hits, "pool, namespace, keys, pins or hits");
+  auto k = Keys(keys, n);
+  auto r = pool->cache->Lookup(Handle(ns), k);
+  if (!r.ok()) return Report(r.status());
+  for (size_t i = 0; i < r->hit_blocks; ++i) pins[i] = CPin(r->pins[i]);
+  *hits = r->hit_blocks;
+  return Report(cxlkv::Status::Ok());
+}
+
+cxlkv_status cxlkv_exists(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_key* keys, size_t n,
+                          size_t* hits) {
+  CXLKV_C_REQUIRE(pool && ns && (keys || !n) && hits, "pool, namespace, keys or hits");
+  auto r = pool->cache->Exists(Handle(ns), Keys(keys, n));
+  if (!r.ok()) return Report(r.status());
+  *hits = *r;
+  return Report(cxlkv::Status::Ok());
+}
+
+void cxlkv_release(cxlkv_pool* pool, const cxlkv_pin* pins, size_t n) {
+  if (!pool || !pins) return;
+  std::vector<cxlkv::BlockPin> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = Pin(pins[i]);
+  pool->cache->Release(v);
+}
+
+cxlkv_status cxlkv_reserve(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_key* key, uint64_t bytes,
+                           cxlkv_reservation* out) {
+  CXLKV_C_REQUIRE(pool && ns && key && out, "pool, namespace, key or out");
+  auto r = pool->cache->Reserve(Handle(ns), Key(*key), bytes);
+  if (!r.ok()) return Report(r.status());
+  CRes(*r, out);
+  return Report(cxlkv::Status::Ok());
+}
+
+cxlkv_status cxlkv_write(cxlkv_pool* pool, cxlkv_reservation* r, uint64_t at, const void* src, uint64_t bytes) {
+  CXLKV_C_REQUIRE(pool && r && (src || !bytes), "pool, reservation or source");
+  auto res = Res(r);
+  return Report(pool->cache->Write(res, at, src, bytes));
+}
+
+cxlkv_status cxlkv_commit(cxlkv_pool* pool, cxlkv_reservation* r) {
+  CXLKV_C_REQUIRE(pool && r, "pool or reservation");
+  auto res = Res(r);
+  cxlkv::Status s = pool->cache->Commit(res);
+  CRes(res, r);
+  return Report(s);
+}
+
+cxlkv_status cxlkv_abort(cxlkv_pool* pool, cxlkv_reservation* r) {
+  CXLKV_C_REQUIRE(pool && r, "pool or reservation");
+  auto res = Res(r);
+  cxlkv::Status s = pool->cache->Abort(res);
+  CRes(res, r);
+  return Report(s);
+}
+
+cxlkv_status cxlkv_put(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_key* key, const void* data,
+                       uint64_t bytes) {
+  CXLKV_C_REQUIRE(pool && ns && key && (data || !bytes), "pool, namespace, key or data");
+  return Report(pool->cache->Put(Handle(ns), Key(*key), data, bytes));
+}
+
+cxlkv_status cxlkv_read(cxlkv_pool* pool, const cxlkv_pin* pin, uint64_t at, void* dst, uint64_t bytes) {
+  CXLKV_C_REQUIRE(pool && pin && (dst || !bytes), "pool, pin or destination");
+  return Report(pool->cache->Read(Pin(*pin), at, dst, bytes));
+}
+
+cxlkv_status cxlkv_evict(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_key* keys, size_t n,
+                         uint64_t* evicted) {
+  CXLKV_C_REQUIRE(pool && ns && (keys || !n), "pool, namespace or keys");
+  auto r = pool->cache->Evict(Handle(ns), Keys(keys, n));
+  if (!r.ok()) return Report(r.status());
+  if (evicted) *evicted = *r;
+  return Report(cxlkv::Status::Ok());
+}
+
+cxlkv_status cxlkv_evict_all(cxlkv_pool* pool, uint64_t* evicted) {
+  CXLKV_C_REQUIRE(pool, "pool");
+  auto r = pool->cache->EvictAll();
+  if (!r.ok()) return Report(r.status());
+  if (evicted) *evicted = *r;
+  return Report(cxlkv::Status::Ok());
+}
+
+}  // extern "C"
