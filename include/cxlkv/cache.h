@@ -30,7 +30,7 @@
 namespace cxlkv {
 
 namespace cache {
-class Index;
+class IndexApi;
 }
 
 // A 128-bit block key (xxh3-128). Opaque: compare, hash, store.
@@ -102,7 +102,8 @@ struct Reservation {
 
 class KvCache {
  public:
-  explicit KvCache(cache::Index& index) : index_(index) {}
+  // Over the decentralized index (Pool::Cache) or, later, a client of the metadata service.
+  explicit KvCache(cache::IndexApi& index) : index_(index) {}
 
   // Registers the namespace, or finds it. Errors: kInvalidArgument (empty or over-long model
   // id, inconsistent layout), kVersionMismatch (the model is registered with another KV
@@ -143,10 +144,10 @@ class KvCache {
   // Evicts every unpinned READY block; returns how many.
   Result<uint64_t> EvictAll();
 
-  cache::Index& index() { return index_; }
+  cache::IndexApi& index() { return index_; }
 
  private:
-  cache::Index& index_;
+  cache::IndexApi& index_;
 };
 
 }  // namespace cxlkv

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "alloc/allocator.h"
+#include "cache/index_api.h"
 #include "cache/layout.h"
 #include "cxlkv/cache.h"
 #include "region/coherence.h"
@@ -36,40 +37,40 @@ namespace cxlkv::cache {
 // kCorrupted / kVersionMismatch when it is damaged or from another build.
 Result<IndexLayout> ReadLayout(Region& region);
 
-class Index {
+class Index final : public IndexApi {
  public:
   Index(Region& region, IndexLayout layout, sync::Node& node, alloc::Allocator& allocator);
 
   const IndexLayout& layout() const { return layout_; }
   uint32_t node_id() const { return node_.id(); }
   uint64_t capacity() const { return capacity_; }
-  bool checksums() const { return layout_.h.flags & kFlagChecksum; }
+  bool checksums() const override { return layout_.h.flags & kFlagChecksum; }
 
-  Result<NamespaceHandle> RegisterNamespace(const KeyNamespace& ns);
+  Result<NamespaceHandle> RegisterNamespace(const KeyNamespace& ns) override;
 
-  Result<LookupResult> Lookup(const NamespaceHandle& ns, std::span<const BlockKey> keys, bool pin);
-  void Release(std::span<const BlockPin> pins);
-  Result<Reservation> Reserve(const NamespaceHandle& ns, const BlockKey& key, uint64_t bytes);
-  Status Commit(Reservation& r);
-  Status Abort(Reservation& r);
-  uint8_t* Payload(uint64_t offset, uint64_t bytes) {
+  Result<LookupResult> Lookup(const NamespaceHandle& ns, std::span<const BlockKey> keys, bool pin) override;
+  void Release(std::span<const BlockPin> pins) override;
+  Result<Reservation> Reserve(const NamespaceHandle& ns, const BlockKey& key, uint64_t bytes) override;
+  Status Commit(Reservation& r) override;
+  Status Abort(Reservation& r) override;
+  uint8_t* Payload(uint64_t offset, uint64_t bytes) override {
     return allocator_.Ptr(alloc::ObjectOffset(offset), bytes);
   }
   // Copies payload out, dropping this host's stale copies first where the mode needs it.
-  void ReadPayload(void* dst, const uint8_t* p, uint64_t bytes) {
+  void ReadPayload(void* dst, const uint8_t* p, uint64_t bytes) override {
     if (meta_.mode() == CoherenceMode::kSoftware) {
       region::CopyFromShared(dst, p, bytes);
     } else {
       std::memcpy(dst, p, bytes);
     }
   }
-  void CountRead(uint64_t bytes) { Add(kReadBytes, bytes); }
-  void CountWrite(uint64_t bytes) { Add(kWriteBytes, bytes); }
-  void CountChecksumFailure() { Add(kChecksumFailures, 1); }
+  void CountRead(uint64_t bytes) override { Add(kReadBytes, bytes); }
+  void CountWrite(uint64_t bytes) override { Add(kWriteBytes, bytes); }
+  void CountChecksumFailure() override { Add(kChecksumFailures, 1); }
 
   // Evicts these keys of `ns` (or every READY entry when `keys` is empty and `all`) if unpinned.
-  Result<uint64_t> EvictKeys(const NamespaceHandle& ns, std::span<const BlockKey> keys);
-  Result<uint64_t> EvictAll();
+  Result<uint64_t> EvictKeys(const NamespaceHandle& ns, std::span<const BlockKey> keys) override;
+  Result<uint64_t> EvictAll() override;
   // Evicts unpinned READY entries, least recently used first, until `bytes` are freed.
   // Returns the bytes freed (less when not enough is evictable).
   uint64_t EvictLru(uint64_t bytes);

@@ -3,7 +3,7 @@
 
 #include <cstring>
 
-#include "cache/index.h"
+#include "cache/index_api.h"
 #include "region/coherence.h"
 
 namespace cxlkv {

@@ -175,4 +175,13 @@ TEST(Cli, BenchCacheQuickReportsRatiosAndThePeer) {
   }
 }
 
+TEST(Cli, DemoHandsBlocksAcrossProcessesAndChecksClean) {
+  cxlkv::testing::TempRegionPath path("cli-demo");
+  auto r = Cli("demo --path " + path.path() + " --size 64M");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("prompt 1: 48 of 64 blocks hit"));
+  EXPECT_THAT(r.out, HasSubstr("byte-identical"));
+  EXPECT_THAT(r.out, HasSubstr("cxlkv check: ok"));
+}
+
 }  // namespace

@@ -1,0 +1,40 @@
+// What KvCache needs of an index, whichever node runs it: the decentralized index (Index: every
+// node operates on the table in the region under stripe locks, TraCT) today; a client of a
+// centralized metadata service over the shared-memory RPC (Beluga) with the daemon. Payload
+// bytes move between the caller and the region directly in both modes.
+#ifndef CXLKV_SRC_CACHE_INDEX_API_H_
+#define CXLKV_SRC_CACHE_INDEX_API_H_
+
+#include <cstdint>
+#include <span>
+
+#include "cxlkv/cache.h"
+
+namespace cxlkv::cache {
+
+class IndexApi {
+ public:
+  virtual ~IndexApi() = default;
+
+  virtual Result<NamespaceHandle> RegisterNamespace(const KeyNamespace& ns) = 0;
+  // pin = false: the length of the READY prefix only (Exists).
+  virtual Result<LookupResult> Lookup(const NamespaceHandle& ns, std::span<const BlockKey> keys, bool pin) = 0;
+  virtual void Release(std::span<const BlockPin> pins) = 0;
+  virtual Result<Reservation> Reserve(const NamespaceHandle& ns, const BlockKey& key, uint64_t bytes) = 0;
+  virtual Status Commit(Reservation& r) = 0;
+  virtual Status Abort(Reservation& r) = 0;
+  virtual Result<uint64_t> EvictKeys(const NamespaceHandle& ns, std::span<const BlockKey> keys) = 0;
+  virtual Result<uint64_t> EvictAll() = 0;
+
+  // The payload side: where a block lives in this process's mapping, and how to read it.
+  virtual uint8_t* Payload(uint64_t offset, uint64_t bytes) = 0;
+  virtual void ReadPayload(void* dst, const uint8_t* p, uint64_t bytes) = 0;
+  virtual bool checksums() const = 0;
+  virtual void CountRead(uint64_t bytes) = 0;
+  virtual void CountWrite(uint64_t bytes) = 0;
+  virtual void CountChecksumFailure() = 0;
+};
+
+}  // namespace cxlkv::cache
+
+#endif  // CXLKV_SRC_CACHE_INDEX_API_H_
