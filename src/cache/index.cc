@@ -246,6 +246,11 @@ Result<NamespaceHandle> Index::RegisterNamespace(const KeyNamespace& ns) {
 
 Status Index::CheckHandle(const NamespaceHandle& ns) {
   if (ns.id >= kMaxNamespaces) return InvalidArgument("namespace handle " + std::to_string(ns.id) + " is out of range");
+  // A live namespace slot never changes: once verified, a handle is checked locally.
+  if (verified_[ns.id].lo.load(std::memory_order_acquire) == ns.seed.lo &&
+      verified_[ns.id].hi.load(std::memory_order_acquire) == ns.seed.hi && (ns.seed.lo | ns.seed.hi) != 0) {
+    return Status::Ok();
+  }
   uint64_t off = layout_.ns_slot(ns.id);
   meta_.Invalidate(off, 24);
   uint64_t w[3];
@@ -254,6 +259,8 @@ Status Index::CheckHandle(const NamespaceHandle& ns) {
     return InvalidArgument("namespace handle " + std::to_string(ns.id) +
                            " is not registered in this pool: obtain it from KvCache::Namespace");
   }
+  verified_[ns.id].hi.store(ns.seed.hi, std::memory_order_release);
+  verified_[ns.id].lo.store(ns.seed.lo, std::memory_order_release);
   return Status::Ok();
 }
 

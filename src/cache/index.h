@@ -17,6 +17,7 @@
 #ifndef CXLKV_SRC_CACHE_INDEX_H_
 #define CXLKV_SRC_CACHE_INDEX_H_
 
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <mutex>
@@ -138,6 +139,10 @@ class Index final : public IndexApi {
   const uint64_t capacity_;  // payload budget: the header's, or every data chunk of the pool
   std::atomic<CrashPoint> crash_at_{CrashPoint::kNone};
   std::atomic<bool> test_skip_pin_flush_{false};
+  struct VerifiedSeed {
+    std::atomic<uint64_t> lo{0}, hi{0};
+  };
+  std::array<VerifiedSeed, kMaxNamespaces> verified_;  // handles CheckHandle has seen live
   void MaybeCrash(CrashPoint p);
 };
 
