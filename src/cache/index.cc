@@ -530,7 +530,9 @@ Result<alloc::ObjectOffset> Index::AllocatePayload(uint64_t bytes) {
   uint64_t used = UsedBytes();
   if (used + bytes > high) EvictLru(used + bytes - std::min(low, used + bytes));
   for (int attempt = 0; attempt < 4; ++attempt) {
-    if (UsedBytes() + bytes <= cap) {
+    // The budget binds only when one was set below the pool's size; otherwise the allocator
+    // is the judge (counters can drift by a block after a crash mid-eviction).
+    if (layout_.h.capacity_bytes == 0 || UsedBytes() + bytes <= cap) {
       auto r = allocator_.Alloc(bytes);
       if (r.ok() || r.status().code() != StatusCode::kNoSpace) return r;
     }

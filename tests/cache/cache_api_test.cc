@@ -287,6 +287,35 @@ TEST(Cache, PoolWithoutIndexSaysHowToGetOne) {
   EXPECT_THAT(c.status().message(), HasSubstr("cxlkv init"));
 }
 
+TEST(Cache, DamagedOrForeignIndexIsRefusedBeforeJoining) {
+  testing::TempRegionPath path("damaged");
+  ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20).ok());
+  uint64_t header;
+  {
+    auto region = Region::Attach(path.path());
+    ASSERT_TRUE(region.ok());
+    header = (*region)->impl().area(region::AreaKind::kIndex).offset;
+    auto& meta = (*region)->impl().meta();
+    meta.Publish(header, 0x1234);  // the index's magic
+  }
+  auto p = Pool::Open({path.path()}, PoolOpenOptions{});
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), StatusCode::kCorrupted);
+  EXPECT_THAT(p.status().message(), HasSubstr("prefix index header"));
+  {
+    auto region = Region::Attach(path.path());
+    auto& meta = (*region)->impl().meta();
+    meta.Publish(header, cache::kIndexMagic);
+    meta.Publish(header + 8, uint64_t{cache::kIndexVersion + 1} | (meta.Load(header + 8) & ~0xffffffffull));
+  }
+  p = Pool::Open({path.path()}, PoolOpenOptions{});
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), StatusCode::kVersionMismatch);
+  auto regions = pool::AttachAll({path.path()});
+  auto problems = pool::Check(*regions, 0);
+  EXPECT_FALSE(problems.empty()) << "check must report the damaged index";
+}
+
 TEST(Cache, ChecksumCatchesDamagedPayload) {
   Fixture f("checksum", 32 << 20, 0, /*checksum=*/true);
   BlockKey k = f.cache->ChainKeys(f.ns, testing::Tokens(8, 16, 0, 0))[0];

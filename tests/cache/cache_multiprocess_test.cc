@@ -193,11 +193,11 @@ TEST(CacheProcesses, StormOfOverlappingChainsReadsOnlyRightBytes) {
 }
 
 TEST(CacheProcesses, StormUnderTheNonCoherentSimulator) {
-  for (uint64_t seed : {11u, 22u, 33u}) {
+  for (uint64_t seed : {11u, 22u, 33u, 44u, 55u}) {
     testing::TempRegionPath path("storm-sim");
     ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
     StormOptions so;
-    so.ops = 40;
+    so.ops = 30;
     auto codes = testing::RunForked(4, [&](int i) {
       StormOptions mine = so;
       mine.sim_seed = seed * 10 + i;
