@@ -287,10 +287,18 @@ Status Allocator::Free(ObjectOffset off) {
         pthread_mutex_unlock(&node_.local().header().heap_mu);
         return s;
       }
-      if (OwnerLifeIsLive(w.node, w.incarnation)) return PushRemoteFree(w.node, off);
-      // The owner's life is over (dead, left, or restarted): nobody would drain a ring entry
-      // pushed after its recovery. Free in place under the allocator lock, which that life's
-      // recovery also holds, so the two never interleave.
+      // The owner drains its ring every beat, and recovery drains it when the owner's life
+      // ends. Push only while the owner surely beats (recovery is then at least half a lease
+      // away); once its life is over, free in place under the allocator lock, which that
+      // life's recovery also holds; in between, wait — never touch a live owner's heap.
+      for (auto deadline = sync::Clock::now() + node_.lease() * 2;;) {
+        if (node_.SurelyLive(w.node, w.incarnation, 0xfffff)) return PushRemoteFree(w.node, off);
+        if (node_.LifeOver(w.node, w.incarnation, 0xfffff)) break;
+        if (sync::Clock::now() > deadline || node_.leaving()) {
+          return Busy("node " + std::to_string(w.node) + " is neither beating nor declared dead; retry the free");
+        }
+        std::this_thread::sleep_for(node_.lease() / 8);
+      }
       CXLKV_RETURN_IF_ERROR(LockAllocator());
       if (meta(chunk.region).Fetch(t.owner(chunk.chunk)) == w.Encode()) {
         Status s = FreeSlot(chunk, within, /*orphan=*/true);
@@ -309,15 +317,6 @@ Status Allocator::Free(ObjectOffset off) {
     default:
       return InvalidArgument("offset is not in an allocated chunk (double free?)");
   }
-}
-
-bool Allocator::OwnerLifeIsLive(uint32_t node, uint32_t inc20) {
-  for (const sync::NodeView& v : node_.Nodes()) {
-    if (v.id != node) continue;
-    if (v.incarnation == 0) return true;  // not observed yet: assume live
-    return v.live && Inc20(v.incarnation) == inc20;
-  }
-  return false;
 }
 
 Status Allocator::PushRemoteFree(uint32_t owner, ObjectOffset off) {

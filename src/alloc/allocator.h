@@ -98,8 +98,6 @@ class Allocator {
   bool FindPartialChunk(uint32_t c, ChunkRef* out);
   Status FreeSlot(ChunkRef chunk, uint64_t within, bool orphan);
   Status PushRemoteFree(uint32_t owner, ObjectOffset off);
-  // True when `node` is live in the life whose 20-bit incarnation is `inc20` (this view).
-  bool OwnerLifeIsLive(uint32_t node, uint32_t inc20);
 
   std::vector<Region*> regions_;
   std::vector<ChunkTableLayout> tables_;

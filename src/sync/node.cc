@@ -212,6 +212,33 @@ std::vector<NodeView> Node::Nodes() {
   return out;
 }
 
+bool Node::SurelyLive(uint32_t node, uint64_t incarnation, uint64_t inc_mask) {
+  if (node >= max_nodes_) return false;
+  uint64_t off = NodeLineOffset(node);
+  meta().Invalidate(off, 64);  // P2: the node wrote it
+  auto line = meta().ReadStruct<NodeLine>(off);
+  if (line.state != static_cast<uint64_t>(NodeState::kLive) || (line.incarnation & inc_mask) != (incarnation & inc_mask)) {
+    return false;
+  }
+  if (node == options_.node_id) return true;
+  std::lock_guard<std::mutex> lock(view_mu_);
+  const Observed& o = observed_[node];
+  if (!o.seen) return true;  // not observed yet: the line says live
+  return Clock::now() - o.last_change < options_.lease / 2;
+}
+
+bool Node::LifeOver(uint32_t node, uint64_t incarnation, uint64_t inc_mask) {
+  if (node >= max_nodes_) return true;
+  uint64_t off = NodeLineOffset(node);
+  meta().Invalidate(off, 64);
+  auto line = meta().ReadStruct<NodeLine>(off);
+  if ((line.incarnation & inc_mask) != (incarnation & inc_mask)) return true;
+  if (line.state == static_cast<uint64_t>(NodeState::kLeft)) return true;
+  std::lock_guard<std::mutex> lock(view_mu_);
+  const Observed& o = observed_[node];
+  return o.seen && (o.view.incarnation & inc_mask) == (incarnation & inc_mask) && !o.view.live;
+}
+
 void Node::WaitOrStop(std::chrono::nanoseconds d) {
   std::unique_lock<std::mutex> lock(stop_mu_);
   stop_cv_.wait_for(lock, d, [this] { return stop_.load(); });

@@ -100,6 +100,14 @@ class Node {
   bool is_manager() const { return manager_running_.load(); }
   bool leaving() const { return stop_.load(); }  // the destructor has begun
   std::vector<NodeView> Nodes();  // this process's current view of every node
+  // True when `node` runs life `incarnation` (compared modulo `inc_mask`) and, reading its line
+  // now, has not left, and its heartbeat moved within half a lease. Stricter than `live`: a
+  // caller about to hand work to that node (a remote free) stops doing so well before the
+  // manager could declare it dead and recover it.
+  bool SurelyLive(uint32_t node, uint64_t incarnation, uint64_t inc_mask);
+  // True when that life is over: the node left, restarted, or (this view) stayed silent a
+  // whole lease — what recovery itself assumes. Between the two, callers wait.
+  bool LifeOver(uint32_t node, uint64_t incarnation, uint64_t inc_mask);
 
   // Called (on a worker thread of the manager's process) for every node seen dead or left, with
   // the incarnation that died; the alloc layer reclaims what it held. May be called again for
