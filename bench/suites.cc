@@ -15,6 +15,10 @@ const std::vector<Suite>& Suites() {
        "prefix cache: lookup ns/block for chains of 1/16/256; put/get GB/s of 2 MiB blocks vs the bare "
        "copy, and vs a local redis-server",
        &RunCacheBench},
+      {"transfer",
+       "batched gather-write / scatter-read of Llama-8B and Qwen-32B shaped blocks vs the contiguous copy "
+       "of the same bytes and vs a naive per-piece loop",
+       &RunTransferBench},
   };
   return suites;
 }

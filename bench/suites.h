@@ -29,6 +29,7 @@ Result<nlohmann::json> RunRegionBench(const BenchOptions& options);
 Result<nlohmann::json> RunLockBench(const BenchOptions& options);
 Result<nlohmann::json> RunAllocBench(const BenchOptions& options);
 Result<nlohmann::json> RunCacheBench(const BenchOptions& options);
+Result<nlohmann::json> RunTransferBench(const BenchOptions& options);
 
 }  // namespace cxlkv::bench
 

@@ -136,8 +136,14 @@ class KvCache {
   // Reads bytes [at, at+n) of a pinned block (invalidating first where the mode needs it);
   // verifies the checksum when the pool keeps them and the whole block is read.
   Status Read(const BlockPin& pin, uint64_t at, void* dst, uint64_t bytes);
-  // Pointer to a pinned block's payload (for DMA engines; the caller invalidates).
+  // Pointer to a pinned block's payload (for DMA engines and batched readers, which call
+  // InvalidateForRead on what they read first).
   const uint8_t* PayloadPtr(const BlockPin& pin);
+  // Pointer to a reservation's payload (for batched writers: non-temporal stores, or plain
+  // stores followed by a flush — payload must not stay dirty in this host's cache, P3).
+  uint8_t* ReservedPtr(const Reservation& r);
+  // Drops this host's copies of [p, p+bytes) where the coherence mode requires (P2).
+  void InvalidateForRead(const uint8_t* p, uint64_t bytes);
 
   // Evicts these keys if unpinned; returns how many were evicted.
   Result<uint64_t> Evict(const NamespaceHandle& ns, std::span<const BlockKey> keys);

@@ -65,6 +65,9 @@ class Index final : public IndexApi {
       std::memcpy(dst, p, bytes);
     }
   }
+  void InvalidateForRead(const uint8_t* p, uint64_t bytes) override {
+    if (meta_.mode() == CoherenceMode::kSoftware) region::InvalidateLinesOpt(p, bytes);
+  }
   void CountRead(uint64_t bytes) override { Add(kReadBytes, bytes); }
   void CountWrite(uint64_t bytes) override { Add(kWriteBytes, bytes); }
   void CountChecksumFailure() override { Add(kChecksumFailures, 1); }

@@ -184,4 +184,19 @@ TEST(Cli, DemoHandsBlocksAcrossProcessesAndChecksClean) {
   EXPECT_THAT(r.out, HasSubstr("cxlkv check: ok"));
 }
 
+TEST(Cli, BenchTransferQuickReportsBothShapes) {
+  auto r = Cli("bench transfer --json --quick");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.stdout_only);
+  std::set<std::string> names;
+  for (const auto& fig : j["results"]) {
+    names.insert(fig["name"].get<std::string>());
+    EXPECT_GT(fig["median"].get<double>(), 0) << fig.dump();
+  }
+  for (const char* want : {"gather_write/llama8b", "scatter_read/llama8b", "gather_write/qwen32b",
+                           "scatter_read/qwen32b", "gather_vs_naive/qwen32b"}) {
+    EXPECT_TRUE(names.count(want)) << want;
+  }
+}
+
 }  // namespace

@@ -1,0 +1,205 @@
+#include "transfer/transfer.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "region/coherence.h"
+
+namespace cxlkv::transfer {
+
+CpuTransfer::CpuTransfer(KvCache& cache, TransferOptions options) : cache_(cache), options_(options) {
+  options_.threads = std::max<uint32_t>(1, options_.threads);
+  for (uint32_t i = 1; i < options_.threads; ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });
+}
+
+CpuTransfer::~CpuTransfer() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  for (auto& w : workers_) w.join();
+}
+
+namespace {
+
+// Worker `i` of `n` takes a contiguous run of pieces holding about 1/n of the bytes: the pieces
+// that end within its share (prefix[k] = bytes up to and including piece k).
+std::pair<size_t, size_t> Share(std::span<const uint64_t> prefix, uint32_t i, uint32_t n) {
+  const uint64_t total = prefix.back();
+  auto at = [&](uint64_t bytes) {
+    return static_cast<size_t>(std::upper_bound(prefix.begin(), prefix.end(), bytes) - prefix.begin());
+  };
+  return {at(total * i / n), at(total * (i + 1) / n)};
+}
+
+}  // namespace
+
+void CpuTransfer::CopyRange(std::span<const Piece> pieces, bool to_pool) {
+  for (const Piece& p : pieces) {
+    if (to_pool) {
+      if (p.bytes < options_.small_piece_bytes) {
+        // Small: plain stores, then publish the lines (P1/P3: never left dirty in this cache).
+        std::memcpy(p.dst, p.src, p.bytes);
+        region::FlushLinesUnfenced(p.dst, p.bytes);
+      } else {
+        region::NtCopy(p.dst, p.src, p.bytes);
+      }
+    } else {
+      cache_.InvalidateForRead(p.src, p.bytes);  // P2: another host wrote it
+      if (p.bytes < options_.small_piece_bytes) {
+        std::memcpy(p.dst, p.src, p.bytes);
+      } else {
+        region::NtCopy(p.dst, p.src, p.bytes);  // streaming: the engine's buffer, not our cache
+      }
+    }
+  }
+  region::FullFence();
+}
+
+void CpuTransfer::CopyAll(std::span<const Piece> pieces, bool to_pool) {
+  if (pieces.empty()) return;
+  if (workers_.empty() || pieces.size() == 1) return CopyRange(pieces, to_pool);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    job_ = pieces;
+    job_to_pool_ = to_pool;
+    pending_ = static_cast<uint32_t>(workers_.size());
+    ++job_generation_;
+  }
+  cv_.notify_all();
+  std::vector<uint64_t>& prefix = prefix_;
+  prefix.resize(pieces.size());
+  uint64_t sum = 0;
+  for (size_t i = 0; i < pieces.size(); ++i) prefix[i] = (sum += pieces[i].bytes);
+  auto [b, e] = Share(prefix, 0, options_.threads);
+  CopyRange(pieces.subspan(b, e - b), to_pool);
+  std::unique_lock<std::mutex> lock(mu_);
+  done_cv_.wait(lock, [this] { return pending_ == 0; });
+}
+
+void CpuTransfer::WorkerLoop(uint32_t index) {
+  uint64_t seen = 0;
+  std::vector<uint64_t> prefix;
+  for (;;) {
+    std::span<const Piece> job;
+    bool to_pool;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || job_generation_ != seen; });
+      if (stop_) return;
+      seen = job_generation_;
+      job = job_;
+      to_pool = job_to_pool_;
+    }
+    prefix.resize(job.size());
+    uint64_t sum = 0;
+    for (size_t i = 0; i < job.size(); ++i) prefix[i] = (sum += job[i].bytes);
+    auto [b, e] = Share(prefix, index, options_.threads);
+    CopyRange(job.subspan(b, e - b), to_pool);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --pending_;
+    }
+    done_cv_.notify_one();
+  }
+}
+
+Result<GatherResult> CpuTransfer::GatherWrite(const NamespaceHandle& ns, const EngineKvLayout& layout,
+                                              std::span<const uint32_t> block_ids, std::span<const BlockKey> keys) {
+  // Validate everything before reserving anything.
+  CXLKV_RETURN_IF_ERROR(layout.Validate());
+  if (block_ids.size() != keys.size()) {
+    return InvalidArgument("gather-write: " + std::to_string(block_ids.size()) + " block ids for " +
+                           std::to_string(keys.size()) + " keys");
+  }
+  const uint64_t block_bytes = layout.PoolBlockBytes();
+  if (ns.block_bytes != block_bytes) {
+    return InvalidArgument("gather-write: the namespace's KV layout (" + std::to_string(ns.block_bytes) +
+                           " bytes per block) is not this engine layout's (" + std::to_string(block_bytes) +
+                           "): register the namespace with EngineKvLayout::Signature()");
+  }
+  for (uint32_t id : block_ids) {
+    if (id >= layout.num_blocks) {
+      return InvalidArgument("gather-write: block id " + std::to_string(id) + " is out of range (the engine has " +
+                             std::to_string(layout.num_blocks) + " blocks)");
+    }
+  }
+  GatherResult out;
+  std::vector<Reservation> reserved;
+  std::vector<uint32_t> reserved_ids;
+  reserved.reserve(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    auto r = cache_.Reserve(ns, keys[i], block_bytes);
+    if (r.ok()) {
+      reserved.push_back(*r);
+      reserved_ids.push_back(block_ids[i]);
+      continue;
+    }
+    if (r.status().code() == StatusCode::kAlreadyExists || r.status().code() == StatusCode::kBusy) {
+      ++out.already_cached;
+      continue;
+    }
+    for (auto& done : reserved) (void)cache_.Abort(done);
+    return r.status();
+  }
+  pieces_.clear();
+  for (size_t i = 0; i < reserved.size(); ++i) {
+    uint8_t* block = cache_.ReservedPtr(reserved[i]);
+    for (uint32_t l = 0; l < layout.num_layers(); ++l) {
+      for (uint32_t p = 0; p < layout.parts(); ++p) {
+        pieces_.push_back({block + layout.PoolPieceOffset(l, p), layout.EnginePiece(l, p, reserved_ids[i]),
+                           layout.PieceBytes()});
+      }
+    }
+  }
+  CopyAll(pieces_, /*to_pool=*/true);
+  for (auto& r : reserved) {
+    Status s = cache_.Commit(r);
+    if (!s.ok()) return s;
+    ++out.written;
+  }
+  return out;
+}
+
+Status CpuTransfer::ScatterRead(const EngineKvLayout& layout, std::span<const uint32_t> block_ids,
+                                std::span<const BlockPin> pins) {
+  CXLKV_RETURN_IF_ERROR(layout.Validate());
+  if (block_ids.size() != pins.size()) {
+    return InvalidArgument("scatter-read: " + std::to_string(block_ids.size()) + " block ids for " +
+                           std::to_string(pins.size()) + " pinned blocks");
+  }
+  const uint64_t block_bytes = layout.PoolBlockBytes();
+  std::vector<bool> seen(layout.num_blocks, false);
+  for (size_t i = 0; i < block_ids.size(); ++i) {
+    uint32_t id = block_ids[i];
+    if (id >= layout.num_blocks) {
+      return InvalidArgument("scatter-read: block id " + std::to_string(id) + " is out of range (the engine has " +
+                             std::to_string(layout.num_blocks) + " blocks)");
+    }
+    if (seen[id]) {
+      return InvalidArgument("scatter-read: block id " + std::to_string(id) +
+                             " appears twice: the destinations would overlap");
+    }
+    seen[id] = true;
+    if (pins[i].bytes != block_bytes) {
+      return InvalidArgument("scatter-read: pool block " + std::to_string(i) + " holds " + std::to_string(pins[i].bytes) +
+                             " bytes, the engine layout's block " + std::to_string(block_bytes) +
+                             ": layout signature mismatch");
+    }
+  }
+  pieces_.clear();
+  for (size_t i = 0; i < pins.size(); ++i) {
+    const uint8_t* block = cache_.PayloadPtr(pins[i]);
+    for (uint32_t l = 0; l < layout.num_layers(); ++l) {
+      for (uint32_t p = 0; p < layout.parts(); ++p) {
+        pieces_.push_back({layout.EnginePiece(l, p, block_ids[i]), block + layout.PoolPieceOffset(l, p),
+                           layout.PieceBytes()});
+      }
+    }
+  }
+  CopyAll(pieces_, /*to_pool=*/false);
+  return Status::Ok();
+}
+
+}  // namespace cxlkv::transfer

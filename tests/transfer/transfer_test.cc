@@ -1,0 +1,203 @@
+// Gather-write and scatter-read between engine layouts and pool blocks: byte-identical round
+// trips for every layout x dtype x TP slice, random shapes and block-id permutations, and
+// requests that must fail whole with the destination untouched.
+#include <algorithm>
+#include <numeric>
+#include <random>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "../cache/cache_test_util.h"
+#include "transfer/transfer.h"
+
+namespace cxlkv {
+namespace {
+
+using ::testing::HasSubstr;
+
+// An engine cache: one allocation per layer, filled from a seed.
+struct EngineCache {
+  EngineKvLayout layout;
+  std::vector<std::vector<uint8_t>> tensors;
+
+  EngineCache(EngineKvLayout l, uint64_t seed) : layout(std::move(l)) {
+    std::mt19937_64 rng(seed);
+    const uint32_t layers = static_cast<uint32_t>(layout.layers.size());
+    tensors.resize(layers);
+    layout.layers.clear();
+    for (auto& t : tensors) {
+      t.resize(layout.LayerTensorBytes());
+      for (auto& b : t) b = static_cast<uint8_t>(rng());
+      layout.layers.push_back(t.data());
+    }
+  }
+  std::vector<uint8_t> Block(uint32_t id) const {
+    std::vector<uint8_t> out;
+    for (uint32_t l = 0; l < layout.num_layers(); ++l) {
+      for (uint32_t p = 0; p < layout.parts(); ++p) {
+        const uint8_t* piece = layout.EnginePiece(l, p, id);
+        out.insert(out.end(), piece, piece + layout.PieceBytes());
+      }
+    }
+    return out;
+  }
+};
+
+EngineKvLayout Shape(EngineLayoutKind kind, KvDtype dtype, uint32_t layers, uint32_t blocks, uint32_t heads,
+                     uint32_t head_size, uint32_t tp_rank = 0, uint32_t tp_size = 1) {
+  EngineKvLayout l;
+  l.kind = kind;
+  l.dtype = dtype;
+  l.num_blocks = blocks;
+  l.num_kv_heads = heads;
+  l.head_size = head_size;
+  l.latent_dim = kind == EngineLayoutKind::kMla ? head_size * 4 : 0;
+  l.tp_rank = tp_rank;
+  l.tp_size = tp_size;
+  l.layers.assign(layers, nullptr);
+  return l;
+}
+
+struct Fixture {
+  explicit Fixture(const std::string& tag) : path(tag) {
+    EXPECT_TRUE(testing::CreateCachePool(path.path(), 128 << 20).ok());
+    pool = testing::OpenOrNull({path.path()}, 0);
+    cache = *pool->Cache();
+  }
+  NamespaceHandle Ns(const EngineKvLayout& l, const std::string& model = "m") {
+    KeyNamespace ns;
+    ns.model_id = model;
+    ns.layout = l.Signature();
+    auto h = cache->Namespace(ns);
+    EXPECT_TRUE(h.ok()) << h.status().ToString();
+    return *h;
+  }
+  testing::TempRegionPath path;
+  std::unique_ptr<Pool> pool;
+  KvCache* cache = nullptr;
+};
+
+// Writes blocks `ids` of `src` under fresh keys, reads them into `ids_out` of a fresh cache.
+void RoundTrip(Fixture& f, const EngineKvLayout& shape, uint32_t threads, uint64_t seed,
+               const std::string& model) {
+  EngineCache src(shape, seed), dst(shape, seed + 1);
+  auto ns = f.Ns(src.layout, model);
+  std::vector<uint32_t> ids(shape.num_blocks);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::mt19937_64 rng(seed);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  ids.resize(std::max<size_t>(1, ids.size() / 2));
+  std::vector<int32_t> tokens(ids.size() * shape.block_size);
+  for (auto& t : tokens) t = static_cast<int32_t>(rng() % 32000);
+  auto keys = KvCache::ChainKeys(ns, tokens);
+  ASSERT_EQ(keys.size(), ids.size());
+  transfer::CpuTransfer t(*f.cache, {.threads = threads, .small_piece_bytes = 4096});
+  auto g = t.GatherWrite(ns, src.layout, ids, keys);
+  ASSERT_TRUE(g.ok()) << g.status().ToString();
+  EXPECT_EQ(g->written, ids.size());
+  auto hit = f.cache->Lookup(ns, keys);
+  ASSERT_TRUE(hit.ok());
+  ASSERT_EQ(hit->hit_blocks, ids.size());
+  std::vector<uint32_t> out_ids = ids;
+  std::shuffle(out_ids.begin(), out_ids.end(), rng);  // into other slots of the fresh cache
+  ASSERT_TRUE(t.ScatterRead(dst.layout, out_ids, hit->pins).ok());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    ASSERT_EQ(dst.Block(out_ids[i]), src.Block(ids[i])) << "block " << i;
+  }
+  f.cache->Release(hit->pins);
+}
+
+TEST(Transfer, RoundTripsEveryLayoutDtypeAndTpSlice) {
+  Fixture f("xfer-all");
+  int n = 0;
+  for (auto kind : {EngineLayoutKind::kFlashAttn, EngineLayoutKind::kFlashInfer, EngineLayoutKind::kMla}) {
+    for (auto dtype : {KvDtype::kFp16, KvDtype::kBf16, KvDtype::kFp8, KvDtype::kFp32}) {
+      for (uint32_t tp : {1u, 2u}) {
+        SCOPED_TRACE(std::to_string(static_cast<int>(kind)) + "/" + std::to_string(static_cast<int>(dtype)) + "/tp" +
+                     std::to_string(tp));
+        auto shape = Shape(kind, dtype, 4, 8, 8 / tp, 64, tp - 1, tp);
+        RoundTrip(f, shape, 2, 100 + n, "model-" + std::to_string(n));
+        ++n;
+      }
+    }
+  }
+}
+
+TEST(Transfer, PropertyRandomShapesAndPermutations) {
+  Fixture f("xfer-prop");
+  std::mt19937_64 rng(7);
+  for (int i = 0; i < 12; ++i) {
+    auto kind = static_cast<EngineLayoutKind>(rng() % 3);
+    auto dtype = static_cast<KvDtype>(rng() % 4);
+    auto shape = Shape(kind, dtype, 1 + rng() % 6, 2 + rng() % 10, 1 + rng() % 4, 16 << (rng() % 3));
+    shape.block_size = 1 + rng() % 32;
+    RoundTrip(f, shape, 1 + rng() % 3, 1000 + i, "prop-" + std::to_string(i));
+  }
+}
+
+TEST(Transfer, MlaSignatureIsTheSameOnEveryRank) {
+  auto r0 = Shape(EngineLayoutKind::kMla, KvDtype::kBf16, 2, 4, 0, 64, 0, 4);
+  auto r3 = Shape(EngineLayoutKind::kMla, KvDtype::kBf16, 2, 4, 0, 64, 3, 4);
+  KvLayoutSignature a = r0.Signature(), b = r3.Signature();
+  EXPECT_EQ(std::memcmp(&a, &b, sizeof a), 0) << "MLA keys must not multiply the data by the rank count";
+  auto fa = Shape(EngineLayoutKind::kFlashAttn, KvDtype::kBf16, 2, 4, 2, 64, 0, 4);
+  auto fb = Shape(EngineLayoutKind::kFlashAttn, KvDtype::kBf16, 2, 4, 2, 64, 3, 4);
+  KvLayoutSignature c = fa.Signature(), d = fb.Signature();
+  EXPECT_NE(std::memcmp(&c, &d, sizeof c), 0) << "head slices of different ranks must not share keys";
+}
+
+TEST(Transfer, InvalidRequestsFailWholeAndTouchNothing) {
+  Fixture f("xfer-bad");
+  auto shape = Shape(EngineLayoutKind::kFlashAttn, KvDtype::kFp16, 3, 6, 2, 64);
+  EngineCache src(shape, 1), dst(shape, 2);
+  auto ns = f.Ns(src.layout);
+  auto keys = KvCache::ChainKeys(ns, testing::Tokens(1, 16 * 3, 0, 0));
+  transfer::CpuTransfer t(*f.cache, {.threads = 2});
+  // Gather: a block id out of range publishes nothing.
+  std::vector<uint32_t> bad_ids{0, 1, 6};
+  auto g = t.GatherWrite(ns, src.layout, bad_ids, keys);
+  EXPECT_EQ(g.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(g.status().message(), HasSubstr("out of range"));
+  EXPECT_EQ(*f.cache->Exists(ns, keys), 0u);
+  // Gather: a namespace registered for another layout.
+  auto other = Shape(EngineLayoutKind::kFlashAttn, KvDtype::kFp16, 2, 6, 2, 64);
+  auto other_ns = f.Ns(EngineCache(other, 3).layout, "other");
+  std::vector<uint32_t> ids{0, 1, 2};
+  auto mismatch = t.GatherWrite(other_ns, src.layout, ids, keys);
+  EXPECT_EQ(mismatch.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(mismatch.status().message(), HasSubstr("Signature()"));
+  // Gather: a null layer pointer.
+  EngineKvLayout null_layer = src.layout;
+  null_layer.layers[1] = nullptr;
+  EXPECT_THAT(t.GatherWrite(ns, null_layer, ids, keys).status().message(), HasSubstr("null base pointer"));
+  EXPECT_EQ(*f.cache->Exists(ns, keys), 0u);
+  // A good gather, then bad scatters leave the destination untouched.
+  ASSERT_TRUE(t.GatherWrite(ns, src.layout, ids, keys).ok());
+  auto hit = f.cache->Lookup(ns, keys);
+  ASSERT_EQ(hit->hit_blocks, 3u);
+  auto before = dst.tensors;
+  std::vector<uint32_t> twice{4, 5, 4};
+  Status overlap = t.ScatterRead(dst.layout, twice, hit->pins);
+  EXPECT_EQ(overlap.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(overlap.message(), HasSubstr("appears twice"));
+  std::vector<uint32_t> out_of_range{0, 1, 9};
+  EXPECT_THAT(t.ScatterRead(dst.layout, out_of_range, hit->pins).message(), HasSubstr("out of range"));
+  EngineCache small(other, 4);
+  EXPECT_THAT(t.ScatterRead(small.layout, ids, hit->pins).message(), HasSubstr("signature mismatch"));
+  EngineKvLayout null_dst = dst.layout;
+  null_dst.layers[0] = nullptr;
+  EXPECT_EQ(t.ScatterRead(null_dst, ids, hit->pins).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(dst.tensors == before) << "a refused scatter wrote into the engine's cache";
+  ASSERT_TRUE(t.ScatterRead(dst.layout, ids, hit->pins).ok());
+  for (uint32_t id : ids) EXPECT_EQ(dst.Block(id), src.Block(id));
+  f.cache->Release(hit->pins);
+  // Blocks already cached are skipped, not rewritten.
+  auto again = t.GatherWrite(ns, src.layout, ids, keys);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->written, 0u);
+  EXPECT_EQ(again->already_cached, 3u);
+}
+
+}  // namespace
+}  // namespace cxlkv
