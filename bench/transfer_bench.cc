@@ -70,7 +70,23 @@ Result<nlohmann::json> RunTransferBench(const BenchOptions& options) {
     std::vector<uint32_t> ids(blocks);
     std::iota(ids.begin(), ids.end(), 0);
     std::vector<uint8_t> contiguous(total), out(total);
-    std::vector<double> gw, sr, nt, mc, naive_w, naive_r;
+    std::vector<double> gw, sr, nt, mc, naive_w, naive_r, sparse, sparse_naive, sparse_contig;
+    // A 16-token sparse read: for every layer and head, 16 tokens spread over the request.
+    transfer::SparseSelection sel{m.layers, m.heads, {}};
+    for (uint32_t s = 0; s < m.layers * m.heads; ++s) {
+      std::vector<uint32_t> tok;
+      for (uint32_t i = 0; i < 16; ++i) tok.push_back((s * 7 + i * 37) % (16 * blocks));
+      sel.tokens.push_back(tok);
+    }
+    const uint64_t head_bytes = uint64_t{m.head_size} * 2;
+    const uint64_t sparse_bytes = uint64_t{m.layers} * m.heads * 16 * 2 * head_bytes;
+    std::vector<std::vector<uint8_t>> sk(m.layers, std::vector<uint8_t>(m.heads * 16 * head_bytes)), sv = sk;
+    transfer::SparseDestination sdst;
+    for (uint32_t l = 0; l < m.layers; ++l) {
+      sdst.k.push_back(sk[l].data());
+      sdst.v.push_back(sv[l].data());
+    }
+    sdst.capacity = 16;
     for (int rep = 0; rep < reps; ++rep) {
       std::vector<int32_t> tokens(16 * blocks);
       for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(rep * 100000 + i);
@@ -119,6 +135,29 @@ Result<nlohmann::json> RunTransferBench(const BenchOptions& options) {
         }
       }
       naive_r.push_back(Gbps(total, t0));
+      t0 = Clock::now();
+      CXLKV_RETURN_IF_ERROR(xfer.SparseRead(layout, hit.pins, sel, sdst));
+      sparse.push_back(Gbps(sparse_bytes, t0));
+      t0 = Clock::now();
+      for (uint32_t l = 0; l < m.layers; ++l) {
+        for (uint32_t h = 0; h < m.heads; ++h) {
+          const auto& tok = sel.tokens[l * m.heads + h];
+          for (size_t i = 0; i < tok.size(); ++i) {
+            const uint8_t* block = cache->PayloadPtr(hit.pins[tok[i] / 16]);
+            const uint64_t row = (uint64_t{tok[i] % 16} * m.heads + h) * head_bytes;
+            for (uint32_t p = 0; p < 2; ++p) {
+              const uint8_t* src = block + layout.PoolPieceOffset(l, p) + row;
+              cache->InvalidateForRead(src, head_bytes);
+              std::memcpy((p ? sv : sk)[l].data() + (uint64_t{h} * 16 + i) * head_bytes, src, head_bytes);
+            }
+          }
+        }
+      }
+      sparse_naive.push_back(Gbps(sparse_bytes, t0));
+      t0 = Clock::now();
+      cache->InvalidateForRead(cache->PayloadPtr(hit.pins[0]), std::min(sparse_bytes, block_bytes));
+      std::memcpy(out.data(), cache->PayloadPtr(hit.pins[0]), std::min(sparse_bytes, block_bytes));
+      sparse_contig.push_back(Gbps(std::min(sparse_bytes, block_bytes), t0));
       cache->Release(hit.pins);
     }
     const std::string n = m.name;
@@ -134,6 +173,15 @@ Result<nlohmann::json> RunTransferBench(const BenchOptions& options) {
                                   "batched gather-write over the naive per-piece loop"}));
     results.push_back(FigureJson({"scatter_read/" + n, "GB/s", true, sr, "contiguous_memcpy/" + n, mc,
                                   "scatter-read of pinned blocks, " + pieces + "; goal >= 0.85"}));
+    results.push_back(FigureJson({"sparse_contiguous/" + n, "GB/s", true, sparse_contig, "", {},
+                                  "invalidate + one memcpy of the same byte count, contiguous"}));
+    results.push_back(FigureJson({"sparse_naive/" + n, "GB/s", true, sparse_naive, "", {},
+                                  "invalidate + memcpy per token piece, one thread"}));
+    results.push_back(FigureJson({"sparse_read16/" + n, "GB/s", true, sparse, "sparse_contiguous/" + n, sparse_contig,
+                                  "16 tokens per layer and head, pieces of " + std::to_string(head_bytes) +
+                                  " B, non-contiguous to non-contiguous, one call"}));
+    results.push_back(FigureJson({"sparse_vs_naive/" + n, "GB/s", true, sparse, "sparse_naive/" + n, sparse_naive,
+                                  "batched sparse read over the per-piece loop"}));
     results.push_back(FigureJson({"scatter_vs_naive/" + n, "GB/s", true, sr, "naive_read/" + n, naive_r,
                                   "batched scatter-read over the naive per-piece loop"}));
   }

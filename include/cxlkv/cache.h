@@ -142,8 +142,9 @@ class KvCache {
   // Pointer to a reservation's payload (for batched writers: non-temporal stores, or plain
   // stores followed by a flush — payload must not stay dirty in this host's cache, P3).
   uint8_t* ReservedPtr(const Reservation& r);
-  // Drops this host's copies of [p, p+bytes) where the coherence mode requires (P2).
-  void InvalidateForRead(const uint8_t* p, uint64_t bytes);
+  // Drops this host's copies of [p, p+bytes) where the coherence mode requires (P2). A batch
+  // passes fence = false for all but its last range (or fences itself) so the misses overlap.
+  void InvalidateForRead(const uint8_t* p, uint64_t bytes, bool fence = true);
 
   // Evicts these keys if unpinned; returns how many were evicted.
   Result<uint64_t> Evict(const NamespaceHandle& ns, std::span<const BlockKey> keys);

@@ -65,8 +65,13 @@ class Index final : public IndexApi {
       std::memcpy(dst, p, bytes);
     }
   }
-  void InvalidateForRead(const uint8_t* p, uint64_t bytes) override {
-    if (meta_.mode() == CoherenceMode::kSoftware) region::InvalidateLinesOpt(p, bytes);
+  void InvalidateForRead(const uint8_t* p, uint64_t bytes, bool fence) override {
+    if (meta_.mode() != CoherenceMode::kSoftware) return;
+    if (fence) {
+      region::InvalidateLinesOpt(p, bytes);
+    } else {
+      region::InvalidateLinesOptUnfenced(p, bytes);
+    }
   }
   void CountRead(uint64_t bytes) override { Add(kReadBytes, bytes); }
   void CountWrite(uint64_t bytes) override { Add(kWriteBytes, bytes); }

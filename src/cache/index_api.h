@@ -29,7 +29,7 @@ class IndexApi {
   // The payload side: where a block lives in this process's mapping, and how to read it.
   virtual uint8_t* Payload(uint64_t offset, uint64_t bytes) = 0;
   virtual void ReadPayload(void* dst, const uint8_t* p, uint64_t bytes) = 0;
-  virtual void InvalidateForRead(const uint8_t* p, uint64_t bytes) = 0;
+  virtual void InvalidateForRead(const uint8_t* p, uint64_t bytes, bool fence) = 0;
   virtual bool checksums() const = 0;
   virtual void CountRead(uint64_t bytes) = 0;
   virtual void CountWrite(uint64_t bytes) = 0;

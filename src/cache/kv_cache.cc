@@ -111,7 +111,9 @@ Status KvCache::Read(const BlockPin& pin, uint64_t at, void* dst, uint64_t bytes
 
 const uint8_t* KvCache::PayloadPtr(const BlockPin& pin) { return index_.Payload(pin.offset, pin.bytes); }
 uint8_t* KvCache::ReservedPtr(const Reservation& r) { return index_.Payload(r.offset, r.bytes); }
-void KvCache::InvalidateForRead(const uint8_t* p, uint64_t bytes) { index_.InvalidateForRead(p, bytes); }
+void KvCache::InvalidateForRead(const uint8_t* p, uint64_t bytes, bool fence) {
+  index_.InvalidateForRead(p, bytes, fence);
+}
 
 Result<uint64_t> KvCache::Evict(const NamespaceHandle& ns, std::span<const BlockKey> keys) {
   return index_.EvictKeys(ns, keys);

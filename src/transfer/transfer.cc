@@ -36,6 +36,12 @@ std::pair<size_t, size_t> Share(std::span<const uint64_t> prefix, uint32_t i, ui
 }  // namespace
 
 void CpuTransfer::CopyRange(std::span<const Piece> pieces, bool to_pool) {
+  if (!to_pool) {
+    // P2: another host wrote these. Invalidate every source in a batch, one fence, so the
+    // misses of many small pieces overlap instead of queueing behind one fence each.
+    for (const Piece& p : pieces) cache_.InvalidateForRead(p.src, p.bytes, /*fence=*/false);
+    region::FullFence();
+  }
   for (const Piece& p : pieces) {
     if (to_pool) {
       if (p.bytes < options_.small_piece_bytes) {
@@ -46,7 +52,6 @@ void CpuTransfer::CopyRange(std::span<const Piece> pieces, bool to_pool) {
         region::NtCopy(p.dst, p.src, p.bytes);
       }
     } else {
-      cache_.InvalidateForRead(p.src, p.bytes);  // P2: another host wrote it
       if (p.bytes < options_.small_piece_bytes) {
         std::memcpy(p.dst, p.src, p.bytes);
       } else {
@@ -195,6 +200,60 @@ Status CpuTransfer::ScatterRead(const EngineKvLayout& layout, std::span<const ui
       for (uint32_t p = 0; p < layout.parts(); ++p) {
         pieces_.push_back({layout.EnginePiece(l, p, block_ids[i]), block + layout.PoolPieceOffset(l, p),
                            layout.PieceBytes()});
+      }
+    }
+  }
+  CopyAll(pieces_, /*to_pool=*/false);
+  return Status::Ok();
+}
+
+Status CpuTransfer::SparseRead(const EngineKvLayout& layout, std::span<const BlockPin> pins,
+                               const SparseSelection& sel, const SparseDestination& dst) {
+  CXLKV_RETURN_IF_ERROR(layout.Validate());
+  if (layout.kind == EngineLayoutKind::kMla) return InvalidArgument("sparse read: MLA blocks have no K/V heads");
+  const uint32_t layers = layout.num_layers(), heads = layout.num_kv_heads;
+  if (sel.num_layers != layers || sel.num_kv_heads != heads || sel.tokens.size() != uint64_t{layers} * heads) {
+    return InvalidArgument("sparse read: the selection is not shaped " + std::to_string(layers) + " layers x " +
+                           std::to_string(heads) + " heads like the layout");
+  }
+  if (dst.k.size() != layers || dst.v.size() != layers) {
+    return InvalidArgument("sparse read: the destination needs a K and a V buffer per layer");
+  }
+  for (uint32_t l = 0; l < layers; ++l) {
+    if (!dst.k[l] || !dst.v[l]) return InvalidArgument("sparse read: layer " + std::to_string(l) + " has a null buffer");
+  }
+  const uint64_t block_bytes = layout.PoolBlockBytes();
+  for (size_t i = 0; i < pins.size(); ++i) {
+    if (pins[i].bytes != block_bytes) {
+      return InvalidArgument("sparse read: pool block " + std::to_string(i) + " is not of this layout's size: "
+                             "layout signature mismatch");
+    }
+  }
+  const uint64_t request_tokens = uint64_t{layout.block_size} * pins.size();
+  for (size_t s = 0; s < sel.tokens.size(); ++s) {
+    if (sel.tokens[s].size() > dst.capacity) {
+      return InvalidArgument("sparse read: " + std::to_string(sel.tokens[s].size()) + " tokens selected for one head, "
+                             "the destination holds " + std::to_string(dst.capacity));
+    }
+    for (uint32_t t : sel.tokens[s]) {
+      if (t >= request_tokens) {
+        return InvalidArgument("sparse read: token " + std::to_string(t) + " is beyond the request's " +
+                               std::to_string(request_tokens) + " tokens");
+      }
+    }
+  }
+  const uint64_t head_bytes = uint64_t{layout.head_size} * DtypeBytes(layout.dtype);
+  pieces_.clear();
+  for (uint32_t l = 0; l < layers; ++l) {
+    for (uint32_t h = 0; h < heads; ++h) {
+      const auto& tokens = sel.tokens[uint64_t{l} * heads + h];
+      for (size_t i = 0; i < tokens.size(); ++i) {
+        const uint32_t t = tokens[i];
+        const uint8_t* block = cache_.PayloadPtr(pins[t / layout.block_size]);
+        const uint64_t row = (uint64_t{t % layout.block_size} * heads + h) * head_bytes;
+        const uint64_t out = (uint64_t{h} * dst.capacity + i) * head_bytes;
+        pieces_.push_back({dst.k[l] + out, block + layout.PoolPieceOffset(l, 0) + row, head_bytes});
+        pieces_.push_back({dst.v[l] + out, block + layout.PoolPieceOffset(l, 1) + row, head_bytes});
       }
     }
   }

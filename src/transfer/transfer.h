@@ -34,6 +34,24 @@ struct TransferOptions {
 };
 
 // What a gather-write did, block by block.
+// A sparse (token-granular) read, Beluga §7.3 Exp #10: for every layer and KV head, which
+// tokens of the request to fetch. Token t lives in pool block t / block_size, row t % block_size.
+struct SparseSelection {
+  uint32_t num_layers = 0;
+  uint32_t num_kv_heads = 0;
+  // tokens[layer * num_kv_heads + head]: token indices into the request (any order, no limit
+  // but the destination's capacity).
+  std::vector<std::vector<uint32_t>> tokens;
+};
+
+// Where a sparse read lands: per layer a K and a V buffer, each [num_kv_heads][capacity][head_size]
+// (selected token i of head h at row i of head h's slab).
+struct SparseDestination {
+  std::vector<uint8_t*> k;  // per layer
+  std::vector<uint8_t*> v;  // per layer
+  uint32_t capacity = 0;    // rows per head
+};
+
 struct GatherResult {
   uint64_t written = 0;         // blocks reserved, copied and committed by this call
   uint64_t already_cached = 0;  // READY already (or being written elsewhere): skipped
@@ -58,6 +76,13 @@ class CpuTransfer {
   // destinations —, a pin of another size than the layout's block).
   Status ScatterRead(const EngineKvLayout& layout, std::span<const uint32_t> block_ids,
                      std::span<const BlockPin> pins);
+
+  // Copies the selected tokens' K and V of pinned pool blocks (the request's blocks in order,
+  // shaped by `layout`, not MLA) into `dst`, one piece per (layer, head, token, K/V).
+  // Errors (destination untouched): kInvalidArgument (shapes differ, a token beyond the
+  // request, more tokens than the capacity, a null buffer, a pin of another size).
+  Status SparseRead(const EngineKvLayout& layout, std::span<const BlockPin> pins, const SparseSelection& selection,
+                    const SparseDestination& dst);
 
   const TransferOptions& options() const { return options_; }
 
