@@ -159,11 +159,18 @@ Result<GatherResult> CpuTransfer::GatherWrite(const NamespaceHandle& ns, const E
     }
   }
   CopyAll(pieces_, /*to_pool=*/true);
+  // Commit every block even if one fails (a reservation reclaimed because this node was
+  // presumed dead): none is left WRITING behind the error.
+  Status first_error;
   for (auto& r : reserved) {
     Status s = cache_.Commit(r);
-    if (!s.ok()) return s;
-    ++out.written;
+    if (s.ok()) {
+      ++out.written;
+    } else if (first_error.ok()) {
+      first_error = s;
+    }
   }
+  if (!first_error.ok()) return first_error;
   return out;
 }
 
