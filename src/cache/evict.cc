@@ -11,6 +11,30 @@ namespace {
 constexpr uint64_t kScanBatch = 1024;
 }  // namespace
 
+template <typename Fn>
+void Index::ScanEntries(Fn fn) {
+  const uint64_t entries = layout_.entries();
+  std::vector<Entry> batch(kScanBatch);
+  for (uint64_t first = 0; first < entries; first += kScanBatch) {
+    uint64_t n = std::min(kScanBatch, entries - first);
+    meta_.Invalidate(layout_.entry(first), n * sizeof(Entry));
+    meta_.Read(layout_.entry(first), batch.data(), n * sizeof(Entry));
+    for (uint64_t i = 0; i < n; ++i) fn(first + i, batch[i]);
+  }
+}
+
+template <typename Fn>
+void Index::ScanPinRow(uint32_t node, Fn fn) {
+  const uint64_t entries = layout_.entries();
+  std::vector<uint64_t> pins(kScanBatch);
+  for (uint64_t first = 0; first < entries; first += kScanBatch) {
+    uint64_t n = std::min(kScanBatch, entries - first);
+    meta_.Invalidate(layout_.pin(node, first), n * 8);
+    meta_.Read(layout_.pin(node, first), pins.data(), n * 8);
+    for (uint64_t i = 0; i < n; ++i) fn(first + i, pins[i]);
+  }
+}
+
 void Index::TombstoneLocked(uint64_t slot, uint64_t gen) {
   meta_.Publish(layout_.entry(slot), StateWord(gen, kTombstone));
   // A run of tombstones that ends at an EMPTY slot is on no live entry's probe path (every
@@ -85,35 +109,22 @@ uint64_t Index::EvictLru(uint64_t target) {
     uint64_t stamp, slot, gen, bytes;
     bool pinned;
   };
-  const uint64_t entries = layout_.entries();
   std::vector<Candidate> cands;
-  std::vector<uint64_t> slot_to_cand(entries, UINT64_MAX);
-  std::vector<Entry> batch(kScanBatch);
-  for (uint64_t first = 0; first < entries; first += kScanBatch) {
-    uint64_t n = std::min(kScanBatch, entries - first);
-    meta_.Invalidate(layout_.entry(first), n * sizeof(Entry));
-    meta_.Read(layout_.entry(first), batch.data(), n * sizeof(Entry));
-    for (uint64_t i = 0; i < n; ++i) {
-      if (StateOf(batch[i].state) != kReady) continue;
-      slot_to_cand[first + i] = cands.size();
-      cands.push_back({batch[i].stamp_us, first + i, GenOf(batch[i].state), batch[i].bytes, false});
-    }
-  }
+  std::vector<uint64_t> slot_to_cand(layout_.entries(), UINT64_MAX);
+  ScanEntries([&](uint64_t slot, const Entry& e) {
+    if (StateOf(e.state) != kReady) return;
+    slot_to_cand[slot] = cands.size();
+    cands.push_back({e.stamp_us, slot, GenOf(e.state), e.bytes, false});
+  });
   if (cands.empty()) return 0;
   // Last access = the latest stamp any node left in its pin word (pin or release time).
-  std::vector<uint64_t> pins(kScanBatch);
   for (uint32_t node = 0; node < layout_.h.max_nodes; ++node) {
-    for (uint64_t first = 0; first < entries; first += kScanBatch) {
-      uint64_t n = std::min(kScanBatch, entries - first);
-      meta_.Invalidate(layout_.pin(node, first), n * 8);
-      meta_.Read(layout_.pin(node, first), pins.data(), n * 8);
-      for (uint64_t i = 0; i < n; ++i) {
-        if (pins[i] == 0 || slot_to_cand[first + i] == UINT64_MAX) continue;
-        Candidate& c = cands[slot_to_cand[first + i]];
-        c.stamp = std::max(c.stamp, PinStamp(pins[i]));
-        c.pinned |= PinCount(pins[i]) != 0;
-      }
-    }
+    ScanPinRow(node, [&](uint64_t slot, uint64_t word) {
+      if (word == 0 || slot_to_cand[slot] == UINT64_MAX) return;
+      Candidate& c = cands[slot_to_cand[slot]];
+      c.stamp = std::max(c.stamp, PinStamp(word));
+      c.pinned |= PinCount(word) != 0;
+    });
   }
   std::erase_if(cands, [](const Candidate& c) { return c.pinned; });
   std::sort(cands.begin(), cands.end(), [](const Candidate& a, const Candidate& b) { return a.stamp < b.stamp; });
@@ -187,31 +198,17 @@ void Index::Recover(uint32_t node, uint64_t inc) {
     UnlockStripe(stripe);
   }
   // The dead node's pins: it writes its row no more; recovery takes the row over (P5).
-  const uint64_t entries = layout_.entries();
-  std::vector<uint64_t> pins(kScanBatch);
-  for (uint64_t first = 0; first < entries; first += kScanBatch) {
-    uint64_t n = std::min(kScanBatch, entries - first);
-    meta_.Invalidate(layout_.pin(node, first), n * 8);
-    meta_.Read(layout_.pin(node, first), pins.data(), n * 8);
-    for (uint64_t i = 0; i < n; ++i) {
-      if (PinCount(pins[i]) != 0) meta_.Publish(layout_.pin(node, first + i), PinWord(PinStamp(pins[i]), 0));
-    }
-  }
+  ScanPinRow(node, [&](uint64_t slot, uint64_t word) {
+    if (PinCount(word) != 0) meta_.Publish(layout_.pin(node, slot), PinWord(PinStamp(word), 0));
+  });
   PublishCounters();
 }
 
 void Index::AppendReachable(std::vector<uint64_t>& out) {
-  const uint64_t entries = layout_.entries();
-  std::vector<Entry> batch(kScanBatch);
-  for (uint64_t first = 0; first < entries; first += kScanBatch) {
-    uint64_t n = std::min(kScanBatch, entries - first);
-    meta_.Invalidate(layout_.entry(first), n * sizeof(Entry));
-    meta_.Read(layout_.entry(first), batch.data(), n * sizeof(Entry));
-    for (uint64_t i = 0; i < n; ++i) {
-      EntryState s = StateOf(batch[i].state);
-      if (s == kReady || s == kEvicting) out.push_back(batch[i].payload);
-    }
-  }
+  ScanEntries([&](uint64_t, const Entry& e) {
+    EntryState s = StateOf(e.state);
+    if (s == kReady || s == kEvicting) out.push_back(e.payload);
+  });
 }
 
 }  // namespace cxlkv::cache

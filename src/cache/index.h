@@ -128,6 +128,11 @@ class Index final : public IndexApi {
   // (offset, bytes) to free after the lock is released, or bytes = 0 when pinned or changed.
   bool TryEvictLocked(uint64_t slot, uint64_t gen, uint64_t* payload, uint64_t* bytes);
   bool AnyPins(uint64_t slot);
+  // Every entry / every pin word of `node`'s row, read in batches (one invalidate + read each).
+  template <typename Fn>
+  void ScanEntries(Fn fn);  // fn(slot, const Entry&)
+  template <typename Fn>
+  void ScanPinRow(uint32_t node, Fn fn);  // fn(slot, word)
   // True when the life that wrote `writer` (a WriterWord) is live in this process's view.
   bool WriterLive(uint64_t writer);
   void FreePayload(uint64_t payload, uint64_t bytes);

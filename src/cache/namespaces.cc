@@ -9,25 +9,26 @@ namespace cxlkv::cache {
 
 namespace {
 
+// "tag\0model\0extra\0": the start of both hashed descriptions.
+std::string Described(const char* tag, const KeyNamespace& ns) {
+  std::string s = tag;
+  for (const std::string* part : {&ns.model_id, &ns.extra_key}) {
+    s.push_back('\0');
+    s += *part;
+  }
+  s.push_back('\0');
+  return s;
+}
+
 uint64_t IdentityHash(const KeyNamespace& ns) {
-  std::string id = "cxlkv-identity-v1";
-  id.push_back('\0');
-  id += ns.model_id;
-  id.push_back('\0');
-  id += ns.extra_key;
-  id.push_back('\0');
+  std::string id = Described("cxlkv-identity-v1", ns);
   const uint32_t parts[] = {ns.layout.tp_rank, ns.layout.tp_size, ns.layout.pp_stage};
   id.append(reinterpret_cast<const char*>(parts), sizeof parts);
   return XXH3_64bits(id.data(), id.size());
 }
 
 BlockKey SeedOf(const KeyNamespace& ns) {
-  std::string s = "cxlkv-namespace-v1";
-  s.push_back('\0');
-  s += ns.model_id;
-  s.push_back('\0');
-  s += ns.extra_key;
-  s.push_back('\0');
+  std::string s = Described("cxlkv-namespace-v1", ns);
   s.append(reinterpret_cast<const char*>(&ns.layout), sizeof ns.layout);
   XXH128_hash_t h = XXH3_128bits(s.data(), s.size());
   return BlockKey{h.low64, h.high64};

@@ -55,6 +55,15 @@ std::vector<cxlkv::BlockKey> Keys(const cxlkv_key* keys, size_t n) {
   return v;
 }
 
+// Commit or Abort: both close the reservation, which goes back to the caller's struct.
+cxlkv_status Finish(cxlkv::KvCache& cache, cxlkv::Status (cxlkv::KvCache::*op)(cxlkv::Reservation&),
+                    cxlkv_reservation* r) {
+  auto res = Res(r);
+  cxlkv::Status s = (cache.*op)(res);
+  CRes(res, r);
+  return Report(s);
+}
+
 #define CXLKV_C_REQUIRE(cond, what)                                               \
   do {                                                                            \
     if (!(cond)) return Report(cxlkv::InvalidArgument(std::string(what) + " is null")); \
@@ -172,18 +181,12 @@ cxlkv_status cxlkv_write(cxlkv_pool* pool, cxlkv_reservation* r, uint64_t at, co
 
 cxlkv_status cxlkv_commit(cxlkv_pool* pool, cxlkv_reservation* r) {
   CXLKV_C_REQUIRE(pool && r, "pool or reservation");
-  auto res = Res(r);
-  cxlkv::Status s = pool->cache->Commit(res);
-  CRes(res, r);
-  return Report(s);
+  return Finish(*pool->cache, &cxlkv::KvCache::Commit, r);
 }
 
 cxlkv_status cxlkv_abort(cxlkv_pool* pool, cxlkv_reservation* r) {
   CXLKV_C_REQUIRE(pool && r, "pool or reservation");
-  auto res = Res(r);
-  cxlkv::Status s = pool->cache->Abort(res);
-  CRes(res, r);
-  return Report(s);
+  return Finish(*pool->cache, &cxlkv::KvCache::Abort, r);
 }
 
 cxlkv_status cxlkv_put(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_key* key, const void* data,
