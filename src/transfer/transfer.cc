@@ -14,6 +14,14 @@ CpuTransfer::CpuTransfer(KvCache& cache, TransferOptions options) : cache_(cache
 
 CpuTransfer::~CpuTransfer() {
   {
+    // Layer-wise steps still queued run to the end first: they write into engine memory and
+    // reserved pool blocks their handles still account for.
+    std::lock_guard<std::mutex> lock(async_mu_);
+    async_stop_ = true;
+  }
+  async_cv_.notify_all();
+  if (async_thread_.joinable()) async_thread_.join();
+  {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
@@ -110,30 +118,33 @@ void CpuTransfer::WorkerLoop(uint32_t index) {
   }
 }
 
-Result<GatherResult> CpuTransfer::GatherWrite(const NamespaceHandle& ns, const EngineKvLayout& layout,
-                                              std::span<const uint32_t> block_ids, std::span<const BlockKey> keys) {
-  // Validate everything before reserving anything.
+Status CpuTransfer::ValidateGather(const char* what, const NamespaceHandle& ns, const EngineKvLayout& layout,
+                                   std::span<const uint32_t> block_ids, std::span<const BlockKey> keys) const {
   CXLKV_RETURN_IF_ERROR(layout.Validate());
   if (block_ids.size() != keys.size()) {
-    return InvalidArgument("gather-write: " + std::to_string(block_ids.size()) + " block ids for " +
+    return InvalidArgument(std::string(what) + ": " + std::to_string(block_ids.size()) + " block ids for " +
                            std::to_string(keys.size()) + " keys");
   }
   const uint64_t block_bytes = layout.PoolBlockBytes();
   if (ns.block_bytes != block_bytes) {
-    return InvalidArgument("gather-write: the namespace's KV layout (" + std::to_string(ns.block_bytes) +
+    return InvalidArgument(std::string(what) + ": the namespace's KV layout (" + std::to_string(ns.block_bytes) +
                            " bytes per block) is not this engine layout's (" + std::to_string(block_bytes) +
                            "): register the namespace with EngineKvLayout::Signature()");
   }
   for (uint32_t id : block_ids) {
     if (id >= layout.num_blocks) {
-      return InvalidArgument("gather-write: block id " + std::to_string(id) + " is out of range (the engine has " +
-                             std::to_string(layout.num_blocks) + " blocks)");
+      return InvalidArgument(std::string(what) + ": block id " + std::to_string(id) +
+                             " is out of range (the engine has " + std::to_string(layout.num_blocks) + " blocks)");
     }
   }
-  GatherResult out;
-  std::vector<Reservation> reserved;
-  std::vector<uint32_t> reserved_ids;
+  return Status::Ok();
+}
+
+Status CpuTransfer::ReserveAll(const NamespaceHandle& ns, uint64_t block_bytes, std::span<const uint32_t> block_ids,
+                               std::span<const BlockKey> keys, std::vector<Reservation>& reserved,
+                               std::vector<uint32_t>& reserved_ids, GatherResult& out) {
   reserved.reserve(keys.size());
+  reserved_ids.reserve(keys.size());
   for (size_t i = 0; i < keys.size(); ++i) {
     auto r = cache_.Reserve(ns, keys[i], block_bytes);
     if (r.ok()) {
@@ -146,19 +157,14 @@ Result<GatherResult> CpuTransfer::GatherWrite(const NamespaceHandle& ns, const E
       continue;
     }
     for (auto& done : reserved) (void)cache_.Abort(done);
+    reserved.clear();
+    reserved_ids.clear();
     return r.status();
   }
-  pieces_.clear();
-  for (size_t i = 0; i < reserved.size(); ++i) {
-    uint8_t* block = cache_.ReservedPtr(reserved[i]);
-    for (uint32_t l = 0; l < layout.num_layers(); ++l) {
-      for (uint32_t p = 0; p < layout.parts(); ++p) {
-        pieces_.push_back({block + layout.PoolPieceOffset(l, p), layout.EnginePiece(l, p, reserved_ids[i]),
-                           layout.PieceBytes()});
-      }
-    }
-  }
-  CopyAll(pieces_, /*to_pool=*/true);
+  return Status::Ok();
+}
+
+Result<GatherResult> CpuTransfer::CommitAll(std::span<Reservation> reserved, GatherResult out) {
   // Commit every block even if one fails (a reservation reclaimed because this node was
   // presumed dead): none is left WRITING behind the error.
   Status first_error;
@@ -174,11 +180,34 @@ Result<GatherResult> CpuTransfer::GatherWrite(const NamespaceHandle& ns, const E
   return out;
 }
 
-Status CpuTransfer::ScatterRead(const EngineKvLayout& layout, std::span<const uint32_t> block_ids,
-                                std::span<const BlockPin> pins) {
+Result<GatherResult> CpuTransfer::GatherWrite(const NamespaceHandle& ns, const EngineKvLayout& layout,
+                                              std::span<const uint32_t> block_ids, std::span<const BlockKey> keys) {
+  // Validate everything before reserving anything.
+  CXLKV_RETURN_IF_ERROR(ValidateGather("gather-write", ns, layout, block_ids, keys));
+  std::lock_guard<std::mutex> call(call_mu_);
+  GatherResult out;
+  std::vector<Reservation> reserved;
+  std::vector<uint32_t> reserved_ids;
+  CXLKV_RETURN_IF_ERROR(ReserveAll(ns, layout.PoolBlockBytes(), block_ids, keys, reserved, reserved_ids, out));
+  pieces_.clear();
+  for (size_t i = 0; i < reserved.size(); ++i) {
+    uint8_t* block = cache_.ReservedPtr(reserved[i]);
+    for (uint32_t l = 0; l < layout.num_layers(); ++l) {
+      for (uint32_t p = 0; p < layout.parts(); ++p) {
+        pieces_.push_back({block + layout.PoolPieceOffset(l, p), layout.EnginePiece(l, p, reserved_ids[i]),
+                           layout.PieceBytes()});
+      }
+    }
+  }
+  CopyAll(pieces_, /*to_pool=*/true);
+  return CommitAll(reserved, out);
+}
+
+Status CpuTransfer::ValidateScatter(const char* what, const EngineKvLayout& layout,
+                                    std::span<const uint32_t> block_ids, std::span<const BlockPin> pins) const {
   CXLKV_RETURN_IF_ERROR(layout.Validate());
   if (block_ids.size() != pins.size()) {
-    return InvalidArgument("scatter-read: " + std::to_string(block_ids.size()) + " block ids for " +
+    return InvalidArgument(std::string(what) + ": " + std::to_string(block_ids.size()) + " block ids for " +
                            std::to_string(pins.size()) + " pinned blocks");
   }
   const uint64_t block_bytes = layout.PoolBlockBytes();
@@ -186,20 +215,27 @@ Status CpuTransfer::ScatterRead(const EngineKvLayout& layout, std::span<const ui
   for (size_t i = 0; i < block_ids.size(); ++i) {
     uint32_t id = block_ids[i];
     if (id >= layout.num_blocks) {
-      return InvalidArgument("scatter-read: block id " + std::to_string(id) + " is out of range (the engine has " +
-                             std::to_string(layout.num_blocks) + " blocks)");
+      return InvalidArgument(std::string(what) + ": block id " + std::to_string(id) +
+                             " is out of range (the engine has " + std::to_string(layout.num_blocks) + " blocks)");
     }
     if (seen[id]) {
-      return InvalidArgument("scatter-read: block id " + std::to_string(id) +
+      return InvalidArgument(std::string(what) + ": block id " + std::to_string(id) +
                              " appears twice: the destinations would overlap");
     }
     seen[id] = true;
     if (pins[i].bytes != block_bytes) {
-      return InvalidArgument("scatter-read: pool block " + std::to_string(i) + " holds " + std::to_string(pins[i].bytes) +
-                             " bytes, the engine layout's block " + std::to_string(block_bytes) +
-                             ": layout signature mismatch");
+      return InvalidArgument(std::string(what) + ": pool block " + std::to_string(i) + " holds " +
+                             std::to_string(pins[i].bytes) + " bytes, the engine layout's block " +
+                             std::to_string(block_bytes) + ": layout signature mismatch");
     }
   }
+  return Status::Ok();
+}
+
+Status CpuTransfer::ScatterRead(const EngineKvLayout& layout, std::span<const uint32_t> block_ids,
+                                std::span<const BlockPin> pins) {
+  CXLKV_RETURN_IF_ERROR(ValidateScatter("scatter-read", layout, block_ids, pins));
+  std::lock_guard<std::mutex> call(call_mu_);
   pieces_.clear();
   for (size_t i = 0; i < pins.size(); ++i) {
     const uint8_t* block = cache_.PayloadPtr(pins[i]);
@@ -250,6 +286,7 @@ Status CpuTransfer::SparseRead(const EngineKvLayout& layout, std::span<const Blo
     }
   }
   const uint64_t head_bytes = uint64_t{layout.head_size} * DtypeBytes(layout.dtype);
+  std::lock_guard<std::mutex> call(call_mu_);
   pieces_.clear();
   for (uint32_t l = 0; l < layers; ++l) {
     for (uint32_t h = 0; h < heads; ++h) {

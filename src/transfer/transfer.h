@@ -12,12 +12,23 @@
 // non-temporal stores; the pieces are split across the worker threads; nothing is allocated
 // per piece.
 //
-// Thread-safety: one call at a time per CpuTransfer (it owns its workers); the cache is shared.
+// Layer-wise pipelining (Unified KV pooling §II-B): StartLoad begins moving a request's hit
+// blocks as soon as it is queued and returns at once; the engine waits per layer
+// (WaitLayer(l)), so compute of layer l overlaps the load of layer l+1. StartStore is the mirror:
+// the engine reports each layer computed and the copy of that layer to the pool runs while it
+// computes the next; Finish() commits. One background thread per CpuTransfer runs these in
+// FIFO order (a prefetch queued behind a running load starts right after it).
+//
+// Thread-safety: calls on one CpuTransfer are serialized (it owns its workers): a synchronous
+// call made while a layer-wise load is in flight waits for the layer being copied, not for the
+// whole load. Handles may be used from any thread; the cache is shared.
 #ifndef CXLKV_SRC_TRANSFER_TRANSFER_H_
 #define CXLKV_SRC_TRANSFER_TRANSFER_H_
 
 #include <condition_variable>
+#include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <span>
 #include <thread>
@@ -57,6 +68,55 @@ struct GatherResult {
   uint64_t already_cached = 0;  // READY already (or being written elsewhere): skipped
 };
 
+class CpuTransfer;
+struct LayerwiseState;  // shared by a handle and the background thread (transfer.cc)
+
+// A layer-wise load in flight: pool blocks → engine blocks, layer 0 first. Destroying it waits
+// until the load has finished (it writes into the engine's memory).
+class LayerLoad {
+ public:
+  ~LayerLoad();
+  LayerLoad(const LayerLoad&) = delete;
+  LayerLoad& operator=(const LayerLoad&) = delete;
+  uint32_t num_layers() const;
+  // Layers 0..n-1 are complete in the engine's cache (monotonic).
+  uint32_t layers_ready() const;
+  bool LayerReady(uint32_t layer) const { return layer < layers_ready(); }
+  // Blocks until every byte of `layer` (all blocks of the request) is in the engine's cache.
+  void WaitLayer(uint32_t layer) const;
+  void Wait() const { WaitLayer(num_layers() - 1); }
+
+ private:
+  friend class CpuTransfer;
+  explicit LayerLoad(std::shared_ptr<LayerwiseState> s) : state_(std::move(s)) {}
+  std::shared_ptr<LayerwiseState> state_;
+};
+
+// A layer-wise store in flight: engine blocks → reserved pool blocks, a layer as soon as the
+// engine reports it computed. Destroying it without Finish() aborts the reservations (nothing
+// is published).
+class LayerStore {
+ public:
+  ~LayerStore();
+  LayerStore(const LayerStore&) = delete;
+  LayerStore& operator=(const LayerStore&) = delete;
+  uint32_t num_layers() const;
+  // The engine has finished writing `layer` of every block of the request: copy it now.
+  // Errors: kInvalidArgument (layer out of range or reported twice).
+  Status LayerComputed(uint32_t layer);
+  // Waits for every layer (all must have been reported) and commits the blocks; returns what
+  // the call wrote. Errors: kInvalidArgument (a layer was never reported: nothing published,
+  // the reservations are aborted), the cache's commit errors.
+  Result<GatherResult> Finish();
+
+ private:
+  friend class CpuTransfer;
+  LayerStore(CpuTransfer& t, std::shared_ptr<LayerwiseState> s) : transfer_(t), state_(std::move(s)) {}
+  CpuTransfer& transfer_;
+  std::shared_ptr<LayerwiseState> state_;
+  bool finished_ = false;
+};
+
 class CpuTransfer {
  public:
   CpuTransfer(KvCache& cache, TransferOptions options = {});
@@ -84,14 +144,48 @@ class CpuTransfer {
   Status SparseRead(const EngineKvLayout& layout, std::span<const BlockPin> pins, const SparseSelection& selection,
                     const SparseDestination& dst);
 
+  // Starts loading pinned pool blocks `pins[i]` into engine blocks `block_ids[i]`, layer by
+  // layer, and returns at once. The request is validated whole first, as ScatterRead.
+  // `on_layer_ready(l)`, if set, runs on the background thread right after layer l is complete
+  // (an engine records a stream event there). REQUIRES: the pins stay held and the engine's
+  // tensors stay allocated until the load is waited for or destroyed.
+  Result<std::unique_ptr<LayerLoad>> StartLoad(const EngineKvLayout& layout, std::span<const uint32_t> block_ids,
+                                               std::span<const BlockPin> pins,
+                                               std::function<void(uint32_t layer)> on_layer_ready = {});
+
+  // Reserves pool blocks for `keys` (all or nothing, as GatherWrite; blocks already cached are
+  // skipped) and returns a store that copies engine blocks `block_ids[i]` one layer at a time.
+  Result<std::unique_ptr<LayerStore>> StartStore(const NamespaceHandle& ns, const EngineKvLayout& layout,
+                                                 std::span<const uint32_t> block_ids, std::span<const BlockKey> keys);
+
   const TransferOptions& options() const { return options_; }
 
- private:
   struct Piece {
     uint8_t* dst;
     const uint8_t* src;
     uint64_t bytes;
   };
+
+ private:
+  friend class LayerStore;
+  // Validation shared by the synchronous and the layer-wise calls: everything is checked
+  // before anything moves.
+  Status ValidateScatter(const char* what, const EngineKvLayout& layout, std::span<const uint32_t> block_ids,
+                         std::span<const BlockPin> pins) const;
+  Status ValidateGather(const char* what, const NamespaceHandle& ns, const EngineKvLayout& layout,
+                        std::span<const uint32_t> block_ids, std::span<const BlockKey> keys) const;
+  // Reserves a pool block per key; kAlreadyExists/kBusy ones are counted and skipped. On another
+  // error every reservation made is aborted.
+  Status ReserveAll(const NamespaceHandle& ns, uint64_t block_bytes, std::span<const uint32_t> block_ids,
+                    std::span<const BlockKey> keys, std::vector<Reservation>& reserved,
+                    std::vector<uint32_t>& reserved_ids, GatherResult& out);
+  // Commits every reservation even if one fails (none is left WRITING behind an error).
+  Result<GatherResult> CommitAll(std::span<Reservation> reserved, GatherResult out);
+  // Background thread: runs one (state, layer) step at a time, FIFO.
+  void AsyncLoop();
+  void Enqueue(std::shared_ptr<LayerwiseState> state, uint32_t layer);
+  void RunLayer(LayerwiseState& state, uint32_t layer);
+
   // Copies every piece, split across the workers; `to_pool` picks the store flavour.
   void CopyAll(std::span<const Piece> pieces, bool to_pool);
   void CopyRange(std::span<const Piece> pieces, bool to_pool);
@@ -99,6 +193,7 @@ class CpuTransfer {
 
   KvCache& cache_;
   TransferOptions options_;
+  std::mutex call_mu_;  // one copy (synchronous call or one layer of an async one) at a time
   std::vector<Piece> pieces_;     // reused across calls: no per-piece allocation once warm
   std::vector<uint64_t> prefix_;  // the caller's byte prefix sums for splitting
 
@@ -110,6 +205,12 @@ class CpuTransfer {
   uint32_t pending_ = 0;
   bool stop_ = false;
   std::vector<std::thread> workers_;
+
+  std::mutex async_mu_;
+  std::condition_variable async_cv_;
+  std::deque<std::pair<std::shared_ptr<LayerwiseState>, uint32_t>> async_queue_;
+  bool async_stop_ = false;
+  std::thread async_thread_;  // started on the first layer-wise call
 };
 
 }  // namespace cxlkv::transfer
