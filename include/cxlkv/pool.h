@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -80,6 +81,10 @@ class Pool {
 
   // The prefix KV cache. Errors: kNotFound (the pool was created without an index).
   Result<KvCache*> Cache();
+
+  // Every region's mapping in this process, for registering with a DMA engine (a GPU's
+  // cudaHostRegister): payload pointers of the cache fall inside these ranges.
+  std::vector<std::span<uint8_t>> MappedRanges();
 
   Impl& impl() { return *impl_; }
 

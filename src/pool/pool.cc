@@ -166,6 +166,12 @@ Result<KvCache*> Pool::Cache() {
   return impl_->cache.get();
 }
 
+std::vector<std::span<uint8_t>> Pool::MappedRanges() {
+  std::vector<std::span<uint8_t>> out;
+  for (auto& r : impl_->regions) out.emplace_back(r->impl().base(), r->impl().size());
+  return out;
+}
+
 Result<uint64_t> Pool::Alloc(uint64_t bytes) {
   CXLKV_ASSIGN_OR_RETURN(auto off, impl_->allocator->Alloc(bytes));
   return off.raw();

@@ -108,7 +108,7 @@ Result<std::unique_ptr<LayerStore>> CpuTransfer::StartStore(const NamespaceHandl
   state->to_pool = true;
   std::vector<uint32_t> reserved_ids;
   CXLKV_RETURN_IF_ERROR(
-      ReserveAll(ns, layout.PoolBlockBytes(), block_ids, keys, state->reserved, reserved_ids, state->result));
+      ReserveAll(cache_, ns, layout.PoolBlockBytes(), block_ids, keys, state->reserved, reserved_ids, state->result));
   state->BuildPieces(layout, state->reserved.size(), [&](size_t i, uint32_t l, uint32_t p) {
     return Piece{cache_.ReservedPtr(state->reserved[i]) + layout.PoolPieceOffset(l, p),
                  layout.EnginePiece(l, p, reserved_ids[i]), layout.PieceBytes()};
@@ -165,7 +165,7 @@ Result<GatherResult> LayerStore::Finish() {
     return InvalidArgument("layer-wise store: finished with " + std::to_string(reported) + " of " +
                            std::to_string(state_->num_layers) + " layers computed: nothing published");
   }
-  return transfer_.CommitAll(state_->reserved, state_->result);
+  return CommitAll(transfer_.cache_, state_->reserved, state_->result);
 }
 
 LayerStore::~LayerStore() {

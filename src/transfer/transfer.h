@@ -36,6 +36,7 @@
 
 #include "cxlkv/cache.h"
 #include "cxlkv/layout.h"
+#include "transfer/request.h"
 
 namespace cxlkv::transfer {
 
@@ -44,7 +45,6 @@ struct TransferOptions {
   uint64_t small_piece_bytes = 4096;  // below: plain copy; at or above: non-temporal. Default 4 KiB.
 };
 
-// What a gather-write did, block by block.
 // A sparse (token-granular) read, Beluga §7.3 Exp #10: for every layer and KV head, which
 // tokens of the request to fetch. Token t lives in pool block t / block_size, row t % block_size.
 struct SparseSelection {
@@ -63,13 +63,9 @@ struct SparseDestination {
   uint32_t capacity = 0;    // rows per head
 };
 
-struct GatherResult {
-  uint64_t written = 0;         // blocks reserved, copied and committed by this call
-  uint64_t already_cached = 0;  // READY already (or being written elsewhere): skipped
-};
 
 class CpuTransfer;
-struct LayerwiseState;  // shared by a handle and the background thread (transfer.cc)
+struct LayerwiseState;  // shared by a handle and the background thread (layerwise.cc)
 
 // A layer-wise load in flight: pool blocks → engine blocks, layer 0 first. Destroying it waits
 // until the load has finished (it writes into the engine's memory).
@@ -168,19 +164,6 @@ class CpuTransfer {
 
  private:
   friend class LayerStore;
-  // Validation shared by the synchronous and the layer-wise calls: everything is checked
-  // before anything moves.
-  Status ValidateScatter(const char* what, const EngineKvLayout& layout, std::span<const uint32_t> block_ids,
-                         std::span<const BlockPin> pins) const;
-  Status ValidateGather(const char* what, const NamespaceHandle& ns, const EngineKvLayout& layout,
-                        std::span<const uint32_t> block_ids, std::span<const BlockKey> keys) const;
-  // Reserves a pool block per key; kAlreadyExists/kBusy ones are counted and skipped. On another
-  // error every reservation made is aborted.
-  Status ReserveAll(const NamespaceHandle& ns, uint64_t block_bytes, std::span<const uint32_t> block_ids,
-                    std::span<const BlockKey> keys, std::vector<Reservation>& reserved,
-                    std::vector<uint32_t>& reserved_ids, GatherResult& out);
-  // Commits every reservation even if one fails (none is left WRITING behind an error).
-  Result<GatherResult> CommitAll(std::span<Reservation> reserved, GatherResult out);
   // Background thread: runs one (state, layer) step at a time, FIFO.
   void AsyncLoop();
   void Enqueue(std::shared_ptr<LayerwiseState> state, uint32_t layer);
