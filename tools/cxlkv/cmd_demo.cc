@@ -1,163 +1,114 @@
-// cxlkv demo: the main job on the embedded default (a region in /dev/shm). It grows with each
-// capability; today: the prefix KV cache between separate processes, as TraCT's prefill and
-// decode workers use it — a prefill node publishes a prompt's KV blocks, a second prompt that
-// shares the document hits its prefix, and a decode node reads every block back.
-#include <sys/wait.h>
+// cxlkv demo: the main job on the embedded default (regions in /dev/shm). Disaggregated
+// prefill/decode serving of a long-document QA workload (documents recur: the first pass
+// populates, the second hits) by worker processes running the reference engine, under four
+// configurations in one run: no KV reuse, a private per-worker DRAM cache, that cache with a
+// TCP handoff, and the cxlkv shared pool. Prints the table, checks that every configuration
+// generated the same tokens, and writes the JSON and a TTFT CDF plot.
+#include <sys/stat.h>
 #include <unistd.h>
 
-#include <cstring>
-#include <functional>
+#include <cstdio>
+#include <fstream>
 #include <memory>
 #include <string>
 
 #include "commands.h"
-#include "pool/pool_internal.h"
+#include "serve/compare.h"
 #include "util/units.h"
 
 namespace cxlkv::cli {
+
 namespace {
 
-// A small model's KV layout: 8 layers x K/V x 16 tokens x 4 heads x 64 x fp16 = 128 KiB/block.
-KeyNamespace DemoNamespace() {
-  KeyNamespace ns;
-  ns.model_id = "demo-llama-tiny";
-  ns.layout.num_layers = 8;
-  ns.layout.num_kv_heads = 4;
-  ns.layout.head_size = 64;
-  return ns;
-}
+struct DemoArgs {
+  std::string workdir = "/dev/shm";
+  std::string path;  // older spelling: regions at PATH-<mode>
+  std::string size = "512M";
+  std::string out;
+  uint32_t prefill = 2, decode = 1;
+  std::string policy = "least-loaded";
+  std::string model_config;
+  bool quick = false;
+};
 
-// A prompt: a shared 768-token document, then a 256-token question of its own.
-std::vector<int32_t> Prompt(int question) {
-  std::vector<int32_t> t;
-  for (int i = 0; i < 768; ++i) t.push_back((i * 7919) % 32000);
-  for (int i = 0; i < 256; ++i) t.push_back((question * 104729 + i * 31) % 32000);
-  return t;
-}
+Status RunDemo(const DemoArgs& a) {
+  CXLKV_ASSIGN_OR_RETURN(auto config, LoadModelConfig(a.model_config));
+  serve::WorkloadOptions w;
+  w.kind = serve::WorkloadKind::kDocQa;
+  w.vocab_size = config.at("vocab_size").get<uint32_t>();
+  w.documents = a.quick ? 3 : 8;
+  w.doc_tokens = a.quick ? 2048 : 6144;
+  w.question_tokens = 256;
+  w.answer_tokens = a.quick ? 32 : 64;
+  w.passes = 2;
+  CXLKV_ASSIGN_OR_RETURN(auto requests, serve::GenerateWorkload(w));
+  serve::CompareOptions co;
+  co.workdir = a.workdir;
+  co.region_prefix = a.path;
+  CXLKV_ASSIGN_OR_RETURN(co.region_bytes, util::ParseByteSize(a.size));
+  co.serve.prefill = a.prefill;
+  co.serve.decode = a.decode;
+  CXLKV_ASSIGN_OR_RETURN(co.serve.policy, serve::ParseRoutePolicy(a.policy));
+  co.serve.model_config = config;
+  co.serve.concurrency = a.prefill * 2;
+  co.serve.worker_exe = SelfExe();
+  co.progress = [](const std::string& name, size_t done, size_t total) { ProgressBar(name, done, total); };
 
-// Stand-in KV bytes: a pure function of the block key, so the decode side can verify them.
-void FakeKv(const BlockKey& k, std::vector<uint8_t>& out) {
-  for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<uint8_t>((k.lo >> (i % 56)) ^ (k.hi * (i + 1)) >> 7);
-}
-
-// One worker process: joins as `node`, runs `body`, exits with 0 on success.
-int Worker(const std::string& path, uint32_t node, const std::function<Status(KvCache&, NamespaceHandle&)>& body) {
-  PoolOpenOptions o;
-  o.node_id = node;
-  auto pool = Pool::Open({path}, o);
-  if (!pool.ok()) {
-    std::fprintf(stderr, "node %u: %s\n", node, pool.status().ToString().c_str());
-    return 1;
+  std::printf("== cxlkv demo: disaggregated prefill/decode over a shared KV pool ==\n");
+  std::printf("engine   %s: %u layers, hidden %u, %u heads / %u KV heads, vocab %u (CPU, OpenBLAS, fp32)\n",
+              config.at("name").get<std::string>().c_str(), config.at("num_layers").get<uint32_t>(),
+              config.at("hidden_size").get<uint32_t>(), config.at("num_heads").get<uint32_t>(),
+              config.at("num_kv_heads").get<uint32_t>(), w.vocab_size);
+  std::printf("workload long-document QA: %u documents of %u tokens + a %u-token question, %u passes (%zu requests),"
+              " %u tokens out;\n         lengths are the papers' divided by %.0f for a 2-core CPU engine\n",
+              w.documents, static_cast<uint32_t>(w.doc_tokens / w.scale),
+              static_cast<uint32_t>(w.question_tokens / w.scale), w.passes, requests.size(),
+              static_cast<uint32_t>(w.answer_tokens / w.scale), w.scale);
+  std::printf("serving  %u prefill + %u decode worker processes per configuration, routing %s, %u in flight\n\n",
+              a.prefill, a.decode, a.policy.c_str(), co.serve.concurrency);
+  CXLKV_ASSIGN_OR_RETURN(auto cmp, serve::CompareConfigurations(co, requests));
+  std::printf("\n");
+  serve::PrintTable(stdout, cmp.summaries);
+  std::printf("\nsecond pass (documents seen before) hit rate:");
+  for (size_t i = 0; i < cmp.summaries.size(); ++i) {
+    std::printf("  %s %.0f%%", cmp.runs[i].mode.c_str(), 100 * cmp.second_half_hit_rate[i]);
   }
-  auto cache = (*pool)->Cache();
-  auto ns = cache.ok() ? (*cache)->Namespace(DemoNamespace()) : Result<NamespaceHandle>(cache.status());
-  Status s = ns.ok() ? body(**cache, *ns) : ns.status();
-  if (!s.ok()) std::fprintf(stderr, "node %u: %s\n", node, s.ToString().c_str());
-  std::fflush(stdout);  // the child leaves by _exit
-  return s.ok() ? 0 : 1;
-}
-
-Status RunInChild(const std::string& path, uint32_t node,
-                  const std::function<Status(KvCache&, NamespaceHandle&)>& body) {
-  std::fflush(stdout);
-  pid_t pid = ::fork();
-  if (pid < 0) return IoError("fork failed");
-  if (pid == 0) ::_exit(Worker(path, node, body));
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return Internal("demo worker node " + std::to_string(node) + " failed");
-  return Status::Ok();
-}
-
-// Prefill: look up the prompt's chain, "compute" and publish the blocks that missed.
-Status Prefill(KvCache& cache, NamespaceHandle& ns, int question) {
-  auto keys = KvCache::ChainKeys(ns, Prompt(question));
-  CXLKV_ASSIGN_OR_RETURN(auto hit, cache.Lookup(ns, keys));
-  std::vector<uint8_t> kv(ns.block_bytes);
-  size_t written = 0;
-  for (size_t i = hit.hit_blocks; i < keys.size(); ++i) {
-    FakeKv(keys[i], kv);
-    Status s = cache.Put(ns, keys[i], kv.data(), kv.size());
-    if (!s.ok() && s.code() != StatusCode::kAlreadyExists) return s;
-    ++written;
+  std::printf("\ngenerated tokens identical across all %zu configurations, request by request: %s\n",
+              cmp.summaries.size(), cmp.tokens_identical ? "yes" : "NO");
+  const auto& pool = cmp.summaries.back();
+  for (size_t i = 0; i + 1 < cmp.summaries.size(); ++i) {
+    std::printf("cxlkv shared pool vs %-26s TTFT mean %.2fx lower, throughput %.2fx\n", cmp.summaries[i].name.c_str(),
+                cmp.summaries[i].ttft_mean_ms / pool.ttft_mean_ms, pool.requests_per_s / cmp.summaries[i].requests_per_s);
   }
-  cache.Release(hit.pins);
-  std::printf("  prefill  node %u  prompt %d: %zu of %zu blocks hit (%zu tokens reused), %zu computed and "
-              "published\n", 1u, question, hit.hit_blocks, keys.size(), hit.hit_blocks * ns.block_size, written);
-  return Status::Ok();
-}
-
-// Decode: read every block of the prompt from the pool and check each byte.
-Status Decode(KvCache& cache, NamespaceHandle& ns, int question) {
-  auto keys = KvCache::ChainKeys(ns, Prompt(question));
-  CXLKV_ASSIGN_OR_RETURN(auto hit, cache.Lookup(ns, keys));
-  if (hit.hit_blocks != keys.size()) return Internal("decode found only " + std::to_string(hit.hit_blocks) + " blocks");
-  std::vector<uint8_t> got(ns.block_bytes), want(ns.block_bytes);
-  for (size_t i = 0; i < keys.size(); ++i) {
-    CXLKV_RETURN_IF_ERROR(cache.Read(hit.pins[i], 0, got.data(), got.size()));
-    FakeKv(keys[i], want);
-    if (got != want) return Internal("decode read wrong bytes in block " + std::to_string(i));
+  const std::string out = a.out.empty() ? "/tmp/cxlkv-demo-" + std::to_string(::getuid()) : a.out;
+  ::mkdir(out.c_str(), 0755);
+  std::ofstream(out + "/e2e.json") << serve::ComparisonJson(cmp).dump(2) << "\n";
+  Status plotted = serve::PlotTtftCdf(out + "/ttft_cdf.png", cmp.summaries);
+  std::printf("\nresults: %s/e2e.json", out.c_str());
+  if (plotted.ok()) {
+    std::printf("   TTFT CDF plot: %s/ttft_cdf.png\n", out.c_str());
+  } else {
+    std::printf("   (no plot: %s)\n", plotted.message().c_str());
   }
-  cache.Release(hit.pins);
-  std::printf("  decode   node %u  prompt %d: read all %zu blocks (%s), byte-identical\n", 2u, question,
-              keys.size(), util::FormatBytes(keys.size() * ns.block_bytes).c_str());
-  return Status::Ok();
-}
-
-Status RunCacheDemo(const std::string& path) {
-  std::printf("== prefix KV cache across processes (prefill node 1, decode node 2) ==\n");
-  for (int q = 0; q < 2; ++q) {
-    CXLKV_RETURN_IF_ERROR(RunInChild(path, 1, [q](KvCache& c, NamespaceHandle& ns) { return Prefill(c, ns, q); }));
-    CXLKV_RETURN_IF_ERROR(RunInChild(path, 2, [q](KvCache& c, NamespaceHandle& ns) { return Decode(c, ns, q); }));
-  }
-  auto regions = pool::AttachAll({path});
-  if (!regions.ok()) return regions.status();
-  auto stat = pool::Stat(*regions, 0);
-  const auto& t = stat["cache"]["totals"];
-  std::printf("== pool: %llu lookups, %llu of %llu blocks hit (%.1f%%), %llu blocks cached (%s) ==\n",
-              t["lookups"].get<unsigned long long>(), t["hit_blocks"].get<unsigned long long>(),
-              t["lookup_blocks"].get<unsigned long long>(), 100.0 * stat["cache"]["hit_rate"]["blocks"].get<double>(),
-              stat["cache"]["states"]["ready"].get<unsigned long long>(),
-              util::FormatBytes(stat["cache"]["used_bytes"].get<uint64_t>()).c_str());
-  auto problems = pool::Check(*regions, 0);
-  for (const auto& p : problems) std::printf("problem: %s\n", p.c_str());
-  if (!problems.empty()) return Corrupted("the pool failed its check after the demo");
-  std::printf("== cxlkv check: ok. Inspect it yourself: cxlkv stat --path %s ==\n", path.c_str());
+  std::printf("every configuration's pool passed `cxlkv check` after its run\n");
   return Status::Ok();
 }
 
 }  // namespace
 
 void AddDemoCommands(CLI::App& app, CommandResult& result) {
-  struct Args {
-    std::string path;
-    std::string size = "256M";
-  };
-  auto args = std::make_shared<Args>();
-  args->path = "/dev/shm/cxlkv-demo-" + std::to_string(::getuid());
-  CLI::App* cmd = app.add_subcommand("demo", "Run the end-to-end demo on a region in /dev/shm");
-  cmd->add_option("--path", args->path, "Region path (re-created)")->capture_default_str();
-  cmd->add_option("--size", args->size, "Region size")->capture_default_str();
-  cmd->callback([args, &result] {
-    auto size = util::ParseByteSize(args->size);
-    if (!size.ok()) {
-      result.status = size.status();
-      return;
-    }
-    PoolCreateOptions opts;
-    opts.size = *size;
-    opts.overwrite = true;
-    result.status = Pool::Create({args->path}, opts);
-    if (!result.status.ok()) return;
-    auto attached = Region::Attach(args->path);
-    if (!attached.ok()) {
-      result.status = attached.status();
-      return;
-    }
-    std::printf("== demo: created a pool region at %s ==\n", args->path.c_str());
-    PrintRegionInfo((*attached)->info(), stdout);
-    result.status = RunCacheDemo(args->path);
-  });
+  auto a = std::make_shared<DemoArgs>();
+  CLI::App* cmd = app.add_subcommand("demo", "The end-to-end demo: four KV configurations, one workload, one table");
+  cmd->add_option("--workdir", a->workdir, "Where the regions go (removed after)")->capture_default_str();
+  cmd->add_option("--path", a->path, "Region path prefix: regions at PATH-<mode> (default: in --workdir)");
+  cmd->add_option("--size", a->size, "Region size per configuration")->capture_default_str();
+  cmd->add_option("--out", a->out, "Directory for e2e.json and ttft_cdf.png (default /tmp/cxlkv-demo-UID)");
+  cmd->add_option("--prefill", a->prefill, "Prefill workers per configuration")->capture_default_str();
+  cmd->add_option("--decode", a->decode, "Decode workers per configuration")->capture_default_str();
+  cmd->add_option("--policy", a->policy, "Routing: least-loaded | prefix-affinity")->capture_default_str();
+  cmd->add_option("--model-config", a->model_config, "Engine config JSON (default: the built-in tiny Llama)");
+  cmd->add_flag("--quick", a->quick, "A smaller workload (tests)");
+  cmd->callback([a, &result] { result.status = RunDemo(*a); });
 }
 
 }  // namespace cxlkv::cli

@@ -23,9 +23,16 @@ void AddBenchCommands(CLI::App& app, CommandResult& result);   // bench
 void AddDemoCommands(CLI::App& app, CommandResult& result);    // demo
 void AddPoolCommands(CLI::App& app, CommandResult& result);    // stat, check
 void AddCacheCommands(CLI::App& app, CommandResult& result);   // put, get, evict
+void AddServeCommands(CLI::App& app, CommandResult& result);   // serve, serve-worker
 
 // "a,b,c" → {"a", "b", "c"}: a pool of several regions.
 std::vector<std::string> SplitPaths(const std::string& list);
+
+// Shared by serve and demo (cmd_serve.cc): this binary's path (workers run it), the engine
+// config (a JSON file, or the built-in default), a progress bar on stderr.
+std::string SelfExe();
+Result<nlohmann::json> LoadModelConfig(const std::string& path);
+void ProgressBar(const std::string& label, size_t done, size_t total);
 
 // Shared by info and demo.
 nlohmann::json RegionInfoJson(const RegionInfo& info);

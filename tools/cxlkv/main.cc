@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   cxlkv::cli::AddDemoCommands(app, result);
   cxlkv::cli::AddPoolCommands(app, result);
   cxlkv::cli::AddCacheCommands(app, result);
+  cxlkv::cli::AddServeCommands(app, result);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

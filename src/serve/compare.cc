@@ -1,0 +1,78 @@
+#include "serve/compare.h"
+
+#include <unistd.h>
+
+#include "cxlkv/pool.h"
+#include "pool/pool_internal.h"
+
+namespace cxlkv::serve {
+
+std::string ConfigName(KvMode mode) {
+  switch (mode) {
+    case KvMode::kRecompute: return "(a) no KV reuse";
+    case KvMode::kPrivate: return "(b) private DRAM cache";
+    case KvMode::kTcp: return "(c) private + TCP handoff";
+    case KvMode::kPool: return "(d) cxlkv shared pool";
+  }
+  return "?";
+}
+
+Result<Comparison> CompareConfigurations(const CompareOptions& options, const std::vector<Request>& requests) {
+  Comparison out;
+  for (KvMode mode : options.modes) {
+    const std::string name = ConfigName(mode);
+    const std::string region =
+        (options.region_prefix.empty() ? options.workdir + "/cxlkv-e2e-" + std::to_string(::getpid())
+                                       : options.region_prefix) +
+        "-" + std::string(KvModeName(mode));
+    PoolCreateOptions co;
+    co.size = options.region_bytes;
+    co.overwrite = true;
+    CXLKV_RETURN_IF_ERROR(Pool::Create({region}, co));
+    ServeOptions so = options.serve;
+    so.region = region;
+    so.mode = mode;
+    if (options.progress) {
+      options.progress(name, 0, requests.size());
+      so.progress = [&](size_t done, size_t total) { options.progress(name, done, total); };
+    }
+    auto run = Serve(so, requests);
+    std::vector<std::string> problems;
+    if (run.ok()) {
+      // What the run left behind must pass `cxlkv check` (nothing WRITING, no leaked pins).
+      auto regions = pool::AttachAll({region});
+      problems = regions.ok() ? pool::Check(*regions, 0) : std::vector<std::string>{regions.status().ToString()};
+    }
+    ::unlink(region.c_str());
+    if (!run.ok()) return Status(run.status().code(), name + ": " + run.status().message());
+    if (!problems.empty()) return Corrupted(name + ": the pool failed its check after the run: " + problems[0]);
+    out.summaries.push_back(Summarize(name, *run));
+    out.second_half_hit_rate.push_back(HitRate(*run, requests.size() / 2, requests.size()));
+    out.runs.push_back(std::move(*run));
+  }
+  out.tokens_identical = true;
+  for (size_t c = 1; c < out.runs.size(); ++c) {
+    for (size_t r = 0; r < requests.size(); ++r) {
+      if (out.runs[c].records[r].tokens != out.runs[0].records[r].tokens) {
+        return Internal("request " + std::to_string(r) + " generated different tokens under " +
+                        out.summaries[c].name + " than under " + out.summaries[0].name +
+                        ": greedy decoding must not depend on where the KV came from");
+      }
+    }
+  }
+  return out;
+}
+
+nlohmann::json ComparisonJson(const Comparison& c) {
+  nlohmann::json configs = nlohmann::json::array();
+  for (size_t i = 0; i < c.summaries.size(); ++i) {
+    auto j = SummaryJson(c.summaries[i]);
+    j["mode"] = c.runs[i].mode;
+    j["policy"] = c.runs[i].policy;
+    j["second_half_hit_rate"] = c.second_half_hit_rate[i];
+    configs.push_back(j);
+  }
+  return {{"configurations", configs}, {"tokens_identical", c.tokens_identical}};
+}
+
+}  // namespace cxlkv::serve

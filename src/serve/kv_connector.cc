@@ -1,0 +1,290 @@
+#include "serve/kv_connector.h"
+
+#include <chrono>
+#include <cstring>
+#include <memory>
+
+#include "serve/channel.h"
+
+namespace cxlkv::serve {
+
+namespace {
+
+uint32_t CeilDiv(uint64_t a, uint32_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
+
+// Engine blocks borrowed for one request, returned on every path out.
+class BlockLease {
+ public:
+  BlockLease(engine::PagedKvCache& cache, std::vector<uint32_t> ids) : cache_(cache), ids_(std::move(ids)) {}
+  ~BlockLease() { cache_.FreeBlocks(ids_); }
+  BlockLease(const BlockLease&) = delete;
+  BlockLease& operator=(const BlockLease&) = delete;
+  std::span<const uint32_t> ids() const { return ids_; }
+
+ private:
+  engine::PagedKvCache& cache_;
+  std::vector<uint32_t> ids_;
+};
+
+Result<std::unique_ptr<BlockLease>> Lease(engine::PagedKvCache& cache, uint32_t blocks) {
+  CXLKV_ASSIGN_OR_RETURN(auto ids, cache.AllocateBlocks(blocks));
+  return std::make_unique<BlockLease>(cache, std::move(ids));
+}
+
+double MsSince(int64_t start_ns) { return static_cast<double>(NowNs() - start_ns) / 1e6; }
+
+}  // namespace
+
+Result<KvMode> ParseKvMode(std::string_view name) {
+  for (KvMode m : {KvMode::kRecompute, KvMode::kPrivate, KvMode::kTcp, KvMode::kPool}) {
+    if (KvModeName(m) == name) return m;
+  }
+  return InvalidArgument("unknown KV mode '" + std::string(name) + "': use recompute, private, tcp or pool");
+}
+
+std::string_view KvModeName(KvMode mode) {
+  switch (mode) {
+    case KvMode::kRecompute: return "recompute";
+    case KvMode::kPrivate: return "private";
+    case KvMode::kTcp: return "tcp";
+    case KvMode::kPool: return "pool";
+  }
+  return "?";
+}
+
+size_t PrivateBlockCache::LongestPrefix(std::span<const BlockKey> keys) {
+  size_t n = 0;
+  while (n < keys.size() && Get(keys[n]) != nullptr) ++n;
+  return n;
+}
+
+const std::vector<uint8_t>* PrivateBlockCache::Get(const BlockKey& key) {
+  auto it = map_.find(key);
+  if (it == map_.end()) return nullptr;
+  lru_.splice(lru_.begin(), lru_, it->second);
+  return &it->second->second;
+}
+
+void PrivateBlockCache::Put(const BlockKey& key, std::vector<uint8_t> block) {
+  if (map_.count(key) || block.size() > capacity_) return;
+  bytes_ += block.size();
+  lru_.emplace_front(key, std::move(block));
+  map_[key] = lru_.begin();
+  while (bytes_ > capacity_) {
+    bytes_ -= lru_.back().second.size();
+    map_.erase(lru_.back().first);
+    lru_.pop_back();
+  }
+}
+
+KvConnector::KvConnector(KvMode mode, const engine::Model& model, engine::PagedKvCache& engine_cache,
+                         KvCache& pool_cache, NamespaceHandle ns, uint64_t run_id, uint64_t private_cache_bytes)
+    : mode_(mode),
+      model_(model),
+      engine_cache_(engine_cache),
+      layout_(engine_cache.Layout()),
+      pool_(pool_cache),
+      transfer_(pool_cache, {.threads = 1}),  // several workers share the host's cores
+      ns_(ns),
+      run_id_(run_id),
+      private_(private_cache_bytes) {}
+
+std::vector<BlockKey> KvConnector::HandoffKeys(uint64_t request_id, uint32_t first, uint32_t count) const {
+  std::vector<BlockKey> keys;
+  for (uint32_t i = first; i < first + count; ++i) {
+    uint8_t salt[24];
+    std::memcpy(salt, &run_id_, 8);
+    std::memcpy(salt + 8, &request_id, 8);
+    const uint64_t block = i;
+    std::memcpy(salt + 16, &block, 8);
+    keys.push_back(KvCache::KeyFromEngineHash(ns_, salt));
+  }
+  return keys;
+}
+
+void KvConnector::BlockToEngine(const uint8_t* block, uint32_t id) {
+  for (uint32_t l = 0; l < layout_.num_layers(); ++l) {
+    for (uint32_t p = 0; p < layout_.parts(); ++p) {
+      std::memcpy(layout_.EnginePiece(l, p, id), block + layout_.PoolPieceOffset(l, p), layout_.PieceBytes());
+    }
+  }
+}
+
+void KvConnector::BlockFromEngine(uint32_t id, uint8_t* block) const {
+  for (uint32_t l = 0; l < layout_.num_layers(); ++l) {
+    for (uint32_t p = 0; p < layout_.parts(); ++p) {
+      std::memcpy(block + layout_.PoolPieceOffset(l, p), layout_.EnginePiece(l, p, id), layout_.PieceBytes());
+    }
+  }
+}
+
+Status KvConnector::Publish(std::span<const uint32_t> ids, std::span<const BlockKey> keys, KvStats& stats) {
+  if (ids.empty()) return Status::Ok();
+  CXLKV_ASSIGN_OR_RETURN(auto g, transfer_.GatherWrite(ns_, layout_, ids, keys));
+  stats.bytes_stored += g.written * layout_.PoolBlockBytes();
+  return Status::Ok();
+}
+
+Result<PrefillResult> KvConnector::Prefill(uint64_t request_id, std::span<const int32_t> prompt) {
+  const uint32_t bs = layout_.block_size, n = static_cast<uint32_t>(prompt.size());
+  if (n == 0) return InvalidArgument("prefill: an empty prompt");
+  PrefillResult out;
+  KvStats& st = out.stats;
+  st.prompt_tokens = n;
+  st.prompt_blocks = n / bs;
+  const uint32_t blocks = CeilDiv(n, bs);
+  CXLKV_ASSIGN_OR_RETURN(auto lease, Lease(engine_cache_, blocks));
+  const auto ids = lease->ids();
+  const auto chain = KvCache::ChainKeys(ns_, prompt);
+  // At least the last token is computed: its logits give the first output token.
+  const uint32_t reusable = (n - 1) / bs;
+
+  // Step 1-3: look up the prefix and start loading it, layer by layer.
+  LookupResult hit;
+  std::unique_ptr<transfer::LayerLoad> load;
+  if (mode_ == KvMode::kPool) {
+    CXLKV_ASSIGN_OR_RETURN(hit, pool_.Lookup(ns_, std::span(chain).first(reusable)));
+    st.hit_blocks = static_cast<uint32_t>(hit.hit_blocks);
+    if (st.hit_blocks > 0) {
+      auto started = transfer_.StartLoad(layout_, ids.first(st.hit_blocks), hit.pins);
+      if (!started.ok()) {
+        pool_.Release(hit.pins);
+        return started.status();
+      }
+      load = std::move(*started);
+    }
+  } else if (mode_ != KvMode::kRecompute) {
+    st.hit_blocks = static_cast<uint32_t>(private_.LongestPrefix(std::span(chain).first(reusable)));
+    for (uint32_t i = 0; i < st.hit_blocks; ++i) BlockToEngine(private_.Get(chain[i])->data(), ids[i]);
+  }
+  st.bytes_loaded = uint64_t{st.hit_blocks} * layout_.PoolBlockBytes();
+
+  // Step 4-5: compute the missing suffix; in pool mode its new full blocks stream to the pool
+  // a layer at a time while the next layer computes.
+  const uint32_t start = st.hit_blocks * bs;
+  st.computed_tokens = n - start;
+  std::unique_ptr<transfer::LayerStore> store;
+  const uint32_t full = n / bs;
+  if (mode_ == KvMode::kPool && full > st.hit_blocks) {
+    auto started = transfer_.StartStore(ns_, layout_, ids.subspan(st.hit_blocks, full - st.hit_blocks),
+                                        std::span(chain).subspan(st.hit_blocks, full - st.hit_blocks));
+    if (!started.ok()) {
+      load.reset();
+      pool_.Release(hit.pins);
+      return started.status();
+    }
+    store = std::move(*started);
+  }
+  Status hook_error;
+  auto before_layer = [&](uint32_t l) {
+    if (load) {
+      const int64_t t0 = NowNs();
+      load->WaitLayer(l);
+      st.wait_ms += MsSince(t0);
+    }
+    if (store && l > 0 && hook_error.ok()) hook_error = store->LayerComputed(l - 1);
+  };
+  auto logits = model_.Prefill(prompt, start, engine_cache_, ids, before_layer);
+  load.reset();
+  pool_.Release(hit.pins);
+  if (!logits.ok()) return logits.status();
+  if (store) {
+    CXLKV_RETURN_IF_ERROR(hook_error);
+    CXLKV_RETURN_IF_ERROR(store->LayerComputed(layout_.num_layers() - 1));
+    CXLKV_ASSIGN_OR_RETURN(auto g, store->Finish());
+    st.bytes_stored += g.written * layout_.PoolBlockBytes();
+  }
+  out.first_token = engine::Model::Argmax(*logits);
+
+  // Step 6: remember new blocks (private modes) and hand the prompt's KV to the decode side.
+  if (mode_ == KvMode::kPrivate || mode_ == KvMode::kTcp) {
+    for (uint32_t i = st.hit_blocks; i < full; ++i) {
+      std::vector<uint8_t> block(layout_.PoolBlockBytes());
+      BlockFromEngine(ids[i], block.data());
+      private_.Put(chain[i], std::move(block));
+    }
+  }
+  switch (mode_) {
+    case KvMode::kPool:
+      // The full blocks are in the shared cache under their chain keys; only the partial tail
+      // needs a one-use handoff block.
+      if (n % bs != 0) CXLKV_RETURN_IF_ERROR(Publish(ids.subspan(full, 1), HandoffKeys(request_id, full, 1), st));
+      break;
+    case KvMode::kRecompute:
+    case KvMode::kPrivate:
+      CXLKV_RETURN_IF_ERROR(Publish(ids, HandoffKeys(request_id, 0, blocks), st));
+      break;
+    case KvMode::kTcp:
+      out.tcp_payload.resize(uint64_t{blocks} * layout_.PoolBlockBytes());
+      for (uint32_t i = 0; i < blocks; ++i) BlockFromEngine(ids[i], out.tcp_payload.data() + i * layout_.PoolBlockBytes());
+      st.bytes_stored += out.tcp_payload.size();
+      break;
+  }
+  return out;
+}
+
+Result<DecodeResult> KvConnector::Decode(uint64_t request_id, std::span<const int32_t> prompt, int32_t first_token,
+                                         uint32_t max_new, const std::vector<uint8_t>* tcp_payload) {
+  const uint32_t bs = layout_.block_size, n = static_cast<uint32_t>(prompt.size());
+  if (n == 0 || max_new == 0) return InvalidArgument("decode: an empty prompt or no tokens to generate");
+  DecodeResult out;
+  KvStats& st = out.stats;
+  st.prompt_tokens = n;
+  st.prompt_blocks = n / bs;
+  const uint32_t prompt_blocks = CeilDiv(n, bs);
+  CXLKV_ASSIGN_OR_RETURN(auto lease, Lease(engine_cache_, CeilDiv(uint64_t{n} + max_new - 1, bs)));
+  const auto ids = lease->ids();
+
+  // Step 7-8: the prompt's KV from the handoff.
+  uint32_t loaded = 0;  // blocks
+  if (mode_ == KvMode::kTcp) {
+    if (!tcp_payload || tcp_payload->size() != uint64_t{prompt_blocks} * layout_.PoolBlockBytes()) {
+      return InvalidArgument("decode: the TCP handoff of request " + std::to_string(request_id) + " has " +
+                             std::to_string(tcp_payload ? tcp_payload->size() : 0) + " bytes, expected " +
+                             std::to_string(uint64_t{prompt_blocks} * layout_.PoolBlockBytes()));
+    }
+    for (uint32_t i = 0; i < prompt_blocks; ++i) BlockToEngine(tcp_payload->data() + i * layout_.PoolBlockBytes(), ids[i]);
+    loaded = prompt_blocks;
+  } else {
+    std::vector<BlockKey> keys;
+    std::vector<BlockKey> one_use;
+    if (mode_ == KvMode::kPool) {
+      keys = KvCache::ChainKeys(ns_, prompt);
+      if (n % bs != 0) one_use = HandoffKeys(request_id, n / bs, 1);
+    } else {
+      one_use = HandoffKeys(request_id, 0, prompt_blocks);
+    }
+    keys.insert(keys.end(), one_use.begin(), one_use.end());
+    CXLKV_ASSIGN_OR_RETURN(auto hit, pool_.Lookup(ns_, keys));
+    loaded = static_cast<uint32_t>(hit.hit_blocks);
+    Status s = transfer_.ScatterRead(layout_, ids.first(loaded), hit.pins);
+    pool_.Release(hit.pins);
+    CXLKV_RETURN_IF_ERROR(s);
+    if (!one_use.empty()) (void)pool_.Evict(ns_, one_use);  // read once; leaves room for the shared cache
+  }
+  st.hit_blocks = loaded;
+  st.bytes_loaded = uint64_t{loaded} * layout_.PoolBlockBytes();
+  // Whatever the handoff lacked (evicted in between, or a prefill that died after publishing
+  // part of it) is recomputed: the engine makes the same bytes.
+  const uint32_t have = std::min(loaded * bs, n);
+  if (have < n) {
+    st.computed_tokens = n - have;
+    CXLKV_ASSIGN_OR_RETURN(auto logits, model_.Prefill(prompt, have, engine_cache_, ids));
+    if (engine::Model::Argmax(logits) != first_token) {
+      return Internal("decode: recomputing request " + std::to_string(request_id) + "'s prompt gave first token " +
+                      std::to_string(engine::Model::Argmax(logits)) + ", the prefill gave " +
+                      std::to_string(first_token) + ": the engine is not deterministic");
+    }
+  }
+  out.first_token_ns = NowNs();
+
+  // Step 9-10: greedy generation.
+  out.tokens.push_back(first_token);
+  for (uint32_t i = 1; i < max_new; ++i) {
+    CXLKV_ASSIGN_OR_RETURN(auto logits, model_.Decode(out.tokens.back(), n + i - 1, engine_cache_, ids));
+    out.tokens.push_back(engine::Model::Argmax(logits));
+  }
+  return out;
+}
+
+}  // namespace cxlkv::serve

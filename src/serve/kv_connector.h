@@ -1,0 +1,119 @@
+// The KV connector between the reference engine and where KV lives, following TraCT §3.2's
+// steps. One connector per worker process; its mode is the configuration under test:
+//
+//   kRecompute  no KV reuse: every prompt is computed whole (baseline a)
+//   kPrivate    a private per-worker DRAM cache of blocks, as a single-node offload cache does:
+//               no sharing across workers (baseline b)
+//   kTcp        kPrivate's reuse, and the prefill→decode handoff over TCP with host staging,
+//               the network path of NIXL/UCX-style stacks (baseline c)
+//   kPool       cxlkv: the shared prefix cache in the pool, and the handoff through it (d)
+//
+// Prefill: key chain, lookup, layer-wise load of the hit prefix overlapped with the compute of
+// the rest (StartLoad + the engine's per-layer hook), layer-wise store of the new full blocks
+// (StartStore), then the handoff of the prompt's KV to a decode worker. Decode: the prompt's
+// KV from the handoff (recomputing only what is missing), then greedy generation. Pins are
+// released when done; one-use handoff blocks are evicted by the decode side.
+//
+// Thread-safety: one request at a time per connector.
+#ifndef CXLKV_SRC_SERVE_KV_CONNECTOR_H_
+#define CXLKV_SRC_SERVE_KV_CONNECTOR_H_
+
+#include <list>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "cxlkv/cache.h"
+#include "engine/kv_cache.h"
+#include "engine/model.h"
+#include "transfer/transfer.h"
+
+namespace cxlkv::serve {
+
+enum class KvMode { kRecompute, kPrivate, kTcp, kPool };
+
+Result<KvMode> ParseKvMode(std::string_view name);  // "recompute" | "private" | "tcp" | "pool"
+std::string_view KvModeName(KvMode mode);
+
+// What one request cost, for the router's report.
+struct KvStats {
+  uint32_t prompt_tokens = 0;
+  uint32_t prompt_blocks = 0;     // full blocks of the prompt
+  uint32_t hit_blocks = 0;        // prefill: reused from a cache; decode: loaded from the handoff
+  uint32_t computed_tokens = 0;   // tokens run through the model's prefill
+  uint64_t bytes_loaded = 0;      // into the engine's cache from a cache or handoff
+  uint64_t bytes_stored = 0;      // out of the engine's cache into a cache or handoff
+  double wait_ms = 0;             // prefill: time the compute waited for loaded layers
+};
+
+// A private per-worker DRAM cache of pool-format blocks, LRU, bounded in bytes.
+class PrivateBlockCache {
+ public:
+  explicit PrivateBlockCache(uint64_t capacity_bytes) : capacity_(capacity_bytes) {}
+  // The longest prefix of `keys` present (each touched).
+  size_t LongestPrefix(std::span<const BlockKey> keys);
+  const std::vector<uint8_t>* Get(const BlockKey& key);
+  void Put(const BlockKey& key, std::vector<uint8_t> block);
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  struct KeyHash {
+    size_t operator()(const BlockKey& k) const { return k.lo ^ (k.hi * 0x9e3779b97f4a7c15ull); }
+  };
+  using Lru = std::list<std::pair<BlockKey, std::vector<uint8_t>>>;
+  uint64_t capacity_;
+  uint64_t bytes_ = 0;
+  Lru lru_;  // most recent first
+  std::unordered_map<BlockKey, Lru::iterator, KeyHash> map_;
+};
+
+struct PrefillResult {
+  int32_t first_token = -1;
+  KvStats stats;
+  std::vector<uint8_t> tcp_payload;  // kTcp: the prompt's blocks in pool format, for the decode side
+};
+
+struct DecodeResult {
+  std::vector<int32_t> tokens;  // max_new greedy tokens, the first from the prefill
+  int64_t first_token_ns = 0;   // when the prompt's KV was in place and the first token out
+  KvStats stats;
+};
+
+class KvConnector {
+ public:
+  // `run_id` keeps one run's one-use handoff keys apart from another's on the same pool.
+  KvConnector(KvMode mode, const engine::Model& model, engine::PagedKvCache& engine_cache, KvCache& pool_cache,
+              NamespaceHandle ns, uint64_t run_id, uint64_t private_cache_bytes);
+
+  Result<PrefillResult> Prefill(uint64_t request_id, std::span<const int32_t> prompt);
+  // `tcp_payload`: kTcp's blocks as received (else ignored). Errors: kInternal when a
+  // recomputed first token differs from the prefill's (the engine lost determinism).
+  Result<DecodeResult> Decode(uint64_t request_id, std::span<const int32_t> prompt, int32_t first_token,
+                              uint32_t max_new, const std::vector<uint8_t>* tcp_payload);
+
+  KvMode mode() const { return mode_; }
+  uint64_t BlockBytes() const { return layout_.PoolBlockBytes(); }
+
+ private:
+  // One-use keys of a request's handoff blocks (not shared: salted with the run and request).
+  std::vector<BlockKey> HandoffKeys(uint64_t request_id, uint32_t first, uint32_t count) const;
+  // Pool-format block bytes ↔ engine block `id`.
+  void BlockToEngine(const uint8_t* block, uint32_t id);
+  void BlockFromEngine(uint32_t id, uint8_t* block) const;
+  // Writes engine blocks `ids` under `keys` (skipping those already there); adds the bytes.
+  Status Publish(std::span<const uint32_t> ids, std::span<const BlockKey> keys, KvStats& stats);
+
+  KvMode mode_;
+  const engine::Model& model_;
+  engine::PagedKvCache& engine_cache_;
+  EngineKvLayout layout_;
+  KvCache& pool_;
+  transfer::CpuTransfer transfer_;
+  NamespaceHandle ns_;
+  uint64_t run_id_;
+  PrivateBlockCache private_;
+};
+
+}  // namespace cxlkv::serve
+
+#endif  // CXLKV_SRC_SERVE_KV_CONNECTOR_H_

@@ -1,0 +1,167 @@
+#include "serve/worker.h"
+
+#include <cstdio>
+
+#include "cxlkv/pool.h"
+#include "engine/config.h"
+#include "engine/weights.h"
+#include "serve/channel.h"
+#include "serve/tcp_handoff.h"
+
+namespace cxlkv::serve {
+
+namespace {
+
+std::vector<std::string> SplitComma(const std::string& s) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  for (;;) {
+    size_t c = s.find(',', start);
+    out.push_back(s.substr(start, c - start));
+    if (c == std::string::npos) return out;
+    start = c + 1;
+  }
+}
+
+constexpr int kTcpHandoffTimeoutMs = 60000;
+
+// Everything a worker holds while it serves.
+struct WorkerState {
+  std::unique_ptr<Pool> pool;
+  std::unique_ptr<engine::Model> model;
+  std::unique_ptr<engine::PagedKvCache> engine_cache;
+  std::unique_ptr<KvConnector> connector;
+  std::unique_ptr<TcpHandoffServer> tcp_server;
+  TcpHandoffClient tcp_client;
+};
+
+Status Setup(const WorkerOptions& o, WorkerState& w) {
+  CXLKV_ASSIGN_OR_RETURN(auto config, engine::ModelConfig::FromJson(o.model_config));
+  CXLKV_ASSIGN_OR_RETURN(auto weights, o.weights.empty() ? engine::Weights::Random(config)
+                                                          : engine::Weights::LoadSafetensors(config, o.weights));
+  w.model = std::make_unique<engine::Model>(config, std::move(weights));
+  CXLKV_RETURN_IF_ERROR(w.model->status());
+  w.engine_cache = std::make_unique<engine::PagedKvCache>(config, o.engine_blocks);
+  PoolOpenOptions po;
+  po.node_id = o.node_id;
+  po.lease_ms = o.lease_ms;
+  CXLKV_ASSIGN_OR_RETURN(w.pool, Pool::Open(SplitComma(o.region), po));
+  CXLKV_ASSIGN_OR_RETURN(KvCache * cache, w.pool->Cache());
+  KeyNamespace ns;
+  ns.model_id = config.name;
+  ns.layout = w.engine_cache->Layout().Signature();
+  // kVersionMismatch here: the region holds this model's KV in another layout.
+  CXLKV_ASSIGN_OR_RETURN(auto handle, cache->Namespace(ns));
+  w.connector = std::make_unique<KvConnector>(o.mode, *w.model, *w.engine_cache, *cache, handle, o.run_id,
+                                              o.private_cache_bytes);
+  if (o.role == WorkerRole::kDecode && o.mode == KvMode::kTcp) {
+    CXLKV_ASSIGN_OR_RETURN(w.tcp_server, TcpHandoffServer::Start());
+  }
+  return Status::Ok();
+}
+
+Result<nlohmann::json> Handle(const WorkerOptions& o, WorkerState& w, const nlohmann::json& m) {
+  const uint64_t id = m.at("id").get<uint64_t>();
+  const auto prompt = m.at("prompt").get<std::vector<int32_t>>();
+  if (m.at("type") == "prefill") {
+    CXLKV_ASSIGN_OR_RETURN(auto r, w.connector->Prefill(id, prompt));
+    if (o.mode == KvMode::kTcp) {
+      CXLKV_RETURN_IF_ERROR(w.tcp_client.Send(m.at("decode_port").get<uint16_t>(), id, r.tcp_payload));
+    }
+    return nlohmann::json{{"type", "prefilled"}, {"id", id},          {"first_token", r.first_token},
+                          {"stats", KvStatsToJson(r.stats)},          {"ns", NowNs()}};
+  }
+  std::vector<uint8_t> payload;
+  if (o.mode == KvMode::kTcp) {
+    CXLKV_ASSIGN_OR_RETURN(payload, w.tcp_server->Take(id, kTcpHandoffTimeoutMs));
+  }
+  CXLKV_ASSIGN_OR_RETURN(auto r, w.connector->Decode(id, prompt, m.at("first_token").get<int32_t>(),
+                                                    m.at("max_new").get<uint32_t>(), &payload));
+  return nlohmann::json{{"type", "done"}, {"id", id}, {"tokens", r.tokens}, {"first_ns", r.first_token_ns},
+                        {"stats", KvStatsToJson(r.stats)}, {"ns", NowNs()}};
+}
+
+}  // namespace
+
+nlohmann::json KvStatsToJson(const KvStats& s) {
+  return {{"prompt_tokens", s.prompt_tokens}, {"prompt_blocks", s.prompt_blocks},  {"hit_blocks", s.hit_blocks},
+          {"computed_tokens", s.computed_tokens}, {"bytes_loaded", s.bytes_loaded}, {"bytes_stored", s.bytes_stored},
+          {"wait_ms", s.wait_ms}};
+}
+
+KvStats KvStatsFromJson(const nlohmann::json& j) {
+  KvStats s;
+  s.prompt_tokens = j.value("prompt_tokens", 0u);
+  s.prompt_blocks = j.value("prompt_blocks", 0u);
+  s.hit_blocks = j.value("hit_blocks", 0u);
+  s.computed_tokens = j.value("computed_tokens", 0u);
+  s.bytes_loaded = j.value("bytes_loaded", uint64_t{0});
+  s.bytes_stored = j.value("bytes_stored", uint64_t{0});
+  s.wait_ms = j.value("wait_ms", 0.0);
+  return s;
+}
+
+nlohmann::json WorkerOptionsToJson(const WorkerOptions& o) {
+  return {{"role", o.role == WorkerRole::kPrefill ? "prefill" : "decode"},
+          {"index", o.index},
+          {"region", o.region},
+          {"node_id", o.node_id},
+          {"lease_ms", o.lease_ms},
+          {"mode", KvModeName(o.mode)},
+          {"model_config", o.model_config},
+          {"weights", o.weights},
+          {"run_id", o.run_id},
+          {"engine_blocks", o.engine_blocks},
+          {"private_cache_bytes", o.private_cache_bytes},
+          {"channel_fd", o.channel_fd}};
+}
+
+Result<WorkerOptions> WorkerOptionsFromJson(const nlohmann::json& j) {
+  WorkerOptions o;
+  try {
+    o.role = j.at("role") == "prefill" ? WorkerRole::kPrefill : WorkerRole::kDecode;
+    o.index = j.at("index");
+    o.region = j.at("region");
+    o.node_id = j.at("node_id");
+    o.lease_ms = j.at("lease_ms");
+    CXLKV_ASSIGN_OR_RETURN(o.mode, ParseKvMode(j.at("mode").get<std::string>()));
+    o.model_config = j.at("model_config");
+    o.weights = j.at("weights");
+    o.run_id = j.at("run_id");
+    o.engine_blocks = j.at("engine_blocks");
+    o.private_cache_bytes = j.at("private_cache_bytes");
+    o.channel_fd = j.at("channel_fd");
+  } catch (const nlohmann::json::exception& e) {
+    return InvalidArgument(std::string("serve-worker: malformed options: ") + e.what());
+  }
+  return o;
+}
+
+int RunWorker(const WorkerOptions& o) {
+  Channel channel(o.channel_fd);
+  WorkerState w;
+  if (Status s = Setup(o, w); !s.ok()) {
+    (void)channel.Send({{"type", "fatal"}, {"message", s.ToString()}});
+    return 1;
+  }
+  if (!channel.Send({{"type", "ready"}, {"port", w.tcp_server ? w.tcp_server->port() : 0}}).ok()) return 1;
+  for (;;) {
+    auto m = channel.Receive(-1);
+    if (!m.ok() || !m->has_value()) return m.ok() ? 0 : 1;  // the router is gone: nothing to serve
+    const nlohmann::json& msg = **m;
+    if (msg.value("type", "") == "exit") return 0;
+    Result<nlohmann::json> reply = InvalidArgument("malformed request");
+    try {
+      reply = Handle(o, w, msg);
+    } catch (const nlohmann::json::exception& e) {
+      reply = InvalidArgument(std::string("malformed request: ") + e.what());
+    }
+    nlohmann::json out = reply.ok() ? *reply
+                                    : nlohmann::json{{"type", "error"},
+                                                     {"id", msg.value("id", uint64_t{0})},
+                                                     {"message", reply.status().ToString()}};
+    if (!channel.Send(out).ok()) return 1;
+  }
+}
+
+}  // namespace cxlkv::serve
