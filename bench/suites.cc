@@ -19,6 +19,10 @@ const std::vector<Suite>& Suites() {
        "batched gather-write / scatter-read of Llama-8B and Qwen-32B shaped blocks vs the contiguous copy "
        "of the same bytes and vs a naive per-piece loop",
        &RunTransferBench},
+      {"e2e",
+       "end-to-end serving of a repeated-document workload: the cxlkv shared pool's TTFT and throughput vs "
+       "no reuse, a private DRAM cache, and a TCP handoff, in the same run",
+       &RunE2eBench},
   };
   return suites;
 }

@@ -30,6 +30,7 @@ Result<nlohmann::json> RunLockBench(const BenchOptions& options);
 Result<nlohmann::json> RunAllocBench(const BenchOptions& options);
 Result<nlohmann::json> RunCacheBench(const BenchOptions& options);
 Result<nlohmann::json> RunTransferBench(const BenchOptions& options);
+Result<nlohmann::json> RunE2eBench(const BenchOptions& options);
 
 }  // namespace cxlkv::bench
 

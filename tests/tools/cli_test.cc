@@ -5,6 +5,8 @@
 #include <array>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <set>
 #include <string>
 
@@ -175,13 +177,103 @@ TEST(Cli, BenchCacheQuickReportsRatiosAndThePeer) {
   }
 }
 
-TEST(Cli, DemoHandsBlocksAcrossProcessesAndChecksClean) {
+TEST(Cli, DemoComparesFourConfigurationsWithIdenticalTokens) {
   cxlkv::testing::TempRegionPath path("cli-demo");
-  auto r = Cli("demo --path " + path.path() + " --size 64M");
+  const std::string out = path.path() + "-out";
+  auto r = Cli("demo --quick --path " + path.path() + " --size 64M --out " + out);
   ASSERT_EQ(r.code, 0) << r.out;
-  EXPECT_THAT(r.out, HasSubstr("prompt 1: 48 of 64 blocks hit"));
-  EXPECT_THAT(r.out, HasSubstr("byte-identical"));
-  EXPECT_THAT(r.out, HasSubstr("cxlkv check: ok"));
+  EXPECT_THAT(r.out, HasSubstr("identical across all 4 configurations, request by request: yes"));
+  EXPECT_THAT(r.out, HasSubstr("(d) cxlkv shared pool"));
+  std::ifstream f(out + "/e2e.json");
+  ASSERT_TRUE(f.good());
+  auto j = nlohmann::json::parse(f);
+  EXPECT_TRUE(j["tokens_identical"].get<bool>());
+  ASSERT_EQ(j["configurations"].size(), 4u);
+  // The shared pool hits the documents of the second pass; no reuse hits nothing.
+  EXPECT_EQ(j["configurations"][0]["hit_rate"].get<double>(), 0.0);
+  // (Requests of the second pass that overlap the first pass's writes of their document miss.)
+  EXPECT_GT(j["configurations"][3]["second_half_hit_rate"].get<double>(), 0.5);
+  EXPECT_GE(j["configurations"][3]["second_half_hit_rate"].get<double>(),
+            j["configurations"][1]["second_half_hit_rate"].get<double>());
+  std::filesystem::remove_all(out);
+}
+
+// A doc-QA workload served by 2 prefill + 1 decode processes; returns the parsed JSON.
+nlohmann::json ServeDocQa(const std::string& region, const std::string& extra, int* code = nullptr, int documents = 5) {
+  auto r = Cli("serve --path " + region + " --size 128M --prefill 2 --decode 1 --documents " +
+               std::to_string(documents) + " --doc-tokens 4096"
+               " --answer-tokens 48 --json " + extra);
+  if (code) *code = r.code;
+  if (r.code != 0) {
+    ADD_FAILURE() << r.out;
+    return {};
+  }
+  return nlohmann::json::parse(r.stdout_only);
+}
+
+TEST(Cli, ServeSecondPassOfRepeatedDocumentsHits) {
+  cxlkv::testing::TempRegionPath path("cli-serve");
+  auto j = ServeDocQa(path.path(), "--concurrency 1");
+  ASSERT_TRUE(j.contains("pass_hit_rates"));
+  ASSERT_EQ(j["pass_hit_rates"].size(), 2u);
+  EXPECT_EQ(j["pass_hit_rates"][0].get<double>(), 0.0);
+  EXPECT_GE(j["pass_hit_rates"][1].get<double>(), 0.90);
+  for (const auto& q : j["requests"]) EXPECT_EQ(q["tokens"].size(), 6u);  // 48 / scale 8
+  EXPECT_EQ(Cli("check --path " + path.path() + " --watch-ms 50").code, 0);
+}
+
+TEST(Cli, ServeSurvivesKillNineOfAPrefillWorker) {
+  cxlkv::testing::TempRegionPath clean("cli-serve-clean"), path("cli-serve-kill");
+  auto reference = ServeDocQa(clean.path(), "--concurrency 2");
+  auto j = ServeDocQa(path.path(), "--concurrency 2 --lease-ms 500 --kill-prefill-after 3");
+  ASSERT_TRUE(j.contains("requests") && reference.contains("requests"));
+  EXPECT_EQ(j["workers_killed"].get<int>(), 1);
+  ASSERT_EQ(j["requests"].size(), reference["requests"].size());
+  int after_kill_on_survivor = 0;
+  for (size_t i = 0; i < j["requests"].size(); ++i) {
+    // Every request completed, with the tokens of the run nobody killed.
+    EXPECT_EQ(j["requests"][i]["tokens"], reference["requests"][i]["tokens"]) << i;
+    after_kill_on_survivor += j["requests"][i]["prefill_worker"].get<int>() == 1;
+  }
+  EXPECT_GT(after_kill_on_survivor, 0);
+  auto check = Cli("check --path " + path.path() + " --watch-ms 50");
+  EXPECT_EQ(check.code, 0) << check.out;
+}
+
+TEST(Cli, ServeRejectsBadInputClearly) {
+  cxlkv::testing::TempRegionPath path("cli-serve-bad");
+  auto zero = Cli("serve --path " + path.path() + " --size 64M --prefill 0");
+  EXPECT_NE(zero.code, 0);
+  EXPECT_THAT(zero.out, HasSubstr("at least one prefill and one decode worker"));
+  const std::string trace = path.path() + ".jsonl";
+  std::ofstream(trace) << "{\"prompt\": [1, 2, 3], \"max_new_tokens\": 2}\n{\"prompt\": [1, 2,\n";
+  auto bad_trace = Cli("serve --path " + path.path() + " --size 64M --trace " + trace);
+  EXPECT_NE(bad_trace.code, 0);
+  EXPECT_THAT(bad_trace.out, HasSubstr("line 2"));
+  // The region holds tiny-llama's KV in the default layout; a config of the same name with
+  // other KV heads must be refused, not mixed in.
+  int code = 0;
+  ServeDocQa(path.path(), "--concurrency 1", &code, 1);
+  ASSERT_EQ(code, 0);
+  const std::string config = path.path() + ".json";
+  std::ofstream(config) << "{\"name\": \"tiny-llama\", \"num_kv_heads\": 4}";
+  auto mismatch = Cli("serve --path " + path.path() + " --model-config " + config + " --documents 1");
+  EXPECT_NE(mismatch.code, 0);
+  EXPECT_THAT(mismatch.out, HasSubstr("version-mismatch"));
+  std::filesystem::remove(trace);
+  std::filesystem::remove(config);
+}
+
+TEST(Cli, BenchE2eQuickComparesThePoolWithEachBaseline) {
+  auto r = Cli("bench e2e --json --quick");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.stdout_only);
+  std::set<std::string> names;
+  for (const auto& fig : j["results"]) names.insert(fig["name"].get<std::string>());
+  for (const char* want : {"ttft_mean/pool_vs_recompute", "ttft_mean/pool_vs_private", "ttft_mean/pool_vs_tcp"}) {
+    EXPECT_TRUE(names.count(want)) << want;
+  }
+  EXPECT_TRUE(j["comparison"]["tokens_identical"].get<bool>());
 }
 
 TEST(Cli, BenchTransferQuickReportsBothShapes) {

@@ -36,7 +36,7 @@ Status RunDemo(const DemoArgs& a) {
   serve::WorkloadOptions w;
   w.kind = serve::WorkloadKind::kDocQa;
   w.vocab_size = config.at("vocab_size").get<uint32_t>();
-  w.documents = a.quick ? 3 : 8;
+  w.documents = a.quick ? 6 : 8;
   w.doc_tokens = a.quick ? 2048 : 6144;
   w.question_tokens = 256;
   w.answer_tokens = a.quick ? 32 : 64;
@@ -51,6 +51,7 @@ Status RunDemo(const DemoArgs& a) {
   CXLKV_ASSIGN_OR_RETURN(co.serve.policy, serve::ParseRoutePolicy(a.policy));
   co.serve.model_config = config;
   co.serve.concurrency = a.prefill * 2;
+  if (a.quick) co.serve.concurrency = a.prefill;
   co.serve.worker_exe = SelfExe();
   co.progress = [](const std::string& name, size_t done, size_t total) { ProgressBar(name, done, total); };
 
