@@ -93,12 +93,12 @@ inline float ExpRow(float* __restrict s, uint32_t n) {
   return sum;
 }
 
-// For Q query heads with softmax numerators w[q][0, n) and inverse sums inv[q]:
-// out[q][0, D) = inv[q] * sum_p w[q][p] * v_p[0, D), D = kValueDims, where v_p = v + voff[p].
-// Each sum runs over p in order.
+// For Q query heads with softmax numerators w[i][0, n) and inverse sums inv[i]:
+// out[i * hd + d] = inv[i] * sum_p w[i][p] * v_p[d] for d in [0, kValueDims), where
+// v_p = v + voff[p]. Each sum runs over p in order.
 template <uint32_t Q>
 inline void ValueBlock(const float* const* w, const float* inv, uint32_t n, const float* v,
-                       const uint64_t* voff, float* const* out) {
+                       const uint64_t* voff, uint32_t hd, float* out) {
   float acc[Q][kValueDims] = {};
   for (uint32_t p = 0; p < n; ++p) {
     const float* __restrict vp = v + voff[p];
@@ -110,15 +110,26 @@ inline void ValueBlock(const float* const* w, const float* inv, uint32_t n, cons
     }
   }
   for (uint32_t i = 0; i < Q; ++i) {
-    for (uint32_t d = 0; d < kValueDims; ++d) out[i][d] = acc[i][d] * inv[i];
+    for (uint32_t d = 0; d < kValueDims; ++d) out[uint64_t{i} * hd + d] = acc[i][d] * inv[i];
   }
 }
 
-// ValueBlock for one head and one dim (the head_dim % kValueDims tail).
-inline float ValueDim(const float* w, float inv, uint32_t n, const float* v, const uint64_t* voff) {
-  float acc = 0.0f;
-  for (uint32_t p = 0; p < n; ++p) acc += w[p] * v[voff[p]];
-  return acc * inv;
+// ValueBlock over all head_dim dims of Q heads: blocks of kValueDims, then the tail one dim
+// at a time (same order of summation).
+template <uint32_t Q>
+inline void ValueHeads(const float* const* w, const float* inv, uint32_t n, const float* v,
+                       const uint64_t* voff, uint32_t hd, float* out) {
+  const uint32_t blocked = hd / kValueDims * kValueDims;
+  for (uint32_t d = 0; d < blocked; d += kValueDims) {
+    ValueBlock<Q>(w, inv, n, v + d, voff, hd, out + d);
+  }
+  for (uint32_t i = 0; i < Q; ++i) {
+    for (uint32_t d = blocked; d < hd; ++d) {
+      float acc = 0.0f;
+      for (uint32_t p = 0; p < n; ++p) acc += w[i][p] * v[voff[p] + d];
+      out[uint64_t{i} * hd + d] = acc * inv[i];
+    }
+  }
 }
 
 }  // namespace
@@ -156,9 +167,13 @@ void Attend(const AttentionShape& s, const float* q, uint64_t q_stride, uint32_t
     // keys vectorize across keys. A row scores the tiles up to its own position.
     for (uint32_t t = 0; t < ntiles; ++t) {
       const uint32_t p0 = t * kTile;
-      for (uint32_t j = 0; j < kTile; ++j) {
-        const float* k = p0 + j < nkeys ? kv.k_base + scratch.offsets[p0 + j] + g * hd : nullptr;
-        for (uint32_t d = 0; d < hd; ++d) kt[d * kTile + j] = k != nullptr ? k[d] : 0.0f;
+      const uint32_t valid = std::min(kTile, nkeys - p0);
+      for (uint32_t j = 0; j < valid; ++j) {
+        const float* k = kv.k_base + scratch.offsets[p0 + j] + g * hd;
+        for (uint32_t d = 0; d < hd; ++d) kt[d * kTile + j] = k[d];
+      }
+      for (uint32_t j = valid; j < kTile; ++j) {
+        for (uint32_t d = 0; d < hd; ++d) kt[d * kTile + j] = 0.0f;
       }
       for (uint32_t r = std::max(row_begin, p0 > pos0 ? p0 - pos0 : 0); r < row_end; ++r) {
         uint32_t i = 0;
@@ -192,25 +207,16 @@ void Attend(const AttentionShape& s, const float* q, uint64_t q_stride, uint32_t
       const float* inv = &scratch.inv_sum[uint64_t{r - row_begin} * group];
       float* o = out + r * out_stride + uint64_t{g * group} * hd;
       uint32_t i = 0;
-      auto block = [&]<uint32_t Q>(uint32_t i) {
-        for (uint32_t d = 0; d + kValueDims <= hd; d += kValueDims) {
-          const float* ws[Q];
-          float* os[Q];
-          for (uint32_t k = 0; k < Q; ++k) {
-            ws[k] = scores(r, i + k);
-            os[k] = o + uint64_t{i + k} * hd + d;
-          }
-          ValueBlock<Q>(ws, inv + i, n, v + d, scratch.offsets.data(), os);
-        }
-        for (uint32_t k = 0; k < Q; ++k) {
-          for (uint32_t d = hd / kValueDims * kValueDims; d < hd; ++d) {
-            o[uint64_t{i + k} * hd + d] =
-                ValueDim(scores(r, i + k), inv[i + k], n, v + d, scratch.offsets.data());
-          }
-        }
-      };
-      for (; i + kValueHeads <= group; i += kValueHeads) block.template operator()<kValueHeads>(i);
-      for (; i < group; ++i) block.template operator()<1>(i);
+      for (; i + kValueHeads <= group; i += kValueHeads) {
+        const float* ws[kValueHeads];
+        for (uint32_t k = 0; k < kValueHeads; ++k) ws[k] = scores(r, i + k);
+        ValueHeads<kValueHeads>(ws, inv + i, n, v, scratch.offsets.data(), hd,
+                                o + uint64_t{i} * hd);
+      }
+      for (; i < group; ++i) {
+        const float* ws[1] = {scores(r, i)};
+        ValueHeads<1>(ws, inv + i, n, v, scratch.offsets.data(), hd, o + uint64_t{i} * hd);
+      }
     }
   }
 }

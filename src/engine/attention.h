@@ -26,7 +26,7 @@ struct KvView {
   const float* v_base = nullptr;
   const uint32_t* table = nullptr;  // covers every position read
   uint32_t block_size = 0;
-  uint32_t row_floats = 0;          // num_kv_heads * head_dim
+  uint32_t row_floats = 0;  // num_kv_heads * head_dim
 
   uint64_t RowOffset(uint32_t pos) const {
     return (uint64_t{table[pos / block_size]} * block_size + pos % block_size) * row_floats;

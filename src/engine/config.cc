@@ -5,10 +5,9 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string_view>
-
-#include <nlohmann/json.hpp>
 
 namespace cxlkv::engine {
 namespace {
@@ -68,8 +67,7 @@ Status ParseUnsigned(std::string_view key, const nlohmann::json& v, uint64_t max
 
 Result<ModelConfig> ModelConfig::FromJson(const nlohmann::json& j) {
   if (!j.is_object()) {
-    return InvalidArgument("model config must be a JSON object, got " +
-                           std::string(j.type_name()));
+    return InvalidArgument("model config must be a JSON object, got " + std::string(j.type_name()));
   }
   ModelConfig c;
   for (const auto& [key, v] : j.items()) {
@@ -79,8 +77,7 @@ Result<ModelConfig> ModelConfig::FromJson(const nlohmann::json& j) {
       continue;
     }
     if (key == "seed") {
-      CXLKV_RETURN_IF_ERROR(
-          ParseUnsigned(key, v, std::numeric_limits<uint64_t>::max(), &c.seed));
+      CXLKV_RETURN_IF_ERROR(ParseUnsigned(key, v, std::numeric_limits<uint64_t>::max(), &c.seed));
       continue;
     }
     bool known = false;
@@ -97,8 +94,8 @@ Result<ModelConfig> ModelConfig::FromJson(const nlohmann::json& j) {
       known = true;
     }
     if (!known) {
-      return InvalidArgument("unknown model config field '" + key + "' (known fields: " +
-                             KnownKeys() + ")");
+      return InvalidArgument("unknown model config field '" + key +
+                             "' (known fields: " + KnownKeys() + ")");
     }
   }
   CXLKV_RETURN_IF_ERROR(c.Validate());
@@ -156,9 +153,8 @@ Status ModelConfig::Validate() const {
                            " * " + std::to_string(head_dim) + ")");
   }
   if (num_heads % num_kv_heads != 0) {
-    return InvalidArgument("model config field 'num_kv_heads' (" +
-                           std::to_string(num_kv_heads) + ") must divide num_heads (" +
-                           std::to_string(num_heads) + ")");
+    return InvalidArgument("model config field 'num_kv_heads' (" + std::to_string(num_kv_heads) +
+                           ") must divide num_heads (" + std::to_string(num_heads) + ")");
   }
   if (head_dim % 2 != 0) {
     return InvalidArgument("model config field 'head_dim' (" + std::to_string(head_dim) +

@@ -10,18 +10,17 @@
 #define CXLKV_ENGINE_CONFIG_H_
 
 #include <cstdint>
-#include <string>
-
 #include <nlohmann/json_fwd.hpp>
+#include <string>
 
 #include "cxlkv/status.h"
 
 namespace cxlkv::engine {
 
 struct ModelConfig {
-  std::string name = "tiny-llama";   // free-form model id (goes into cache namespaces)
+  std::string name = "tiny-llama";  // free-form model id (goes into cache namespaces)
   uint32_t vocab_size = 4096;
-  uint32_t hidden_size = 256;        // must equal num_heads * head_dim
+  uint32_t hidden_size = 256;  // must equal num_heads * head_dim
   uint32_t num_layers = 4;
   uint32_t num_heads = 8;            // query heads
   uint32_t num_kv_heads = 2;         // must divide num_heads (grouped-query attention)
@@ -29,8 +28,8 @@ struct ModelConfig {
   uint32_t intermediate_size = 768;  // SwiGLU MLP width
   float rope_theta = 10000.0f;
   float rms_norm_eps = 1e-5f;
-  uint32_t max_position = 32768;     // longest sequence Prefill/Decode accept
-  uint64_t seed = 1;                 // seed of Weights::Random
+  uint32_t max_position = 32768;  // longest sequence Prefill/Decode accept
+  uint64_t seed = 1;              // seed of Weights::Random
 
   // Missing fields keep defaults. Errors: kInvalidArgument naming the field (not an object,
   // wrong type, unknown key, a value Validate() rejects).

@@ -74,9 +74,9 @@ class PagedKvCache {
   uint32_t block_size_ = 0;
   uint32_t num_kv_heads_ = 0;
   uint32_t head_dim_ = 0;
-  uint64_t requested_bytes_ = 0;            // per layer, for the allocation-failure message
+  uint64_t requested_bytes_ = 0;  // per layer, for the allocation-failure message
   std::vector<std::unique_ptr<float[], FreeDeleter>> layers_;
-  std::vector<uint32_t> free_;              // a stack: back() is handed out next
+  std::vector<uint32_t> free_;  // a stack: back() is handed out next
   std::vector<bool> in_use_;
 };
 

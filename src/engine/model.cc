@@ -99,8 +99,7 @@ Model::Model(ModelConfig c, Weights w) : config_(std::move(c)) {
   }
 }
 
-Status Model::CheckRequest(std::span<const int32_t> tokens, uint64_t end,
-                           const PagedKvCache& cache,
+Status Model::CheckRequest(std::span<const int32_t> tokens, uint64_t end, const PagedKvCache& cache,
                            std::span<const uint32_t> block_table) const {
   if (!status_.ok()) return status_;
   const ModelConfig& c = config_;
@@ -109,8 +108,8 @@ Status Model::CheckRequest(std::span<const int32_t> tokens, uint64_t end,
     return InvalidArgument("KV cache has " + std::to_string(cache.num_layers()) + " layers x " +
                            std::to_string(cache.num_kv_heads()) + " KV heads x head_dim " +
                            std::to_string(cache.head_dim()) + ", model '" + c.name + "' needs " +
-                           std::to_string(c.num_layers) + " x " +
-                           std::to_string(c.num_kv_heads) + " x " + std::to_string(c.head_dim));
+                           std::to_string(c.num_layers) + " x " + std::to_string(c.num_kv_heads) +
+                           " x " + std::to_string(c.head_dim));
   }
   if (cache.block_size() == 0) return InvalidArgument("KV cache block_size is 0");
   if (end > c.max_position) {
@@ -121,9 +120,9 @@ Status Model::CheckRequest(std::span<const int32_t> tokens, uint64_t end,
   const uint32_t bs = cache.block_size();
   const uint64_t needed = (end + bs - 1) / bs;
   if (block_table.size() < needed) {
-    return InvalidArgument("block table has " + std::to_string(block_table.size()) +
-                           " blocks, " + std::to_string(end) + " positions need " +
-                           std::to_string(needed) + " blocks of " + std::to_string(bs));
+    return InvalidArgument("block table has " + std::to_string(block_table.size()) + " blocks, " +
+                           std::to_string(end) + " positions need " + std::to_string(needed) +
+                           " blocks of " + std::to_string(bs));
   }
   for (uint64_t i = 0; i < needed; ++i) {
     if (block_table[i] >= cache.num_blocks()) {
@@ -135,8 +134,7 @@ Status Model::CheckRequest(std::span<const int32_t> tokens, uint64_t end,
   for (size_t i = 0; i < tokens.size(); ++i) {
     if (tokens[i] < 0 || static_cast<uint32_t>(tokens[i]) >= c.vocab_size) {
       return InvalidArgument("token " + std::to_string(i) + " is " + std::to_string(tokens[i]) +
-                             ", outside the vocabulary [0, " + std::to_string(c.vocab_size) +
-                             ")");
+                             ", outside the vocabulary [0, " + std::to_string(c.vocab_size) + ")");
     }
   }
   return Status::Ok();
@@ -148,8 +146,7 @@ Result<std::vector<float>> Model::Prefill(
     const std::function<void(uint32_t layer)>& before_layer) const {
   if (start >= tokens.size()) {
     return InvalidArgument("prefill start " + std::to_string(start) +
-                           " must be below the number of tokens " +
-                           std::to_string(tokens.size()));
+                           " must be below the number of tokens " + std::to_string(tokens.size()));
   }
   CXLKV_RETURN_IF_ERROR(CheckRequest(tokens, tokens.size(), cache, block_table));
   if (start % cache.block_size() != 0) {
@@ -180,8 +177,7 @@ Result<std::vector<int32_t>> Model::Generate(std::span<const int32_t> tokens, ui
                                              std::span<const uint32_t> block_table) const {
   const uint64_t end = tokens.size() + std::max<uint64_t>(max_new, 1) - 1;
   CXLKV_RETURN_IF_ERROR(CheckRequest(tokens, end, cache, block_table));
-  CXLKV_ASSIGN_OR_RETURN(std::vector<float> logits,
-                         Prefill(tokens, start, cache, block_table));
+  CXLKV_ASSIGN_OR_RETURN(std::vector<float> logits, Prefill(tokens, start, cache, block_table));
   std::vector<int32_t> out;
   for (uint32_t i = 0; i < max_new; ++i) {
     out.push_back(Argmax(logits));
@@ -192,8 +188,8 @@ Result<std::vector<int32_t>> Model::Generate(std::span<const int32_t> tokens, ui
   return out;
 }
 
-std::vector<float> Model::Run(std::span<const int32_t> tokens, uint32_t first,
-                              PagedKvCache& cache, std::span<const uint32_t> block_table,
+std::vector<float> Model::Run(std::span<const int32_t> tokens, uint32_t first, PagedKvCache& cache,
+                              std::span<const uint32_t> block_table,
                               const std::function<void(uint32_t)>& before_layer) const {
   const ModelConfig& c = config_;
   const uint32_t bs = cache.block_size();
@@ -233,8 +229,8 @@ std::vector<float> Model::Run(std::span<const int32_t> tokens, uint32_t first,
       const uint32_t row_begin = std::max(first, pos0) - pos0;
       const uint32_t row_end = std::min(end, pos0 + bs) - pos0;
       const uint64_t r0 = uint64_t{ch} * bs;
-      LayerChunk(l, &x[r0 * h], pos0, row_begin, row_end, &cos[r0 * half], &sin[r0 * half],
-                 cache, block_table, s);
+      LayerChunk(l, &x[r0 * h], pos0, row_begin, row_end, &cos[r0 * half], &sin[r0 * half], cache,
+                 block_table, s);
     }
   }
 
@@ -247,9 +243,8 @@ std::vector<float> Model::Run(std::span<const int32_t> tokens, uint32_t first,
 }
 
 void Model::LayerChunk(uint32_t layer, float* x, uint32_t pos0, uint32_t row_begin,
-                       uint32_t row_end, const float* cos, const float* sin,
-                       PagedKvCache& cache, std::span<const uint32_t> block_table,
-                       Scratch& s) const {
+                       uint32_t row_end, const float* cos, const float* sin, PagedKvCache& cache,
+                       std::span<const uint32_t> block_table, Scratch& s) const {
   const ModelConfig& c = config_;
   const Layer& w = layers_[layer];
   const uint32_t bs = cache.block_size();
@@ -281,8 +276,8 @@ void Model::LayerChunk(uint32_t layer, float* x, uint32_t pos0, uint32_t row_beg
   kv.table = block_table.data();
   kv.block_size = bs;
   kv.row_floats = nkv;
-  internal::Attend({c.num_heads, c.num_kv_heads, hd}, s.qkv.data(), nqkv, pos0, row_begin,
-                   row_end, kv, s.attn.data(), s.attention);
+  internal::Attend({c.num_heads, c.num_kv_heads, hd}, s.qkv.data(), nqkv, pos0, row_begin, row_end,
+                   kv, s.attn.data(), s.attention);
   Gemm(s.attn.data(), bs, nq, w.o.data(), h, s.tmp.data());
   AddInPlace(x, s.tmp.data(), uint64_t{bs} * h);
 

@@ -49,9 +49,10 @@ class Model {
   // Errors (kInvalidArgument, nothing written): start % block_size != 0, start >= tokens.size(),
   // tokens.size() > max_position, block_table too short or holding an id >= num_blocks, a token
   // outside [0, vocab_size), a cache shaped for another model.
-  Result<std::vector<float>> Prefill(std::span<const int32_t> tokens, uint32_t start,
-                                     PagedKvCache& cache, std::span<const uint32_t> block_table,
-                                     const std::function<void(uint32_t layer)>& before_layer = {}) const;
+  Result<std::vector<float>> Prefill(
+      std::span<const int32_t> tokens, uint32_t start, PagedKvCache& cache,
+      std::span<const uint32_t> block_table,
+      const std::function<void(uint32_t layer)>& before_layer = {}) const;
 
   // One decode step: `token` at position `pos` (the KV of positions < pos is in the cache);
   // writes its KV and returns its logits. Errors as Prefill's (pos + 1 positions covered).
@@ -81,7 +82,7 @@ class Model {
   };
   struct Scratch;
 
-  // Errors of a request covering positions [0, end), new tokens `tokens` from `first`.
+  // The errors of a request that covers positions [0, end) and feeds `tokens`.
   Status CheckRequest(std::span<const int32_t> tokens, uint64_t end, const PagedKvCache& cache,
                       std::span<const uint32_t> block_table) const;
   // Runs new tokens at positions [first, first + tokens.size()) and returns the logits of the

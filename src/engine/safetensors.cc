@@ -9,7 +9,6 @@
 #include <cstring>
 #include <map>
 #include <new>
-
 #include <nlohmann/json.hpp>
 
 #include "engine/weights.h"
@@ -172,9 +171,8 @@ Result<Weights> Weights::LoadSafetensors(const ModelConfig& c, const std::string
       }
       const Entry& e = it->second;
       if (e.shape != t.shape) {
-        return InvalidArgument(what + ": tensor " + t.name + " has shape " +
-                               ShapeString(e.shape) + ", model config '" + c.name +
-                               "' expects " + ShapeString(t.shape));
+        return InvalidArgument(what + ": tensor " + t.name + " has shape " + ShapeString(e.shape) +
+                               ", model config '" + c.name + "' expects " + ShapeString(t.shape));
       }
       const uint32_t esize = DtypeSize(e.dtype);
       if (esize == 0) {
@@ -184,9 +182,8 @@ Result<Weights> Weights::LoadSafetensors(const ModelConfig& c, const std::string
       uint64_t n = 1;
       for (uint64_t d : t.shape) n *= d;
       if (e.end - e.begin != n * esize) {
-        return Corrupted(what + ": tensor " + t.name + " spans " +
-                         std::to_string(e.end - e.begin) + " bytes, its shape and dtype need " +
-                         std::to_string(n * esize));
+        return Corrupted(what + ": tensor " + t.name + " spans " + std::to_string(e.end - e.begin) +
+                         " bytes, its shape and dtype need " + std::to_string(n * esize));
       }
       raw.resize(e.end - e.begin);
       if (std::fseek(f.get(), static_cast<long>(data_start + e.begin), SEEK_SET) != 0 ||
@@ -220,7 +217,8 @@ Status Weights::SaveSafetensors(const std::string& path) const {
   uint64_t offset = 0;
   for (const Tensor& t : tensors) {
     const uint64_t bytes = t.data->size() * sizeof(float);
-    header[t.name] = {{"dtype", "F32"}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
+    header[t.name] = {
+        {"dtype", "F32"}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
   header["__metadata__"] = {{"format", "pt"}, {"writer", "cxlkv reference engine"}};

@@ -60,9 +60,9 @@ Result<Weights> Weights::Random(const ModelConfig& c) {
         continue;
       }
       const double in = static_cast<double>(t.shape[1]);
-      double var = 1.0 / in;                                          // keeps activations O(1)
-      if (t.data == &w.embed_tokens_) var = 1.0;                      // RMSNorm rescales anyway
-      if (t.data == &w.lm_head_) var = 4.0 / in;                      // logits spread ~2
+      double var = 1.0 / in;                      // keeps activations O(1)
+      if (t.data == &w.embed_tokens_) var = 1.0;  // RMSNorm rescales anyway
+      if (t.data == &w.lm_head_) var = 4.0 / in;  // logits spread ~2
       FillUniform(rng, n, UniformScale(var), t.data);
     }
   } catch (const std::bad_alloc&) {
@@ -76,9 +76,9 @@ Status Weights::CheckShapes() const {
     uint64_t n = 1;
     for (uint64_t d : t.shape) n *= d;
     if (t.data->size() != n) {
-      return InvalidArgument("weight tensor " + t.name + " has " +
-                             std::to_string(t.data->size()) + " elements, model config '" +
-                             config_.name + "' needs " + std::to_string(n));
+      return InvalidArgument("weight tensor " + t.name + " has " + std::to_string(t.data->size()) +
+                             " elements, model config '" + config_.name + "' needs " +
+                             std::to_string(n));
     }
   }
   return Status::Ok();

@@ -42,7 +42,8 @@ class Weights {
   static Result<Weights> Random(const ModelConfig& c);
 
   // Reads an HF safetensors file (names model.embed_tokens.weight,
-  // model.layers.{i}.self_attn.{q,k,v,o}_proj.weight, model.layers.{i}.mlp.{gate,up,down}_proj.weight,
+  // model.layers.{i}.self_attn.{q,k,v,o}_proj.weight,
+  // model.layers.{i}.mlp.{gate,up,down}_proj.weight,
   // model.layers.{i}.{input,post_attention}_layernorm.weight, model.norm.weight, lm_head.weight;
   // without lm_head.weight the head is tied to the embedding). Tensors not named here are
   // ignored. Errors, each naming the path (and the tensor where one is at fault):
@@ -58,9 +59,9 @@ class Weights {
 
   const ModelConfig& config() const { return config_; }
   const std::vector<float>& embed_tokens() const { return embed_tokens_; }  // [vocab, H]
-  const LayerWeights& layer(uint32_t i) const { return layers_[i]; }        // REQUIRES: i < num_layers
-  const std::vector<float>& norm() const { return norm_; }                  // [H]
-  const std::vector<float>& lm_head() const { return lm_head_; }            // [vocab, H]
+  const LayerWeights& layer(uint32_t i) const { return layers_[i]; }  // REQUIRES: i < num_layers
+  const std::vector<float>& norm() const { return norm_; }            // [H]
+  const std::vector<float>& lm_head() const { return lm_head_; }      // [vocab, H]
 
   // Mutable access for tests and tools (e.g. to set non-trivial norm weights) and for Model,
   // which moves the tensors out. Keep the sizes: Model checks them.
@@ -84,6 +85,7 @@ class Weights {
   // Every tensor in file order: embedding, layers (q, k, v, o, gate, up, down, norms), norm,
   // lm_head.
   std::vector<Tensor> Tensors();
+  // For readers (SaveSafetensors, CheckShapes): the same table; callers must not write.
   std::vector<Tensor> Tensors() const { return const_cast<Weights*>(this)->Tensors(); }
 
   ModelConfig config_;
