@@ -47,6 +47,8 @@ Result<nlohmann::json> RunTransferBench(const BenchOptions& options) {
   if (!pool.ok()) return pool.status();
   CXLKV_ASSIGN_OR_RETURN(KvCache * cache, (*pool)->Cache());
   transfer::CpuTransfer xfer(*cache, {.threads = 2, .small_piece_bytes = 4096});
+  // The same thread count as the contiguous references: the like-for-like ratio.
+  transfer::CpuTransfer xfer1(*cache, {.threads = 1, .small_piece_bytes = 4096});
   nlohmann::json results = nlohmann::json::array();
 
   for (Model m : {Model{"llama8b", 32, 8, 128}, Model{"qwen32b", 64, 8, 80}}) {
@@ -70,7 +72,7 @@ Result<nlohmann::json> RunTransferBench(const BenchOptions& options) {
     std::vector<uint32_t> ids(blocks);
     std::iota(ids.begin(), ids.end(), 0);
     std::vector<uint8_t> contiguous(total), out(total);
-    std::vector<double> gw, sr, nt, mc, naive_w, naive_r, sparse, sparse_naive, sparse_contig;
+    std::vector<double> gw1, sr1, gw, sr, nt, mc, naive_w, naive_r, sparse, sparse_naive, sparse_contig;
     // A 16-token sparse read: for every layer and head, 16 tokens spread over the request.
     transfer::SparseSelection sel{m.layers, m.heads, {}};
     for (uint32_t s = 0; s < m.layers * m.heads; ++s) {
@@ -100,6 +102,9 @@ Result<nlohmann::json> RunTransferBench(const BenchOptions& options) {
       t0 = Clock::now();
       CXLKV_RETURN_IF_ERROR(xfer.ScatterRead(layout, ids, hit.pins));
       sr.push_back(Gbps(total, t0));
+      t0 = Clock::now();
+      CXLKV_RETURN_IF_ERROR(xfer1.ScatterRead(layout, ids, hit.pins));
+      sr1.push_back(Gbps(total, t0));
       // References over the same pool blocks: the bytes as one contiguous copy per block...
       t0 = Clock::now();
       for (uint32_t b = 0; b < blocks; ++b) {
@@ -159,6 +164,14 @@ Result<nlohmann::json> RunTransferBench(const BenchOptions& options) {
       std::memcpy(out.data(), cache->PayloadPtr(hit.pins[0]), std::min(sparse_bytes, block_bytes));
       sparse_contig.push_back(Gbps(std::min(sparse_bytes, block_bytes), t0));
       cache->Release(hit.pins);
+      // One-thread gather-write into fresh keys (the blocks above are READY: evict first).
+      CXLKV_RETURN_IF_ERROR(cache->EvictAll().status());
+      for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(rep * 100000 + 50000 + i);
+      auto keys1 = KvCache::ChainKeys(ns, tokens);
+      t0 = Clock::now();
+      CXLKV_ASSIGN_OR_RETURN(auto g1, xfer1.GatherWrite(ns, layout, ids, keys1));
+      gw1.push_back(Gbps(total, t0));
+      if (g1.written != blocks) return Internal("bench gather (1 thread) wrote " + std::to_string(g1.written));
     }
     const std::string n = m.name;
     const std::string pieces = std::to_string(layout.num_layers() * 2) + " pieces of " +
@@ -171,6 +184,10 @@ Result<nlohmann::json> RunTransferBench(const BenchOptions& options) {
                                   "reserve+gather+commit, " + pieces + "; goal >= 0.85"}));
     results.push_back(FigureJson({"gather_vs_naive/" + n, "GB/s", true, gw, "naive_write/" + n, naive_w,
                                   "batched gather-write over the naive per-piece loop"}));
+    results.push_back(FigureJson({"gather_write_1t/" + n, "GB/s", true, gw1, "contiguous_nt/" + n, nt,
+                                  "one worker, like for like: reserve + copy + commit vs one nt copy per block"}));
+    results.push_back(FigureJson({"scatter_read_1t/" + n, "GB/s", true, sr1, "contiguous_memcpy/" + n, mc,
+                                  "one worker, like for like"}));
     results.push_back(FigureJson({"scatter_read/" + n, "GB/s", true, sr, "contiguous_memcpy/" + n, mc,
                                   "scatter-read of pinned blocks, " + pieces + "; goal >= 0.85"}));
     results.push_back(FigureJson({"sparse_contiguous/" + n, "GB/s", true, sparse_contig, "", {},

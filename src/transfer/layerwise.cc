@@ -17,7 +17,8 @@ struct LayerwiseState {
 
   std::mutex mu;
   std::condition_variable cv;
-  uint32_t layers_done = 0;     // steps finished (a load's are in layer order: 0..done-1 ready)
+  uint32_t layers_done = 0;     // steps whose bytes are in place (a load's in layer order: 0..done-1)
+  uint32_t steps_finished = 0;  // steps whose callback has returned too: nothing touches the state after
   std::vector<bool> reported;   // store: layers the engine reported computed
   uint32_t reported_count = 0;  // store
 
@@ -39,9 +40,13 @@ struct LayerwiseState {
     }
     layer_begin.push_back(pieces.size());
   }
-  void WaitDone(uint32_t steps) {
+  void WaitReady(uint32_t steps) {
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return layers_done >= steps; });
+  }
+  void WaitFinished(uint32_t steps) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return steps_finished >= steps; });
   }
 };
 
@@ -82,6 +87,11 @@ void CpuTransfer::RunLayer(LayerwiseState& state, uint32_t layer) {
   }
   state.cv.notify_all();
   if (state.on_layer_ready) state.on_layer_ready(layer);
+  {
+    std::lock_guard<std::mutex> lock(state.mu);
+    ++state.steps_finished;
+  }
+  state.cv.notify_all();
 }
 
 Result<std::unique_ptr<LayerLoad>> CpuTransfer::StartLoad(const EngineKvLayout& layout,
@@ -117,7 +127,8 @@ Result<std::unique_ptr<LayerStore>> CpuTransfer::StartStore(const NamespaceHandl
   return std::unique_ptr<LayerStore>(new LayerStore(*this, std::move(state)));
 }
 
-LayerLoad::~LayerLoad() { state_->WaitDone(state_->num_layers); }
+// Waits for the callbacks too: they may use what the caller is about to destroy.
+LayerLoad::~LayerLoad() { state_->WaitFinished(state_->num_layers); }
 
 uint32_t LayerLoad::num_layers() const { return state_->num_layers; }
 
@@ -127,7 +138,7 @@ uint32_t LayerLoad::layers_ready() const {
 }
 
 void LayerLoad::WaitLayer(uint32_t layer) const {
-  state_->WaitDone(std::min(layer + 1, state_->num_layers));
+  state_->WaitReady(std::min(layer + 1, state_->num_layers));
 }
 
 uint32_t LayerStore::num_layers() const { return state_->num_layers; }
@@ -158,7 +169,7 @@ Result<GatherResult> LayerStore::Finish() {
     reported = state_->reported_count;
   }
   // Steps already queued write into the reserved blocks: let them land before either outcome.
-  state_->WaitDone(reported);
+  state_->WaitFinished(reported);
   finished_ = true;
   if (reported != state_->num_layers) {
     for (auto& r : state_->reserved) (void)transfer_.cache_.Abort(r);
@@ -175,7 +186,7 @@ LayerStore::~LayerStore() {
     std::lock_guard<std::mutex> lock(state_->mu);
     reported = state_->reported_count;
   }
-  state_->WaitDone(reported);
+  state_->WaitFinished(reported);
   for (auto& r : state_->reserved) (void)transfer_.cache_.Abort(r);
 }
 
