@@ -1,6 +1,7 @@
 #include "serve/channel.h"
 
 #include <poll.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -17,7 +18,8 @@ Status Channel::Send(const nlohmann::json& message) {
   const std::string line = message.dump() + "\n";
   size_t done = 0;
   while (done < line.size()) {
-    ssize_t n = ::write(fd_, line.data() + done, line.size() - done);
+    // MSG_NOSIGNAL: a peer killed with -9 must give this side an error, not a SIGPIPE.
+    ssize_t n = ::send(fd_, line.data() + done, line.size() - done, MSG_NOSIGNAL);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) return IoError(std::string("channel write: ") + std::strerror(errno) + " (the peer is gone)");
     done += static_cast<size_t>(n);

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <thread>
 
 #include "serve/channel.h"
 
@@ -32,6 +33,9 @@ Result<std::unique_ptr<BlockLease>> Lease(engine::PagedKvCache& cache, uint32_t 
 }
 
 double MsSince(int64_t start_ns) { return static_cast<double>(NowNs() - start_ns) / 1e6; }
+
+// How long a prefill waits for a block another worker is writing before computing it itself.
+constexpr int64_t kInFlightWaitNs = 5'000'000'000;
 
 }  // namespace
 
@@ -125,6 +129,28 @@ Status KvConnector::Publish(std::span<const uint32_t> ids, std::span<const Block
   return Status::Ok();
 }
 
+Result<LookupResult> KvConnector::LookupAwaitingInFlight(std::span<const BlockKey> keys, KvStats& stats) {
+  const int64_t start = NowNs();
+  auto backoff = std::chrono::microseconds(200);
+  for (;;) {
+    CXLKV_ASSIGN_OR_RETURN(auto hit, pool_.Lookup(ns_, keys));
+    if (hit.hit_blocks == keys.size() || NowNs() - start > kInFlightWaitNs) return hit;
+    // Is the first missing block being written by another worker right now (the same
+    // document in flight there)? Loading it when it lands beats computing it twice. A probe
+    // that gets the block means nobody has it: give it back and compute it.
+    auto probe = pool_.Reserve(ns_, keys[hit.hit_blocks], layout_.PoolBlockBytes());
+    if (probe.ok()) {
+      (void)pool_.Abort(*probe);
+      return hit;
+    }
+    if (probe.status().code() != StatusCode::kBusy && probe.status().code() != StatusCode::kAlreadyExists) return hit;
+    pool_.Release(hit.pins);
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(backoff * 2, std::chrono::microseconds(5000));
+    stats.wait_ms = MsSince(start);
+  }
+}
+
 Result<PrefillResult> KvConnector::Prefill(uint64_t request_id, std::span<const int32_t> prompt) {
   const uint32_t bs = layout_.block_size, n = static_cast<uint32_t>(prompt.size());
   if (n == 0) return InvalidArgument("prefill: an empty prompt");
@@ -143,7 +169,7 @@ Result<PrefillResult> KvConnector::Prefill(uint64_t request_id, std::span<const 
   LookupResult hit;
   std::unique_ptr<transfer::LayerLoad> load;
   if (mode_ == KvMode::kPool) {
-    CXLKV_ASSIGN_OR_RETURN(hit, pool_.Lookup(ns_, std::span(chain).first(reusable)));
+    CXLKV_ASSIGN_OR_RETURN(hit, LookupAwaitingInFlight(std::span(chain).first(reusable), st));
     st.hit_blocks = static_cast<uint32_t>(hit.hit_blocks);
     if (st.hit_blocks > 0) {
       auto started = transfer_.StartLoad(layout_, ids.first(st.hit_blocks), hit.pins);

@@ -43,7 +43,7 @@ struct KvStats {
   uint32_t computed_tokens = 0;   // tokens run through the model's prefill
   uint64_t bytes_loaded = 0;      // into the engine's cache from a cache or handoff
   uint64_t bytes_stored = 0;      // out of the engine's cache into a cache or handoff
-  double wait_ms = 0;             // prefill: time the compute waited for loaded layers
+  double wait_ms = 0;             // prefill: waiting for blocks in flight elsewhere and for loaded layers
 };
 
 // A private per-worker DRAM cache of pool-format blocks, LRU, bounded in bytes.
@@ -95,6 +95,9 @@ class KvConnector {
   uint64_t BlockBytes() const { return layout_.PoolBlockBytes(); }
 
  private:
+  // Lookup of the prompt's reusable blocks that, where the first missing block is being
+  // written by another worker, waits (bounded) for it to land; the wait goes to stats.wait_ms.
+  Result<LookupResult> LookupAwaitingInFlight(std::span<const BlockKey> keys, KvStats& stats);
   // One-use keys of a request's handoff blocks (not shared: salted with the run and request).
   std::vector<BlockKey> HandoffKeys(uint64_t request_id, uint32_t first, uint32_t count) const;
   // Pool-format block bytes ↔ engine block `id`.
