@@ -240,6 +240,20 @@ TEST(Cli, ServeSurvivesKillNineOfAPrefillWorker) {
   EXPECT_EQ(check.code, 0) << check.out;
 }
 
+TEST(Cli, ServeOpenLoopTraceShapedWorkloadWithPrefixAffinity) {
+  cxlkv::testing::TempRegionPath path("cli-serve-open");
+  auto r = Cli("serve --path " + path.path() + " --size 128M --workload tract --requests 12 --scale 16"
+               " --qps 40 --policy prefix-affinity --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.stdout_only);
+  EXPECT_EQ(j["policy"], "prefix-affinity");
+  ASSERT_EQ(j["requests"].size(), 12u);
+  for (const auto& q : j["requests"]) EXPECT_GE(q["tokens"].size(), 1u);
+  // Table 1's requests share a few system prefixes: later ones reuse earlier ones' blocks.
+  EXPECT_GT(j["hit_rate"].get<double>(), 0.0);
+  EXPECT_EQ(Cli("check --path " + path.path() + " --watch-ms 50").code, 0);
+}
+
 TEST(Cli, ServeRejectsBadInputClearly) {
   cxlkv::testing::TempRegionPath path("cli-serve-bad");
   auto zero = Cli("serve --path " + path.path() + " --size 64M --prefill 0");

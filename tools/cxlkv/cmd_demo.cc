@@ -29,6 +29,8 @@ struct DemoArgs {
   std::string policy = "least-loaded";
   std::string model_config;
   bool quick = false;
+  uint32_t documents = 12;
+  double scale = 4;
 };
 
 Status RunDemo(const DemoArgs& a) {
@@ -36,8 +38,9 @@ Status RunDemo(const DemoArgs& a) {
   serve::WorkloadOptions w;
   w.kind = serve::WorkloadKind::kDocQa;
   w.vocab_size = config.at("vocab_size").get<uint32_t>();
-  w.documents = a.quick ? 6 : 8;
+  w.documents = a.quick ? 6 : a.documents;
   w.doc_tokens = a.quick ? 2048 : 6144;
+  w.scale = a.quick ? 8 : a.scale;
   w.question_tokens = 256;
   w.answer_tokens = a.quick ? 32 : 64;
   w.passes = 2;
@@ -61,7 +64,7 @@ Status RunDemo(const DemoArgs& a) {
               config.at("hidden_size").get<uint32_t>(), config.at("num_heads").get<uint32_t>(),
               config.at("num_kv_heads").get<uint32_t>(), w.vocab_size);
   std::printf("workload long-document QA: %u documents of %u tokens + a %u-token question, %u passes (%zu requests),"
-              " %u tokens out;\n         lengths are the papers' divided by %.0f for a 2-core CPU engine\n",
+              " %u tokens out;\n         lengths are the papers' divided by %g for a 2-core CPU engine\n",
               w.documents, static_cast<uint32_t>(w.doc_tokens / w.scale),
               static_cast<uint32_t>(w.question_tokens / w.scale), w.passes, requests.size(),
               static_cast<uint32_t>(w.answer_tokens / w.scale), w.scale);
@@ -108,6 +111,9 @@ void AddDemoCommands(CLI::App& app, CommandResult& result) {
   cmd->add_option("--decode", a->decode, "Decode workers per configuration")->capture_default_str();
   cmd->add_option("--policy", a->policy, "Routing: least-loaded | prefix-affinity")->capture_default_str();
   cmd->add_option("--model-config", a->model_config, "Engine config JSON (default: the built-in tiny Llama)");
+  cmd->add_option("--documents", a->documents, "Documents (each asked about twice)")->capture_default_str();
+  cmd->add_option("--scale", a->scale, "Divide the papers' lengths (6144-token documents) by this")
+      ->capture_default_str();
   cmd->add_flag("--quick", a->quick, "A smaller workload (tests)");
   cmd->callback([a, &result] { result.status = RunDemo(*a); });
 }
