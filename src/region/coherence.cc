@@ -173,8 +173,10 @@ __attribute__((target("avx512f"))) void StreamAvx512(uint8_t* d, const uint8_t* 
 }
 
 // Every variant: unaligned head and tail with ordinary stores + clflush, the aligned middle
-// streamed by `Body`, then one sfence so the streaming stores are ordered before what follows.
-template <void (*Body)(uint8_t*, const uint8_t*, size_t)>
+// streamed by `Body`, then (when `Fence`) one sfence so the streaming stores are ordered before
+// what follows. A batch of many pieces leaves the fence to its end (one per batch, not one per
+// piece).
+template <void (*Body)(uint8_t*, const uint8_t*, size_t), bool Fence = true>
 void NtCopyFramed(void* dst, const void* src, size_t n) {
   auto* d = static_cast<uint8_t*>(dst);
   auto* s = static_cast<const uint8_t*>(src);
@@ -184,7 +186,7 @@ void NtCopyFramed(void* dst, const void* src, size_t n) {
   SplitHeadTail(d, s, n, &td, &ts, &tn);
   Body(d, s, n);
   CopyTail(td, ts, tn);
-  _mm_sfence();
+  if constexpr (Fence) _mm_sfence();
 }
 
 }  // namespace
@@ -195,6 +197,16 @@ void NtCopyAvx512(void* dst, const void* src, size_t n) { NtCopyFramed<StreamAvx
 
 void NtCopy(void* dst, const void* src, size_t n) {
   static const CopyFn fn = ChooseCopy();
+  fn(dst, src, n);
+}
+
+void NtCopyUnfenced(void* dst, const void* src, size_t n) {
+  static const CopyFn fn = [] {
+    const CpuFeatures& f = Cpu();
+    if (f.avx512f) return &NtCopyFramed<StreamAvx512, false>;
+    if (f.avx2) return &NtCopyFramed<StreamAvx2, false>;
+    return &NtCopyFramed<StreamScalar, false>;
+  }();
   fn(dst, src, n);
 }
 

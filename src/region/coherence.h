@@ -49,6 +49,9 @@ void CopyFromShared(void* dst, const void* src, size_t n);
 // [dst, dst+n) is in memory, not in this host's cache. A partial line is written back whole:
 // callers keep payload objects line-aligned (the allocator does) so no neighbour shares it.
 void NtCopy(void* dst, const void* src, size_t n);
+// The same without the closing sfence, for batches of pieces: one FullFence() after the last
+// piece orders them all before what depends on them (a commit, a readiness flag).
+void NtCopyUnfenced(void* dst, const void* src, size_t n);
 
 // Which NtCopy body runs on this CPU: "avx512", "avx2" or "scalar" (movnti).
 const char* NtCopyVariant();

@@ -58,13 +58,13 @@ void CpuTransfer::CopyRange(std::span<const Piece> pieces, bool to_pool) {
         std::memcpy(p.dst, p.src, p.bytes);
         region::FlushLinesUnfenced(p.dst, p.bytes);
       } else {
-        region::NtCopy(p.dst, p.src, p.bytes);
+        region::NtCopyUnfenced(p.dst, p.src, p.bytes);  // the fence below orders the batch
       }
     } else {
       if (p.bytes < options_.small_piece_bytes) {
         std::memcpy(p.dst, p.src, p.bytes);
       } else {
-        region::NtCopy(p.dst, p.src, p.bytes);  // streaming: the engine's buffer, not our cache
+        region::NtCopyUnfenced(p.dst, p.src, p.bytes);  // streaming: the engine's buffer, not our cache
       }
     }
   }

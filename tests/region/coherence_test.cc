@@ -14,7 +14,8 @@ namespace {
 using CopyFn = void (*)(void*, const void*, size_t);
 
 std::vector<std::pair<const char*, CopyFn>> Variants() {
-  std::vector<std::pair<const char*, CopyFn>> v = {{"dispatch", &NtCopy}, {"scalar", &NtCopyScalar}};
+  std::vector<std::pair<const char*, CopyFn>> v = {
+      {"dispatch", &NtCopy}, {"unfenced", &NtCopyUnfenced}, {"scalar", &NtCopyScalar}};
   if (Cpu().avx2) v.push_back({"avx2", &NtCopyAvx2});
   if (Cpu().avx512f) v.push_back({"avx512", &NtCopyAvx512});
   return v;
