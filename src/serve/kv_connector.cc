@@ -145,43 +145,85 @@ Result<LookupResult> KvConnector::LookupAwaitingInFlight(std::span<const BlockKe
     }
     if (probe.status().code() != StatusCode::kBusy && probe.status().code() != StatusCode::kAlreadyExists) return hit;
     pool_.Release(hit.pins);
+    const int64_t slept = NowNs();
     std::this_thread::sleep_for(backoff);
     backoff = std::min(backoff * 2, std::chrono::microseconds(5000));
-    stats.wait_ms = MsSince(start);
+    stats.wait_ms += MsSince(slept);
   }
 }
 
-Result<PrefillResult> KvConnector::Prefill(uint64_t request_id, std::span<const int32_t> prompt) {
+PreparedPrefill::~PreparedPrefill() {
+  ReleasePins();
+  engine_.FreeBlocks(ids_);
+}
+
+void PreparedPrefill::ReleasePins() {
+  loads_.clear();  // waits: the loads read the pinned blocks
+  pool_.Release(pins_);
+  pins_.clear();
+}
+
+Result<std::unique_ptr<PreparedPrefill>> KvConnector::Prepare(uint64_t request_id, std::span<const int32_t> prompt,
+                                                              bool await_in_flight) {
   const uint32_t bs = layout_.block_size, n = static_cast<uint32_t>(prompt.size());
   if (n == 0) return InvalidArgument("prefill: an empty prompt");
-  PrefillResult out;
-  KvStats& st = out.stats;
+  std::unique_ptr<PreparedPrefill> p(new PreparedPrefill(pool_, engine_cache_));
+  p->request_id_ = request_id;
+  p->prompt_.assign(prompt.begin(), prompt.end());
+  CXLKV_ASSIGN_OR_RETURN(p->ids_, engine_cache_.AllocateBlocks(CeilDiv(n, bs)));
+  p->chain_ = KvCache::ChainKeys(ns_, prompt);
+  KvStats& st = p->stats_;
   st.prompt_tokens = n;
   st.prompt_blocks = n / bs;
-  const uint32_t blocks = CeilDiv(n, bs);
-  CXLKV_ASSIGN_OR_RETURN(auto lease, Lease(engine_cache_, blocks));
-  const auto ids = lease->ids();
-  const auto chain = KvCache::ChainKeys(ns_, prompt);
   // At least the last token is computed: its logits give the first output token.
-  const uint32_t reusable = (n - 1) / bs;
-
-  // Step 1-3: look up the prefix and start loading it, layer by layer.
-  LookupResult hit;
-  std::unique_ptr<transfer::LayerLoad> load;
+  const auto reusable = std::span(p->chain_).first((n - 1) / bs);
   if (mode_ == KvMode::kPool) {
-    CXLKV_ASSIGN_OR_RETURN(hit, LookupAwaitingInFlight(std::span(chain).first(reusable), st));
+    LookupResult hit;
+    if (await_in_flight) {
+      CXLKV_ASSIGN_OR_RETURN(hit, LookupAwaitingInFlight(reusable, st));
+    } else {
+      CXLKV_ASSIGN_OR_RETURN(hit, pool_.Lookup(ns_, reusable));
+    }
+    p->pins_ = std::move(hit.pins);
     st.hit_blocks = static_cast<uint32_t>(hit.hit_blocks);
     if (st.hit_blocks > 0) {
-      auto started = transfer_.StartLoad(layout_, ids.first(st.hit_blocks), hit.pins);
-      if (!started.ok()) {
-        pool_.Release(hit.pins);
-        return started.status();
-      }
-      load = std::move(*started);
+      CXLKV_ASSIGN_OR_RETURN(auto load,
+                             transfer_.StartLoad(layout_, std::span(p->ids_).first(st.hit_blocks), p->pins_));
+      p->loads_.push_back(std::move(load));
     }
   } else if (mode_ != KvMode::kRecompute) {
-    st.hit_blocks = static_cast<uint32_t>(private_.LongestPrefix(std::span(chain).first(reusable)));
-    for (uint32_t i = 0; i < st.hit_blocks; ++i) BlockToEngine(private_.Get(chain[i])->data(), ids[i]);
+    st.hit_blocks = static_cast<uint32_t>(private_.LongestPrefix(reusable));
+    for (uint32_t i = 0; i < st.hit_blocks; ++i) BlockToEngine(private_.Get(p->chain_[i])->data(), p->ids_[i]);
+  }
+  return p;
+}
+
+Result<PrefillResult> KvConnector::Prefill(uint64_t request_id, std::span<const int32_t> prompt) {
+  CXLKV_ASSIGN_OR_RETURN(auto prepared, Prepare(request_id, prompt, /*await_in_flight=*/true));
+  return Prefill(*prepared);
+}
+
+Result<PrefillResult> KvConnector::Prefill(PreparedPrefill& p) {
+  const uint32_t bs = layout_.block_size, n = static_cast<uint32_t>(p.prompt_.size());
+  const std::span<const uint32_t> ids = p.ids_;
+  const std::vector<BlockKey>& chain = p.chain_;
+  const uint32_t blocks = static_cast<uint32_t>(ids.size()), full = n / bs, reusable = (n - 1) / bs;
+  PrefillResult out;
+  out.stats = p.stats_;
+  KvStats& st = out.stats;
+
+  // Top-up: what was published since a prefetch looked (the request before it may have
+  // written this prompt's next blocks), loaded behind what is loading already.
+  if (mode_ == KvMode::kPool && st.hit_blocks < reusable) {
+    CXLKV_ASSIGN_OR_RETURN(auto more,
+                           LookupAwaitingInFlight(std::span(chain).subspan(st.hit_blocks, reusable - st.hit_blocks), st));
+    if (more.hit_blocks > 0) {
+      auto load = transfer_.StartLoad(layout_, ids.subspan(st.hit_blocks, more.hit_blocks), more.pins);
+      p.pins_.insert(p.pins_.end(), more.pins.begin(), more.pins.end());
+      if (!load.ok()) return load.status();
+      p.loads_.push_back(std::move(*load));
+      st.hit_blocks += static_cast<uint32_t>(more.hit_blocks);
+    }
   }
   st.bytes_loaded = uint64_t{st.hit_blocks} * layout_.PoolBlockBytes();
 
@@ -190,29 +232,19 @@ Result<PrefillResult> KvConnector::Prefill(uint64_t request_id, std::span<const 
   const uint32_t start = st.hit_blocks * bs;
   st.computed_tokens = n - start;
   std::unique_ptr<transfer::LayerStore> store;
-  const uint32_t full = n / bs;
   if (mode_ == KvMode::kPool && full > st.hit_blocks) {
-    auto started = transfer_.StartStore(ns_, layout_, ids.subspan(st.hit_blocks, full - st.hit_blocks),
-                                        std::span(chain).subspan(st.hit_blocks, full - st.hit_blocks));
-    if (!started.ok()) {
-      load.reset();
-      pool_.Release(hit.pins);
-      return started.status();
-    }
-    store = std::move(*started);
+    CXLKV_ASSIGN_OR_RETURN(store, transfer_.StartStore(ns_, layout_, ids.subspan(st.hit_blocks, full - st.hit_blocks),
+                                                       std::span(chain).subspan(st.hit_blocks, full - st.hit_blocks)));
   }
   Status hook_error;
   auto before_layer = [&](uint32_t l) {
-    if (load) {
-      const int64_t t0 = NowNs();
-      load->WaitLayer(l);
-      st.wait_ms += MsSince(t0);
-    }
+    const int64_t t0 = NowNs();
+    for (auto& load : p.loads_) load->WaitLayer(l);
+    st.wait_ms += MsSince(t0);
     if (store && l > 0 && hook_error.ok()) hook_error = store->LayerComputed(l - 1);
   };
-  auto logits = model_.Prefill(prompt, start, engine_cache_, ids, before_layer);
-  load.reset();
-  pool_.Release(hit.pins);
+  auto logits = model_.Prefill(p.prompt_, start, engine_cache_, ids, before_layer);
+  p.ReleasePins();
   if (!logits.ok()) return logits.status();
   if (store) {
     CXLKV_RETURN_IF_ERROR(hook_error);
@@ -234,11 +266,13 @@ Result<PrefillResult> KvConnector::Prefill(uint64_t request_id, std::span<const 
     case KvMode::kPool:
       // The full blocks are in the shared cache under their chain keys; only the partial tail
       // needs a one-use handoff block.
-      if (n % bs != 0) CXLKV_RETURN_IF_ERROR(Publish(ids.subspan(full, 1), HandoffKeys(request_id, full, 1), st));
+      if (n % bs != 0) {
+        CXLKV_RETURN_IF_ERROR(Publish(ids.subspan(full, 1), HandoffKeys(p.request_id_, full, 1), st));
+      }
       break;
     case KvMode::kRecompute:
     case KvMode::kPrivate:
-      CXLKV_RETURN_IF_ERROR(Publish(ids, HandoffKeys(request_id, 0, blocks), st));
+      CXLKV_RETURN_IF_ERROR(Publish(ids, HandoffKeys(p.request_id_, 0, blocks), st));
       break;
     case KvMode::kTcp:
       out.tcp_payload.resize(uint64_t{blocks} * layout_.PoolBlockBytes());

@@ -67,6 +67,33 @@ class PrivateBlockCache {
   std::unordered_map<BlockKey, Lru::iterator, KeyHash> map_;
 };
 
+// A prefill whose lookup and prefix load have started, as soon as it was queued (TraCT steps
+// 1-3 run ahead, overlapping the compute of the request before it). Destroying it waits for its
+// loads, releases its pins and gives back its engine blocks.
+class PreparedPrefill {
+ public:
+  ~PreparedPrefill();
+  PreparedPrefill(const PreparedPrefill&) = delete;
+  PreparedPrefill& operator=(const PreparedPrefill&) = delete;
+  uint64_t request_id() const { return request_id_; }
+  uint32_t hit_blocks() const { return stats_.hit_blocks; }
+
+ private:
+  friend class KvConnector;
+  PreparedPrefill(KvCache& pool, engine::PagedKvCache& engine) : pool_(pool), engine_(engine) {}
+  void ReleasePins();
+
+  KvCache& pool_;
+  engine::PagedKvCache& engine_;
+  uint64_t request_id_ = 0;
+  std::vector<int32_t> prompt_;
+  std::vector<uint32_t> ids_;      // the prompt's engine blocks
+  std::vector<BlockKey> chain_;
+  std::vector<BlockPin> pins_;     // every block being loaded
+  std::vector<std::unique_ptr<transfer::LayerLoad>> loads_;
+  KvStats stats_;
+};
+
 struct PrefillResult {
   int32_t first_token = -1;
   KvStats stats;
@@ -86,6 +113,15 @@ class KvConnector {
               NamespaceHandle ns, uint64_t run_id, uint64_t private_cache_bytes);
 
   Result<PrefillResult> Prefill(uint64_t request_id, std::span<const int32_t> prompt);
+  // Steps 1-3 only: engine blocks, key chain, lookup, and the start of the layer-wise load of
+  // the hit prefix (returns once it is queued). `await_in_flight`: wait for a block another
+  // worker is writing (a prefetch does not: it must not hold up the request before it).
+  // Errors: kNoSpace (the engine's cache is full), the pool's lookup errors.
+  Result<std::unique_ptr<PreparedPrefill>> Prepare(uint64_t request_id, std::span<const int32_t> prompt,
+                                                   bool await_in_flight);
+  // The rest of a prepared prefill: a top-up lookup of what was published since it was
+  // prepared, the compute of the missing suffix, the store and the handoff.
+  Result<PrefillResult> Prefill(PreparedPrefill& prepared);
   // `tcp_payload`: kTcp's blocks as received (else ignored). Errors: kInternal when a
   // recomputed first token differs from the prefill's (the engine lost determinism).
   Result<DecodeResult> Decode(uint64_t request_id, std::span<const int32_t> prompt, int32_t first_token,

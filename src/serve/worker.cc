@@ -1,6 +1,7 @@
 #include "serve/worker.h"
 
 #include <cstdio>
+#include <deque>
 
 #include "cxlkv/pool.h"
 #include "engine/config.h"
@@ -33,6 +34,7 @@ struct WorkerState {
   std::unique_ptr<KvConnector> connector;
   std::unique_ptr<TcpHandoffServer> tcp_server;
   TcpHandoffClient tcp_client;
+  std::unique_ptr<PreparedPrefill> prefetched;  // the next queued prefill, already loading
 };
 
 Status Setup(const WorkerOptions& o, WorkerState& w) {
@@ -60,11 +62,30 @@ Status Setup(const WorkerOptions& o, WorkerState& w) {
   return Status::Ok();
 }
 
-Result<nlohmann::json> Handle(const WorkerOptions& o, WorkerState& w, const nlohmann::json& m) {
+bool IsPrefill(const nlohmann::json& m) { return m.is_object() && m.value("type", "") == "prefill"; }
+
+// `next`: the message queued behind `m`, if any. A prefill's lookup and prefix load start for
+// the next queued prefill before this one computes (async prefetch): its load overlaps this
+// compute instead of delaying its own start.
+Result<nlohmann::json> Handle(const WorkerOptions& o, WorkerState& w, const nlohmann::json& m,
+                              const nlohmann::json* next) {
   const uint64_t id = m.at("id").get<uint64_t>();
   const auto prompt = m.at("prompt").get<std::vector<int32_t>>();
   if (m.at("type") == "prefill") {
-    CXLKV_ASSIGN_OR_RETURN(auto r, w.connector->Prefill(id, prompt));
+    std::unique_ptr<PreparedPrefill> prepared;
+    if (w.prefetched && w.prefetched->request_id() == id) {
+      prepared = std::move(w.prefetched);
+    } else {
+      w.prefetched.reset();
+      CXLKV_ASSIGN_OR_RETURN(prepared, w.connector->Prepare(id, prompt, /*await_in_flight=*/true));
+    }
+    if (next && IsPrefill(*next)) {
+      // Best effort: a prefetch that cannot start (no engine blocks free) is done at its turn.
+      auto p = w.connector->Prepare(next->at("id").get<uint64_t>(), next->at("prompt").get<std::vector<int32_t>>(),
+                                    /*await_in_flight=*/false);
+      if (p.ok()) w.prefetched = std::move(*p);
+    }
+    CXLKV_ASSIGN_OR_RETURN(auto r, w.connector->Prefill(*prepared));
     if (o.mode == KvMode::kTcp) {
       CXLKV_RETURN_IF_ERROR(w.tcp_client.Send(m.at("decode_port").get<uint16_t>(), id, r.tcp_payload));
     }
@@ -145,14 +166,21 @@ int RunWorker(const WorkerOptions& o) {
     return 1;
   }
   if (!channel.Send({{"type", "ready"}, {"port", w.tcp_server ? w.tcp_server->port() : 0}}).ok()) return 1;
+  std::deque<nlohmann::json> inbox;
   for (;;) {
-    auto m = channel.Receive(-1);
-    if (!m.ok() || !m->has_value()) return m.ok() ? 0 : 1;  // the router is gone: nothing to serve
-    const nlohmann::json& msg = **m;
+    // Take everything already sent, so the request queued behind this one is known.
+    for (bool wait = inbox.empty();; wait = false) {
+      auto m = channel.Receive(wait ? -1 : 0);
+      if (!m.ok()) return inbox.empty() ? 1 : 0;  // the router is gone: nothing to answer to
+      if (!m->has_value()) break;
+      inbox.push_back(std::move(**m));
+    }
+    const nlohmann::json msg = std::move(inbox.front());
+    inbox.pop_front();
     if (msg.value("type", "") == "exit") return 0;
     Result<nlohmann::json> reply = InvalidArgument("malformed request");
     try {
-      reply = Handle(o, w, msg);
+      reply = Handle(o, w, msg, inbox.empty() ? nullptr : &inbox.front());
     } catch (const nlohmann::json::exception& e) {
       reply = InvalidArgument(std::string("malformed request: ") + e.what());
     }
