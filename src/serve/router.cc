@@ -49,6 +49,7 @@ enum class Stage { kWaiting, kQueued, kPrefill, kDecode, kDone };
 struct Flight {
   Stage stage = Stage::kWaiting;
   int32_t first_token = -1;
+  uint32_t attempt = 0;  // bumped at every (re)dispatch: answers to an older attempt are stale
 };
 
 // Chained 64-bit hashes of the prompt's full blocks (the router's own view of prefixes).
@@ -82,6 +83,7 @@ class Router {
   void Admit();
   void MaybeKill();
   void Shutdown();
+  void KillAll();  // on a failed run: no worker outlives the router
 
   const ServeOptions& o_;
   const std::vector<Request>& requests_;
@@ -163,7 +165,10 @@ Worker* Router::PickPrefill(size_t r) {
     if (w->role != WorkerRole::kPrefill || !w->alive || w->in_flight >= o_.max_per_worker) continue;
     size_t match = 0;
     while (match < chain.size() && w->seen_blocks.count(chain[match])) ++match;
-    if (match > best_match) best = w.get(), best_match = match;
+    if (match > best_match) {
+      best = w.get();
+      best_match = match;
+    }
   }
   if (!best || best->in_flight > least->in_flight + kAffinityLoadMargin) return least;
   return best;
@@ -192,7 +197,12 @@ Status Router::SendPrefill(size_t r) {
   if (o_.policy == RoutePolicy::kPrefixAffinity) {
     for (uint64_t h : BlockChain(requests_[r].prompt)) p->seen_blocks.insert(h);
   }
-  nlohmann::json m = {{"type", "prefill"}, {"id", r}, {"prompt", requests_[r].prompt}, {"decode_port", d->port}};
+  ++flights_[r].attempt;
+  nlohmann::json m = {{"type", "prefill"},
+                      {"id", r},
+                      {"attempt", flights_[r].attempt},
+                      {"prompt", requests_[r].prompt},
+                      {"decode_port", d->port}};
   if (!p->channel->Send(m).ok()) return OnWorkerLost(*p, "its channel closed");
   return Status::Ok();
 }
@@ -203,6 +213,7 @@ Status Router::SendDecode(size_t r) {
   flights_[r].stage = Stage::kDecode;
   nlohmann::json m = {{"type", "decode"},
                       {"id", r},
+                      {"attempt", flights_[r].attempt},
                       {"prompt", requests_[r].prompt},
                       {"first_token", flights_[r].first_token},
                       {"max_new", requests_[r].max_new_tokens}};
@@ -236,6 +247,13 @@ void Router::Admit() {
 
 Status Router::OnMessage(Worker& w, const nlohmann::json& m) {
   const std::string type = m.value("type", "");
+  const size_t id = m.value("id", size_t{0});
+  if (type != "fatal" && id < flights_.size() && m.value("attempt", 0u) != flights_[id].attempt) {
+    // An answer (or failure) of an attempt the router gave up on when another worker died:
+    // this worker is free of it now; the request runs again elsewhere.
+    if (w.in_flight > 0) --w.in_flight;
+    return Status::Ok();
+  }
   if (type == "error" || type == "fatal") {
     return Internal(w.Name() + " failed request " + std::to_string(m.value("id", uint64_t{0})) + ": " +
                     m.value("message", ""));
@@ -280,10 +298,10 @@ Status Router::OnWorkerLost(Worker& w, const std::string& why) {
                             s == Stage::kPrefill;
     const bool on_decode = w.role == WorkerRole::kDecode && rec.decode_worker == static_cast<int>(w.index);
     if (!on_prefill && !on_decode) continue;
-    // Give back the other side's slot and start over from the prefill: its KV (pool blocks or
-    // a TCP payload) may have gone with the worker; what reached the pool is reused.
+    // Give back the decode slot and start over from the prefill: its KV (pool blocks or a TCP
+    // payload) may have gone with the worker; what reached the pool is reused. A live prefill
+    // worker still computing this request keeps its slot until its (stale) answer comes.
     if (on_prefill) --workers_[o_.prefill + rec.decode_worker]->in_flight;
-    if (on_decode && s == Stage::kPrefill) --workers_[rec.prefill_worker]->in_flight;
     flights_[r].stage = Stage::kQueued;
     ++rec.retries;
     ++retries_;
@@ -345,6 +363,15 @@ Status Router::Pump(int timeout_ms) {
   return Status::Ok();
 }
 
+void Router::KillAll() {
+  for (auto& w : workers_) {
+    if (!w->alive) continue;
+    ::kill(w->pid, SIGKILL);
+    ::waitpid(w->pid, nullptr, 0);
+    w->alive = false;
+  }
+}
+
 void Router::Shutdown() {
   for (auto& w : workers_) {
     if (w->alive) (void)w->channel->Send({{"type", "exit"}});
@@ -391,7 +418,7 @@ Result<ServeRun> Router::Run() {
   }
   if (spawned.ok()) spawned = AwaitReady();
   if (!spawned.ok()) {
-    for (auto& w : workers_) ::kill(w->pid, SIGKILL), ::waitpid(w->pid, nullptr, 0);
+    KillAll();
     return spawned;
   }
   flights_.assign(requests_.size(), Flight{});
@@ -416,13 +443,11 @@ Result<ServeRun> Router::Run() {
     MaybeKill();
   }
   const double wall_s = static_cast<double>(NowNs() - start_ns_) / 1e9;
-  Shutdown();
   if (!s.ok()) {
-    for (auto& w : workers_) {
-      if (w->alive) ::kill(w->pid, SIGKILL), ::waitpid(w->pid, nullptr, 0);
-    }
+    KillAll();  // a failed run does not wait for workers that may be mid-request
     return s;
   }
+  Shutdown();
   if (killed_ > 0) {
     // The dead worker's node is recovered by this node's manager once its lease runs out.
     std::this_thread::sleep_for(std::chrono::milliseconds(4 * o_.lease_ms));

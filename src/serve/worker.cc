@@ -188,6 +188,7 @@ int RunWorker(const WorkerOptions& o) {
                                     : nlohmann::json{{"type", "error"},
                                                      {"id", msg.value("id", uint64_t{0})},
                                                      {"message", reply.status().ToString()}};
+    out["attempt"] = msg.value("attempt", 0u);  // the router tells a stale answer by it
     if (!channel.Send(out).ok()) return 1;
   }
 }

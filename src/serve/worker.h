@@ -2,10 +2,10 @@
 // one reference engine, one KV connector; it takes requests over its channel, one at a time.
 //
 // Messages (JSON lines). Router → worker:
-//   {"type":"prefill","id":N,"prompt":[..],"decode_port":P}   (decode_port: kTcp only)
-//   {"type":"decode","id":N,"prompt":[..],"first_token":T,"max_new":M}
+//   {"type":"prefill","id":N,"attempt":A,"prompt":[..],"decode_port":P}  (decode_port: kTcp only)
+//   {"type":"decode","id":N,"attempt":A,"prompt":[..],"first_token":T,"max_new":M}
 //   {"type":"exit"}
-// Worker → router:
+// Worker → router (every answer to a request echoes its "attempt"):
 //   {"type":"ready","port":P}                                 (P: the TCP handoff port, or 0)
 //   {"type":"prefilled","id":N,"first_token":T,"stats":{..},"ns":t}
 //   {"type":"done","id":N,"tokens":[..],"first_ns":t,"stats":{..},"ns":t}
