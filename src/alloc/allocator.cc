@@ -406,9 +406,14 @@ void Allocator::AddReachability(std::function<void(std::vector<uint64_t>&)> prov
 
 void Allocator::Recover(uint32_t dead, uint64_t incarnation) {
   if (dead >= max_nodes_) return;
+  // The manager queues each dead life once: giving up here would leak what it held for good.
+  // Keep trying (the lock can be slow to get under contention) until this node leaves.
   Status locked = LockAllocator();
-  for (int tries = 0; !locked.ok() && tries < 8; ++tries) locked = LockAllocator();
-  if (!locked.ok()) return;  // retried when the node is seen dead again by the next manager
+  while (!locked.ok() && !node_.leaving()) {
+    std::this_thread::sleep_for(node_.lease() / 8);
+    locked = LockAllocator();
+  }
+  if (!locked.ok()) return;  // leaving: the next manager recovers this life again
 
   std::vector<uint64_t> roots;
   {

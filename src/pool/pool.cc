@@ -148,6 +148,9 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::vector<std::string>& paths,
   // allocator's reachability no longer counts their payloads and reclaims them.
   impl->node->AddRecoveryHandler([allocator](uint32_t node, uint64_t inc) { allocator->Recover(node, inc); });
   impl->node->AddPeriodicTask([allocator] { allocator->DrainRemoteFrees(); });
+  // Only now: a recovery queued meanwhile (this node may manage from its first beat) runs with
+  // every handler, in order.
+  impl->node->StartRecovery();
   return std::make_unique<Pool>(std::move(impl));
 }
 

@@ -325,7 +325,7 @@ void Node::RecoveryLoop() {
     std::vector<std::function<void(uint32_t, uint64_t)>> handlers;
     {
       std::unique_lock<std::mutex> lock(hooks_mu_);
-      recovery_cv_.wait(lock, [this] { return stop_.load() || !recovery_queue_.empty(); });
+      recovery_cv_.wait(lock, [this] { return stop_.load() || (recovery_started_ && !recovery_queue_.empty()); });
       if (stop_.load()) return;
       job = recovery_queue_.front();
       recovery_queue_.pop_front();
@@ -338,6 +338,14 @@ void Node::RecoveryLoop() {
 void Node::AddRecoveryHandler(std::function<void(uint32_t, uint64_t)> handler) {
   std::lock_guard<std::mutex> lock(hooks_mu_);
   recovery_handlers_.push_back(std::move(handler));
+}
+
+void Node::StartRecovery() {
+  {
+    std::lock_guard<std::mutex> lock(hooks_mu_);
+    recovery_started_ = true;
+  }
+  recovery_cv_.notify_all();
 }
 
 void Node::AddPeriodicTask(std::function<void()> task) {

@@ -113,6 +113,10 @@ class Node {
   // the incarnation that died; the alloc layer reclaims what it held. May be called again for
   // the same node: handlers must be idempotent.
   void AddRecoveryHandler(std::function<void(uint32_t node, uint64_t incarnation)> handler);
+  // Recovery jobs queue until this is called: a joiner registers every handler first, so no
+  // node is ever "recovered" by only some of them (or none) — this node may be elected manager
+  // on its first beat, before its owner has added them. Idempotent.
+  void StartRecovery();
   // Runs `task` on the membership thread every beat (e.g. draining remote frees).
   void AddPeriodicTask(std::function<void()> task);
 
@@ -168,6 +172,7 @@ class Node {
   std::vector<std::function<void()>> periodic_tasks_;
   std::deque<std::pair<uint32_t, uint64_t>> recovery_queue_;
   std::condition_variable recovery_cv_;
+  bool recovery_started_ = false;                // guarded by hooks_mu_
   std::vector<uint64_t> recovered_incarnation_;  // per node: last incarnation queued
 
   std::vector<uint32_t> last_granted_;  // manager: per lock, the node granted last (fairness)
