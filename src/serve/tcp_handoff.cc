@@ -18,6 +18,8 @@ namespace cxlkv::serve {
 
 namespace {
 
+constexpr uint64_t kMaxPayloadBytes = 16ull << 30;  // one request's KV; anything larger is not a header of ours
+
 bool WriteAll(int fd, const void* data, size_t bytes) {
   const auto* p = static_cast<const uint8_t*>(data);
   while (bytes > 0) {
@@ -110,8 +112,13 @@ void TcpHandoffServer::AcceptLoop() {
 void TcpHandoffServer::ReadLoop(int fd) {
   std::string header;
   while (ReadLine(fd, header)) {
+    // A header that is not ours ends the connection (the sender sees the error); it never
+    // takes the decode worker down.
     auto j = nlohmann::json::parse(header, nullptr, false);
-    if (j.is_discarded() || !j.contains("id") || !j.contains("bytes")) return;
+    if (j.is_discarded() || !j.contains("id") || !j.contains("bytes") || !j["id"].is_number_unsigned() ||
+        !j["bytes"].is_number_unsigned() || j["bytes"].get<uint64_t>() > kMaxPayloadBytes) {
+      return;
+    }
     std::vector<uint8_t> payload(j["bytes"].get<uint64_t>());
     if (!ReadAll(fd, payload.data(), payload.size())) return;
     {

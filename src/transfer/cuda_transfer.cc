@@ -17,6 +17,11 @@ Status CudaError(const std::string& what, cudaError_t e) {
   return Status(StatusCode::kIoError, what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
 }
 
+Status OutsideRegistered() {
+  return InvalidArgument("a pool block lies outside the ranges registered with the GPU: create the CudaTransfer "
+                         "with Pool::MappedRanges() of the pool the cache belongs to");
+}
+
 // A descriptor buffer and the event after the kernel that last read it: the ring lets the
 // next requests stage theirs while earlier kernels still run, without a host wait.
 struct StagingSlot {
@@ -161,6 +166,7 @@ Status CudaTransfer::ScatterRead(const EngineKvLayout& layout, std::span<const u
   m.pieces.clear();
   for (size_t i = 0; i < pins.size(); ++i) {
     const uint8_t* block = m.cache->PayloadPtr(pins[i]);
+    if (m.DeviceAddress(block) == 0) return OutsideRegistered();
     // P2: another host wrote these; the device's reads snoop this host's caches, which must
     // not hold stale copies.
     m.cache->InvalidateForRead(block, pins[i].bytes, /*fence=*/i + 1 == pins.size());
@@ -186,6 +192,10 @@ Result<GatherResult> CudaTransfer::GatherWrite(const NamespaceHandle& ns, const 
   m.pieces.clear();
   for (size_t i = 0; i < reserved.size(); ++i) {
     uint8_t* block = m.cache->ReservedPtr(reserved[i]);
+    if (m.DeviceAddress(block) == 0) {
+      for (auto& r : reserved) (void)m.cache->Abort(r);
+      return OutsideRegistered();
+    }
     for (uint32_t l = 0; l < layout.num_layers(); ++l) {
       for (uint32_t p = 0; p < layout.parts(); ++p) {
         m.pieces.push_back({m.DeviceAddress(block + layout.PoolPieceOffset(l, p)),

@@ -86,7 +86,9 @@ Status RunDemo(const DemoArgs& a) {
   }
   const std::string out = a.out.empty() ? "/tmp/cxlkv-demo-" + std::to_string(::getuid()) : a.out;
   ::mkdir(out.c_str(), 0755);
-  std::ofstream(out + "/e2e.json") << serve::ComparisonJson(cmp).dump(2) << "\n";
+  std::ofstream json(out + "/e2e.json");
+  json << serve::ComparisonJson(cmp).dump(2) << "\n";
+  if (!json) return IoError("cannot write " + out + "/e2e.json: choose a writable --out directory");
   Status plotted = serve::PlotTtftCdf(out + "/ttft_cdf.png", cmp.summaries);
   std::printf("\nresults: %s/e2e.json", out.c_str());
   if (plotted.ok()) {
