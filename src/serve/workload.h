@@ -4,8 +4,8 @@
 // Every generator is deterministic: the same options (seed included) give byte-identical request
 // sets on any build. Randomness comes from std::mt19937_64 only (its output is specified by the
 // standard); uniform integers, normal, exponential and log-normal draws are derived from its raw
-// 64-bit output by the formulas in workload_random.h, never by <random>'s distributions (whose output
-// is implementation-defined). libm's log/exp/cos may differ in the last bit between C libraries;
+// 64-bit output by the formulas in workload_random.h, never by <random>'s distributions (whose
+// output is implementation-defined). libm's log/exp/cos may differ in the last bit between C libraries;
 // rounding to whole token counts absorbs that in practice.
 //
 // Lengths. The papers' prompts (thousands of tokens) are too long for the demo's CPU reference
