@@ -81,7 +81,7 @@ Status RunServe(const ServeArgs& a) {
     CXLKV_RETURN_IF_ERROR(serve::AssignPoissonArrivals(requests, a.qps, a.w.seed));
     so.open_loop = true;
   }
-  if (::access(a.path.c_str(), F_OK) != 0) {
+  if (::access(SplitPaths(a.path).front().c_str(), F_OK) != 0) {  // a new pool: create it
     CXLKV_ASSIGN_OR_RETURN(uint64_t size, util::ParseByteSize(a.size));
     PoolCreateOptions co;
     co.size = size;
