@@ -2,8 +2,6 @@
 // TTFT and throughput next to each baseline's, measured in the same run on the same machine.
 // One repetition is the whole comparison (four configurations of worker processes); --reps
 // repeats it and reports medians.
-#include <unistd.h>
-
 #include <string>
 
 #include "serve/compare.h"
@@ -22,10 +20,6 @@ Result<nlohmann::json> RunE2eBench(const BenchOptions& options) {
   co.workdir = options.workdir;
   co.serve.model_config = {{"name", "tiny-llama"}};
   co.serve.concurrency = 2;
-  char exe[4096];
-  ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
-  if (n <= 0) return IoError("bench e2e: cannot find this binary to start workers");
-  co.serve.worker_exe.assign(exe, static_cast<size_t>(n));
   const int reps = options.quick ? 1 : std::min(options.repetitions, 3);
   std::vector<serve::Comparison> runs;
   for (int r = 0; r < reps; ++r) {

@@ -48,6 +48,7 @@ enum class Stage { kWaiting, kQueued, kPrefill, kDecode, kDone };
 
 struct Flight {
   Stage stage = Stage::kWaiting;
+  std::vector<uint64_t> chain;  // prefix affinity: the prompt's block hashes, computed once
   int32_t first_token = -1;
   uint32_t attempt = 0;  // bumped at every (re)dispatch: answers to an older attempt are stale
 };
@@ -87,6 +88,7 @@ class Router {
 
   const ServeOptions& o_;
   const std::vector<Request>& requests_;
+  std::string worker_exe_;
   std::vector<std::unique_ptr<Worker>> workers_;  // prefill first, then decode
   std::vector<Flight> flights_;
   std::vector<RequestRecord> records_;
@@ -122,8 +124,8 @@ Status Router::Spawn(WorkerRole role, uint32_t index, uint32_t node, uint64_t ru
   if (pid < 0) return IoError("fork failed");
   if (pid == 0) {
     ::dup2(sv[1], 3);  // the channel; dup2 clears close-on-exec on the copy
-    ::execl(o_.worker_exe.c_str(), "cxlkv", "serve-worker", "--options", args.c_str(), static_cast<char*>(nullptr));
-    std::fprintf(stderr, "serve: cannot run %s: %s\n", o_.worker_exe.c_str(), std::strerror(errno));
+    ::execl(worker_exe_.c_str(), "cxlkv", "serve-worker", "--options", args.c_str(), static_cast<char*>(nullptr));
+    std::fprintf(stderr, "serve: cannot run %s: %s\n", worker_exe_.c_str(), std::strerror(errno));
     ::_exit(127);
   }
   ::close(sv[1]);
@@ -158,7 +160,8 @@ Worker* Router::PickPrefill(size_t r) {
     if (!least || w->in_flight < least->in_flight) least = w.get();
   }
   if (!least || o_.policy == RoutePolicy::kLeastLoaded) return least;
-  const auto chain = BlockChain(requests_[r].prompt);
+  if (flights_[r].chain.empty()) flights_[r].chain = BlockChain(requests_[r].prompt);
+  const auto& chain = flights_[r].chain;
   Worker* best = nullptr;
   size_t best_match = 0;
   for (auto& w : workers_) {
@@ -195,7 +198,7 @@ Status Router::SendPrefill(size_t r) {
   ++p->in_flight;
   ++d->in_flight;
   if (o_.policy == RoutePolicy::kPrefixAffinity) {
-    for (uint64_t h : BlockChain(requests_[r].prompt)) p->seen_blocks.insert(h);
+    for (uint64_t h : flights_[r].chain) p->seen_blocks.insert(h);
   }
   ++flights_[r].attempt;
   nlohmann::json m = {{"type", "prefill"},
@@ -381,6 +384,15 @@ void Router::Shutdown() {
   }
 }
 
+// `configured`, or the binary this process runs (the cxlkv CLI starts its own workers).
+Result<std::string> WorkerExecutable(const std::string& configured) {
+  if (!configured.empty()) return configured;
+  char buf[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return IoError("serve: cannot find this binary (/proc/self/exe) to start workers: set worker_exe");
+  return std::string(buf, static_cast<size_t>(n));
+}
+
 Result<ServeRun> Router::Run() {
   if (o_.prefill == 0 || o_.decode == 0) {
     return InvalidArgument("serve needs at least one prefill and one decode worker (got " +
@@ -388,7 +400,7 @@ Result<ServeRun> Router::Run() {
   }
   if (requests_.empty()) return InvalidArgument("serve: the workload has no requests");
   if (!o_.open_loop && o_.concurrency == 0) return InvalidArgument("serve: closed loop needs a concurrency >= 1");
-  if (o_.worker_exe.empty()) return InvalidArgument("serve: no worker executable");
+  CXLKV_ASSIGN_OR_RETURN(worker_exe_, WorkerExecutable(o_.worker_exe));
   // The router is node 0: it lives throughout, manages the pool and recovers dead workers.
   PoolOpenOptions po;
   po.node_id = 0;

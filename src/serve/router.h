@@ -45,7 +45,7 @@ struct ServeOptions {
   bool open_loop = false;             // true: requests start at their arrival_s instead
   uint32_t max_per_worker = 2;        // requests queued at one prefill worker at most
   int kill_prefill_after = -1;        // fault injection: SIGKILL prefill worker 0 after N done
-  std::string worker_exe;             // the cxlkv binary (runs `serve-worker`)
+  std::string worker_exe;             // runs `serve-worker`; empty: this process's binary (cxlkv)
   std::function<void(size_t done, size_t total)> progress;  // called as requests complete
 };
 

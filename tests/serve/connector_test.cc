@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include "../cache/cache_test_util.h"
+#include "../engine/engine_test_util.h"
 #include "engine/config.h"
 #include "engine/model.h"
 #include "engine/weights.h"
@@ -15,19 +16,13 @@ namespace cxlkv::serve {
 namespace {
 
 constexpr uint32_t kBlock = 16;
+const int32_t kVocab = static_cast<int32_t>(engine::test_util::TinyConfig().vocab_size);
 
 struct Rig {
   explicit Rig(const std::string& tag) : path(tag) {
     EXPECT_TRUE(testing::CreateCachePool(path.path(), 64 << 20).ok());
     pool = testing::OpenOrNull({path.path()}, 0);
     cache = *pool->Cache();
-    config.num_layers = 2;
-    config.hidden_size = 64;
-    config.num_heads = 4;
-    config.num_kv_heads = 2;
-    config.head_dim = 16;
-    config.intermediate_size = 128;
-    config.vocab_size = 512;
     model = std::make_unique<engine::Model>(config, *engine::Weights::Random(config));
     engine = std::make_unique<engine::PagedKvCache>(config, 64);
     KeyNamespace ns;
@@ -48,7 +43,7 @@ struct Rig {
   testing::TempRegionPath path;
   std::unique_ptr<Pool> pool;
   KvCache* cache = nullptr;
-  engine::ModelConfig config;
+  engine::ModelConfig config = engine::test_util::TinyConfig();
   std::unique_ptr<engine::Model> model;
   std::unique_ptr<engine::PagedKvCache> engine;
   NamespaceHandle handle;
@@ -57,8 +52,8 @@ struct Rig {
 // A 5-block document, then a question of its own (not block-aligned: the tail is handed off).
 std::vector<int32_t> Prompt(int question) {
   std::vector<int32_t> t;
-  for (int i = 0; i < 5 * static_cast<int>(kBlock); ++i) t.push_back((i * 37) % 512);
-  for (int i = 0; i < 21; ++i) t.push_back((question * 101 + i * 7) % 512);
+  for (int i = 0; i < 5 * static_cast<int>(kBlock); ++i) t.push_back((i * 37) % kVocab);
+  for (int i = 0; i < 21; ++i) t.push_back((question * 101 + i * 7) % kVocab);
   return t;
 }
 
@@ -138,7 +133,7 @@ TEST(KvConnector, HandoffBlocksAreReadOnceAndAMissingOneIsRecomputed) {
   EXPECT_EQ(again->stats.computed_tokens, prompt.size());
   EXPECT_EQ(again->tokens, once->tokens);
   // A first token the engine would not produce is caught, not generated from.
-  auto wrong = c.Decode(9, prompt, (pre->first_token + 1) % 512, 3, nullptr);
+  auto wrong = c.Decode(9, prompt, (pre->first_token + 1) % kVocab, 3, nullptr);
   EXPECT_EQ(wrong.status().code(), StatusCode::kInternal);
 }
 

@@ -55,7 +55,6 @@ Status RunDemo(const DemoArgs& a) {
   co.serve.model_config = config;
   co.serve.concurrency = a.prefill * 2;
   if (a.quick) co.serve.concurrency = a.prefill;
-  co.serve.worker_exe = SelfExe();
   co.progress = [](const std::string& name, size_t done, size_t total) { ProgressBar(name, done, total); };
 
   std::printf("== cxlkv demo: disaggregated prefill/decode over a shared KV pool ==\n");

@@ -16,12 +16,6 @@
 
 namespace cxlkv::cli {
 
-std::string SelfExe() {
-  char buf[4096];
-  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string("cxlkv");
-}
-
 Result<nlohmann::json> LoadModelConfig(const std::string& path) {
   if (path.empty()) return engine::ModelConfig{}.ToJson();
   CXLKV_ASSIGN_OR_RETURN(auto c, engine::ModelConfig::Load(path));
@@ -75,7 +69,6 @@ Status RunServe(const ServeArgs& a) {
   so.lease_ms = a.lease_ms;
   so.concurrency = a.concurrency;
   so.kill_prefill_after = a.kill_prefill_after;
-  so.worker_exe = SelfExe();
   CXLKV_ASSIGN_OR_RETURN(auto requests, MakeRequests(a, config.at("vocab_size").get<uint32_t>()));
   if (a.qps > 0) {
     CXLKV_RETURN_IF_ERROR(serve::AssignPoissonArrivals(requests, a.qps, a.w.seed));

@@ -28,9 +28,8 @@ void AddServeCommands(CLI::App& app, CommandResult& result);   // serve, serve-w
 // "a,b,c" → {"a", "b", "c"}: a pool of several regions.
 std::vector<std::string> SplitPaths(const std::string& list);
 
-// Shared by serve and demo (cmd_serve.cc): this binary's path (workers run it), the engine
-// config (a JSON file, or the built-in default), a progress bar on stderr.
-std::string SelfExe();
+// Shared by serve and demo (cmd_serve.cc): the engine config (a JSON file, or the built-in
+// default), a progress bar on stderr.
 Result<nlohmann::json> LoadModelConfig(const std::string& path);
 void ProgressBar(const std::string& label, size_t done, size_t total);
 
