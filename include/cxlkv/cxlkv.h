@@ -39,7 +39,8 @@ typedef enum {
   CXLKV_BUSY = 9,
   CXLKV_TIMEOUT = 10,
   CXLKV_NOT_SUPPORTED = 11,
-  CXLKV_INTERNAL = 12
+  CXLKV_INTERNAL = 12,
+  CXLKV_LEASE_EXPIRED = 13  /* this node was paused past its lease; nothing was published: retry */
 } cxlkv_status;
 
 typedef struct cxlkv_pool cxlkv_pool;

@@ -45,6 +45,8 @@ struct PoolOpenOptions {
   uint32_t node_id = 0;               // this process's node; processes of one host share one
   uint32_t lease_ms = 2000;           // liveness lease. Default 2 s.
   bool may_host_manager = true;       // default true
+  bool recovers = true;               // false: never recover other nodes' lives here (a short-lived
+                                      // client such as one CLI command). Default true.
   RegionAttachOptions attach;         // coherence mode, simulator seed
 };
 

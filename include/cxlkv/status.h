@@ -32,6 +32,8 @@ enum class StatusCode : uint8_t {
   kTimeout,           // a bounded wait ran out
   kNotSupported,      // the platform or CPU lacks what is needed
   kInternal,          // an invariant broke; a bug in cxlkv
+  kLeaseExpired,      // this node's lease lapsed (paused or silent too long): the act was refused
+                      // and nothing was published; the node rejoins as a new life, retry then
 };
 
 // Returns a stable lower-case name for `code`, e.g. "version-mismatch".
@@ -69,6 +71,7 @@ inline Status Busy(std::string m) { return {StatusCode::kBusy, std::move(m)}; }
 inline Status Timeout(std::string m) { return {StatusCode::kTimeout, std::move(m)}; }
 inline Status NotSupported(std::string m) { return {StatusCode::kNotSupported, std::move(m)}; }
 inline Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
+inline Status LeaseExpired(std::string m) { return {StatusCode::kLeaseExpired, std::move(m)}; }
 
 // A value of type T, or the Status that explains why there is none.
 template <typename T>

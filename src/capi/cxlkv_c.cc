@@ -19,6 +19,7 @@ namespace {
 thread_local std::string last_error;
 
 static_assert(CXLKV_INTERNAL == static_cast<int>(cxlkv::StatusCode::kInternal));
+static_assert(CXLKV_LEASE_EXPIRED == static_cast<int>(cxlkv::StatusCode::kLeaseExpired));
 
 cxlkv_status Report(const cxlkv::Status& s) {
   last_error = s.ok() ? std::string() : s.ToString();

@@ -5,30 +5,29 @@
 #include "pool/pool_internal.h"
 #include "region/region_internal.h"
 #include "sync/layout.h"
+#include "sync/node.h"
 
 namespace cxlkv::pool {
 namespace {
 
-std::vector<sync::NodeLine> ReadNodeLines(Region& r) {
+std::vector<sync::NodeView> ReadNodeLines(Region& r) {
   auto& meta = r.impl().meta();
   const auto* area = r.impl().find_area(region::AreaKind::kNodeTable);
-  std::vector<sync::NodeLine> lines(r.info().max_nodes);
-  for (uint32_t j = 0; j < lines.size(); ++j) {
-    meta.Invalidate(area->offset + j * 64, 64);
-    lines[j] = meta.ReadStruct<sync::NodeLine>(area->offset + j * 64);
-  }
+  std::vector<sync::NodeView> lines(r.info().max_nodes);
+  for (uint32_t j = 0; j < lines.size(); ++j) lines[j] = sync::ReadNodeLine(meta, area->offset, j);
   return lines;
 }
 
 // Liveness from two readings of the node lines `watch_ms` apart.
-std::vector<cache::NodeStatus> Statuses(const std::vector<sync::NodeLine>& before,
-                                        const std::vector<sync::NodeLine>& after) {
+std::vector<cache::NodeStatus> Statuses(const std::vector<sync::NodeView>& before,
+                                        const std::vector<sync::NodeView>& after) {
   std::vector<cache::NodeStatus> out(after.size(), cache::NodeStatus::kNever);
   for (size_t n = 0; n < after.size(); ++n) {
     if (after[n].incarnation == 0) continue;
-    out[n] = after[n].state == static_cast<uint64_t>(sync::NodeState::kLeft) ? cache::NodeStatus::kLeft
-             : after[n].heartbeat != before[n].heartbeat                      ? cache::NodeStatus::kLive
-                                                                               : cache::NodeStatus::kSilent;
+    out[n] = after[n].state == sync::NodeState::kLeft ? cache::NodeStatus::kLeft
+             : after[n].heartbeat != before[n].heartbeat || after[n].incarnation != before[n].incarnation
+                 ? cache::NodeStatus::kLive
+                 : cache::NodeStatus::kSilent;
   }
   return out;
 }
@@ -52,20 +51,21 @@ nlohmann::json Stat(std::vector<std::unique_ptr<Region>>& regions, uint32_t watc
   for (uint32_t n = 0; n < max_nodes; ++n) {
     const auto& l = after[n];
     if (l.incarnation == 0) continue;
-    const char* state = l.state == static_cast<uint64_t>(sync::NodeState::kLeft) ? "left"
-                        : l.heartbeat != before[n].heartbeat                      ? "live"
-                                                                                  : "silent";
+    const char* state = l.state == sync::NodeState::kLeft ? "left"
+                        : l.heartbeat != before[n].heartbeat || l.incarnation != before[n].incarnation
+                            ? "live"
+                            : "silent";
     j["nodes"].push_back({{"id", n}, {"state", state}, {"incarnation", l.incarnation},
-                          {"heartbeat", l.heartbeat}, {"pid", l.pid}, {"lease_ms", l.lease_ms}});
+                          {"heartbeat", l.heartbeat}, {"pid", l.pid}, {"may_host_manager", l.may_host}});
   }
   const auto* locks = first.impl().find_area(region::AreaKind::kLockArray);
   sync::LockArrayLayout layout(locks->offset, max_nodes, static_cast<uint32_t>(locks->param));
   auto& meta = first.impl().meta();
   meta.Invalidate(layout.manager_line(), 64);
-  auto ml = meta.ReadStruct<sync::ManagerLine>(layout.manager_line());
-  j["lock_manager"] = ml.node_plus_one == 0 ? nlohmann::json(nullptr)
-                                            : nlohmann::json{{"node", ml.node_plus_one - 1},
-                                                             {"incarnation", ml.incarnation}};
+  uint64_t holder = meta.Load(layout.manager_line());
+  j["lock_manager"] = !sync::ManagerNamed(holder) ? nlohmann::json(nullptr)
+                                                  : nlohmann::json{{"node", sync::ManagerNode(holder)},
+                                                                   {"incarnation", sync::ManagerIncarnation(holder)}};
   uint32_t allocated = 0;
   for (uint32_t k = sync::kReservedLocks; k < layout.max_locks(); ++k) {
     allocated += (meta.Fetch(layout.bitmap_word(k)) >> (k % 64)) & 1;

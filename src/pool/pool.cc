@@ -123,6 +123,7 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::vector<std::string>& paths,
   no.node_id = options.node_id;
   no.lease = std::chrono::milliseconds(options.lease_ms);
   no.may_host_manager = options.may_host_manager;
+  no.recovers = options.recovers;
   CXLKV_ASSIGN_OR_RETURN(impl->node, sync::Node::Join(*impl->regions[0], no));
   impl->roots = std::make_unique<objstore::ObjectStore>(*impl->regions[0], impl->node.get());
   std::vector<Region*> raw;

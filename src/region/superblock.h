@@ -5,6 +5,7 @@
 //   1  superblock + node table + data area.
 //   2  areas carry a parameter; lock array, chunk table, object store (sync/alloc/objstore).
 //   3  prefix index area (cache layer); the lock array also holds the index's stripe locks.
+//   4  node lines publish one life word; manager line one holder word; per-node lock doorbells.
 #ifndef CXLKV_SRC_REGION_SUPERBLOCK_H_
 #define CXLKV_SRC_REGION_SUPERBLOCK_H_
 

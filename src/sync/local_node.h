@@ -1,6 +1,7 @@
 // The node-local tier: state shared by the processes of one node (one host) in local DRAM — a
 // small file in /dev/shm named after the region id and node id, holding process-shared robust
-// mutexes. A process that dies holding one does not wedge its node: the next locker gets
+// mutexes. Every process holds a shared flock on the file while attached; the last one to leave
+// removes it, and a joiner removes files nobody holds (left behind by kill -9). A process that dies holding one does not wedge its node: the next locker gets
 // EOWNERDEAD, learns that the holder died, and takes over (TraCT §3.3's local_lock, made robust).
 //
 // Thread- and process-safety: everything here is meant for concurrent use by the processes of
@@ -37,10 +38,12 @@ struct LocalHeader {
   uint64_t magic;
   uint32_t version;
   uint32_t max_locks;
-  std::atomic<uint64_t> incarnation;     // this node's current incarnation (0: not joined)
-  std::atomic<int64_t> last_beat_ns;     // CLOCK_MONOTONIC of the last heartbeat (this host)
-  std::atomic<uint32_t> attached;        // processes attached (best effort: kill -9 leaks one)
-  alignas(64) pthread_mutex_t beat_owner;  // held by the process that heartbeats for the node
+  std::atomic<uint64_t> incarnation;     // this node's current life (0: not joined yet)
+  std::atomic<int64_t> last_beat_ns;     // CLOCK_MONOTONIC when the last published beat began
+  std::atomic<uint64_t> heartbeat;       // the node's heartbeat counter
+  std::atomic<uint32_t> attached;        // processes attached (diagnostics: kill -9 leaks one)
+  alignas(64) pthread_mutex_t beat_mu;     // serializes beats; held for microseconds, try-locked
+  alignas(64) pthread_mutex_t manager_mu;  // held for life by the process that may host the manager
   alignas(64) pthread_mutex_t heap_mu;     // guards the node heap (alloc layer)
   alignas(64) pthread_mutex_t inbox_mu;    // guards this node's outgoing remote-free rings
   LocalHeapClass heap[kLocalSizeClasses];
@@ -54,16 +57,25 @@ int TryLockRobust(pthread_mutex_t* mu);
 
 class LocalNode {
  public:
-  // Opens (creating on first use) the local file of `node` for the region `region_id`.
+  // Opens (creating on first use) the local file of `node` for the region `region_id`, and holds
+  // a shared flock on it for as long as this object lives.
   static Result<std::unique_ptr<LocalNode>> Open(const std::string& region_id, uint32_t node,
                                                  uint32_t max_locks);
+  // Drops this process's claim; the last process of the node removes the file (returns true).
   ~LocalNode();
+  // True when this process was the last one of the node: nobody else holds the file. Call
+  // before destruction to publish "left"; the file is removed by the destructor then.
+  bool LastUser();
+  // Removes node-local files of any region that no process uses any more (a process killed
+  // with -9 cannot remove its own). Safe against concurrent joiners (they re-open).
+  static void SweepUnused(const std::string& except);
   LocalNode(const LocalNode&) = delete;
   LocalNode& operator=(const LocalNode&) = delete;
 
   LocalHeader& header() { return *header_; }
   LocalLock& lock(uint32_t k) { return locks_[k]; }
   bool created() const { return created_; }  // this process made the file
+  bool first_user() const { return first_user_; }  // no other process held it when we opened it
   const std::string& path() const { return path_; }
 
   static std::string PathFor(const std::string& region_id, uint32_t node);
@@ -75,7 +87,10 @@ class LocalNode {
   size_t size_ = 0;
   LocalHeader* header_ = nullptr;
   LocalLock* locks_ = nullptr;
+  int fd_ = -1;          // holds the flock
   bool created_ = false;
+  bool last_ = false;    // LastUser() said so: the destructor unlinks
+  bool first_user_ = false;
 };
 
 }  // namespace cxlkv::sync

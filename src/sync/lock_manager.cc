@@ -1,100 +1,208 @@
-// The lock manager (TraCT §3.3): grants W→L to one live node at a time per lock, round-robin
-// among waiters so no node starves. It runs in the heartbeat owner of the lowest-numbered live
-// node; when that node dies, the next one takes over after the lease. All of its state that
-// matters is in the region (grant words), so a new manager needs nothing from the old one.
-//
-// Safety rests on the lease: a manager that is paused longer than a lease and then resumes
-// could grant alongside its successor. It re-checks its election every beat, and leases are
-// seconds while a scan is microseconds; docs/protocol.md states the assumption.
-#include <algorithm>
+#include "sync/lock_manager.h"
+
+#include <bit>
+#include <thread>
 
 #include "region/coherence.h"
-#include "sync/node.h"
 
 namespace cxlkv::sync {
 
-void Node::ResetGrantsOf(uint32_t node) {
-  // The manager is the single writer of grant words: a dead node's grants go back to 0, so a
-  // hold it died in is released ("slots in W or L of a dead node are reset").
-  for (uint32_t k = 0; k < layout_.max_locks(); ++k) meta().Publish(layout_.grant(k, node), 0);
+LockManager::LockManager(region::MetaAccess& meta, LockArrayLayout layout, uint32_t me, Heartbeat& heartbeat,
+                         std::function<void(std::vector<uint32_t>&)> live)
+    : meta_(meta),
+      layout_(layout),
+      me_(me),
+      heartbeat_(heartbeat),
+      live_fn_(std::move(live)),
+      nodes_(layout.max_nodes()),
+      locks_(layout.max_locks()),
+      words_((layout.max_locks() + 63) / 64) {}
+
+bool LockManager::Wants(uint32_t lock, uint32_t node, uint64_t r) const {
+  (void)lock;
+  return live_[node] != 0 && RequestWants(r) && RequestIncarnation(r) == live_[node];
 }
 
-void Node::ManagerLoop() {
+void LockManager::MarkDirty(uint32_t lock) {
+  if (lock >= locks_ || is_dirty_[lock]) return;
+  is_dirty_[lock] = true;
+  dirty_.push_back(lock);
+}
+
+// Re-reads node `n`'s wanted bitmap and the request words of every lock named now or before.
+void LockManager::ReadDoorbell(uint32_t n, bool first_line_fresh) {
+  const uint64_t bitmap = layout_.wanted_word(n, 0);
+  const uint64_t line_end = layout_.doorbell(n) + 64;
+  // The first line was just fetched with the sequence; later lines need their own invalidate (P2).
+  if (!first_line_fresh) meta_.Invalidate(bitmap, std::min<uint64_t>(layout_.wanted_bytes(), line_end - bitmap));
+  if (bitmap + layout_.wanted_bytes() > line_end) meta_.Invalidate(line_end, bitmap + layout_.wanted_bytes() - line_end);
+  for (uint32_t w = 0; w < words_; ++w) {
+    uint64_t now = meta_.Load(bitmap + w * 8);
+    uint64_t& before = wanted_[size_t{n} * words_ + w];
+    uint64_t touch = (now | before);
+    before = now;
+    while (touch != 0) {
+      uint32_t k = w * 64 + static_cast<uint32_t>(std::countr_zero(touch));
+      touch &= touch - 1;
+      if (k >= locks_) break;
+      req(k, n) = meta_.Fetch(layout_.request(k, n));  // P2: node n wrote it
+      MarkDirty(k);
+    }
+  }
+}
+
+void LockManager::Resync(bool read_grants) {
+  for (uint32_t n = 0; n < nodes_; ++n) {
+    if (live_[n] == 0) continue;
+    seq_seen_[n] = meta_.Fetch(layout_.doorbell(n));
+    ReadDoorbell(n, true);
+    if (!read_grants) continue;
+    for (uint32_t w = 0; w < words_; ++w) {
+      uint64_t bits = wanted_[size_t{n} * words_ + w];
+      while (bits != 0) {
+        uint32_t k = w * 64 + static_cast<uint32_t>(std::countr_zero(bits));
+        bits &= bits - 1;
+        if (k < locks_) grant(k, n) = meta_.Fetch(layout_.grant(k, n));  // a previous manager's grant
+      }
+    }
+  }
+}
+
+void LockManager::RefreshLiveness() {
+  live_fn_(live_next_);
+  for (uint32_t n = 0; n < nodes_; ++n) {
+    if (live_next_[n] == live_[n]) continue;
+    const bool was = live_[n] != 0;
+    live_[n] = live_next_[n];
+    if (was) {
+      // That life ended: its holds and waits count no more, and its grant words go back to 0
+      // ("slots of a dead node are reset"; the manager is their single writer).
+      for (uint32_t k = 0; k < locks_; ++k) {
+        if (grant(k, n) != 0) {
+          meta_.Publish(layout_.grant(k, n), 0);
+          grant(k, n) = 0;
+          MarkDirty(k);
+        }
+      }
+      for (uint32_t w = 0; w < words_; ++w) {
+        uint64_t bits = wanted_[size_t{n} * words_ + w];
+        while (bits != 0) {
+          MarkDirty(w * 64 + static_cast<uint32_t>(std::countr_zero(bits)));
+          bits &= bits - 1;
+        }
+        wanted_[size_t{n} * words_ + w] = 0;
+      }
+    }
+    if (live_[n] != 0) {
+      seq_seen_[n] = meta_.Fetch(layout_.doorbell(n));
+      ReadDoorbell(n, true);
+    }
+  }
+}
+
+void LockManager::Decide(uint32_t k) {
+  for (uint32_t n = 0; n < nodes_; ++n) {
+    uint64_t r = req(k, n);
+    if (Wants(k, n, r) && grant(k, n) == r) return;  // held
+  }
+  for (uint32_t step = 1; step <= nodes_; ++step) {
+    uint32_t n = (last_granted_[k] + step) % nodes_;
+    uint64_t r = req(k, n);
+    if (!Wants(k, n, r)) continue;
+    if (!StillManager()) {
+      running_.store(false);  // paused past our lease, or another manager claimed the line
+      return;
+    }
+    meta_.Publish(layout_.grant(k, n), r);  // W→L: the grant is the request echoed (the token)
+    grant(k, n) = r;
+    last_granted_[k] = n;
+    ++grants_;
+    return;
+  }
+}
+
+bool LockManager::StillManager() {
+  meta_.Invalidate(layout_.manager_line(), 64);
+  return meta_.Load(layout_.manager_line()) == ManagerHolder(me_, incarnation_) &&
+         heartbeat_.Fence("lock management", incarnation_).ok();
+}
+
+void LockManager::Run(uint64_t incarnation) {
+  incarnation_ = incarnation;
+  grants_ = 0;
+  live_.assign(nodes_, 0);
+  live_next_.assign(nodes_, 0);
+  seq_seen_.assign(nodes_, 0);
+  wanted_.assign(size_t{nodes_} * words_, 0);
+  req_.assign(size_t{locks_} * nodes_, 0);
+  grant_.assign(size_t{locks_} * nodes_, 0);
+  last_granted_.assign(locks_, nodes_ - 1);
+  is_dirty_.assign(locks_, false);
+  dirty_.clear();
+
+  // Claim the line, let any rival claim made in the same moment land, and run only if ours is
+  // the claim that stands (the last writer wins; the loser sees the winner and steps back). A
+  // rival that was paused between its check and its claim is caught before our next grant.
   ManagerLine line{};
-  line.node_plus_one = options_.node_id + 1;
-  line.incarnation = local_->header().incarnation.load();
-  meta().WriteStruct(layout_.manager_line(), line);
-  meta().Flush(layout_.manager_line(), sizeof line);
-  int idle = 0;
-  while (manager_running_.load() && !stop_.load()) {
-    if (ManagerScan()) {
+  line.holder = ManagerHolder(me_, incarnation);
+  if (!heartbeat_.Fence("lock manager claim", incarnation).ok()) {
+    running_.store(false);
+    return;
+  }
+  meta_.Write(layout_.manager_line() + 8, reinterpret_cast<const uint8_t*>(&line) + 8, sizeof line - 8);
+  meta_.Publish(layout_.manager_line(), line.holder);  // P4: the identity word last
+  std::this_thread::sleep_for(kClaimSettle);
+  if (!StillManager()) {
+    running_.store(false);
+    return;
+  }
+  live_fn_(live_);
+  Resync(/*read_grants=*/true);
+  for (uint32_t k = 0; k < locks_; ++k) MarkDirty(k);
+
+  const auto resync_every = heartbeat_.interval();
+  auto next_resync = std::chrono::steady_clock::now() + resync_every;
+  uint32_t idle = 0;
+  while (running_.load()) {
+    RefreshLiveness();
+    bool changed = !dirty_.empty();
+    for (uint32_t n = 0; n < nodes_; ++n) {
+      if (live_[n] == 0) continue;
+      uint64_t seq = meta_.Fetch(layout_.doorbell(n));  // P2: node n rang it
+      if (seq == seq_seen_[n]) continue;
+      seq_seen_[n] = seq;
+      ReadDoorbell(n, true);
+      changed = true;
+    }
+    for (size_t i = 0; i < dirty_.size() && running_.load(); ++i) {
+      is_dirty_[dirty_[i]] = false;
+      Decide(dirty_[i]);
+    }
+    dirty_.clear();
+    auto now = std::chrono::steady_clock::now();
+    if (now >= next_resync) {
+      next_resync = now + resync_every;
+      if (!StillManager()) break;
+      Resync(/*read_grants=*/false);
+      for (uint32_t k = 0; k < locks_; ++k) MarkDirty(k);
+    }
+    // Two cores: stay hot while requests come; with nothing new, yield at once (a holder or a
+    // waiter on this core needs it more than a poll does), then sleep ever longer (an idle
+    // manager costs one doorbell read per live node per wake-up, about a thousand a second).
+    if (changed) {
       idle = 0;
-      // Waiters exist: poll again soon, but yield so holders on this core make progress.
-      for (int i = 0; i < 16; ++i) region::CpuRelax();
+      region::CpuRelax();
+      continue;
+    }
+    ++idle;
+    if (idle < 4096) {
       std::this_thread::yield();
     } else {
-      ++idle;
-      if (idle < 64) {
-        std::this_thread::yield();
-      } else {
-        int shift = std::min(idle - 64, 6);
-        std::this_thread::sleep_for(std::chrono::microseconds(15 << shift));  // up to ~1 ms
-      }
+      int shift = std::min<int>((idle - 4096) / 16, 6);
+      std::this_thread::sleep_for(std::chrono::microseconds(16 << shift));  // 16 us .. ~1 ms
     }
   }
-}
-
-bool Node::ManagerScan() {
-  // Scratch reused across scans: this runs thousands of times a second while anyone waits.
-  std::vector<bool>& live = scan_live_;
-  std::vector<uint32_t>& inc = scan_inc_;
-  std::vector<uint64_t>& req = scan_req_;
-  live.assign(max_nodes_, false);
-  inc.assign(max_nodes_, 0);
-  {
-    std::lock_guard<std::mutex> lock(view_mu_);
-    for (uint32_t j = 0; j < max_nodes_; ++j) {
-      live[j] = observed_[j].view.live;
-      inc[j] = static_cast<uint32_t>(observed_[j].view.incarnation);
-    }
-  }
-  bool waiters = false;
-  uint64_t bitmap = 0;
-  for (uint32_t k = 0; k < layout_.max_locks(); ++k) {
-    if (k % 64 == 0) bitmap = meta().Fetch(layout_.bitmap_word(k));
-    bool allocated = k < kReservedLocks || (bitmap & (uint64_t{1} << (k % 64)));
-    if (!allocated) {
-      if (k % 64 == 63 || bitmap == 0) k |= 63;  // skip the rest of an empty word
-      continue;
-    }
-    int holder = -1;
-    uint32_t want_count = 0;
-    req.assign(max_nodes_, 0);
-    for (uint32_t j = 0; j < max_nodes_; ++j) {
-      if (!live[j]) continue;
-      uint64_t r = meta().Fetch(layout_.request(k, j));  // P2: node j wrote it
-      if (!RequestWants(r) || RequestIncarnation(r) != inc[j]) continue;
-      if (meta().Fetch(layout_.grant(k, j)) == r) {
-        holder = static_cast<int>(j);
-        continue;
-      }
-      req[j] = r;
-      ++want_count;
-    }
-    if (holder >= 0 || want_count == 0) {
-      waiters |= want_count > 0;
-      continue;
-    }
-    waiters = true;
-    for (uint32_t step = 1; step <= max_nodes_; ++step) {
-      uint32_t j = (last_granted_[k] + step) % max_nodes_;
-      if (req[j] == 0) continue;
-      meta().Publish(layout_.grant(k, j), req[j]);  // W→L: the grant is the request echoed
-      last_granted_[k] = j;
-      break;
-    }
-  }
-  return waiters;
+  running_.store(false);
 }
 
 }  // namespace cxlkv::sync

@@ -1,57 +1,29 @@
-// Membership (join, heartbeat, liveness, election) and the node side of the two-tier lock.
-// The manager side is in lock_manager.cc. Protocol: docs/protocol.md, "Two-tier lock".
+// Membership (join, leave, observation of other nodes, election, recovery of ended lives).
+// The node side of the lock is in lock_client.cc, the manager in lock_manager.cc, the heartbeat
+// and fence in heartbeat.cc. Protocol: docs/protocol.md, "Two-tier lock" and "Leases and fencing".
 #include "sync/node.h"
 
-#include <time.h>
+#include <pthread.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstring>
-
-#include "region/coherence.h"
 
 namespace cxlkv::sync {
-namespace {
 
-int64_t MonotonicNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             Clock::now().time_since_epoch()).count();
+NodeView ReadNodeLine(region::MetaAccess& meta, uint64_t node_table, uint32_t node) {
+  uint64_t off = node_table + uint64_t{node} * 64;
+  meta.Invalidate(off, 64);  // P2: the node wrote it
+  auto line = meta.ReadStruct<NodeLine>(off);
+  LifeWord life = LifeWord::Decode(line.life);
+  NodeView v;
+  v.id = node;
+  v.state = life.state;
+  v.incarnation = life.incarnation;
+  v.heartbeat = life.heartbeat;
+  v.pid = line.pid;
+  v.may_host = (line.flags & kNodeMayHostManager) != 0;
+  return v;
 }
-
-// pthread_mutex_timedlock takes CLOCK_REALTIME; convert a steady deadline.
-timespec RealtimeDeadline(Clock::time_point deadline) {
-  auto left = deadline - Clock::now();
-  if (left < std::chrono::nanoseconds(0)) left = std::chrono::nanoseconds(0);
-  timespec now;
-  clock_gettime(CLOCK_REALTIME, &now);
-  int64_t ns = now.tv_nsec + std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
-  timespec ts;
-  ts.tv_sec = now.tv_sec + ns / 1000000000;
-  ts.tv_nsec = ns % 1000000000;
-  return ts;
-}
-
-// Waiting for another node: spin briefly with pause, then sleep with growing intervals, so
-// several waiting processes on a 2-core machine do not starve the holder.
-class Backoff {
- public:
-  void Pause() {
-    if (round_ < 16) {
-      for (int i = 0; i < 32; ++i) region::CpuRelax();
-    } else if (round_ < 48) {
-      std::this_thread::yield();
-    } else {
-      int shift = std::min(round_ - 48, 3);  // at most 40 us: a grant is not left waiting long
-      std::this_thread::sleep_for(std::chrono::microseconds(5 << shift));
-    }
-    ++round_;
-  }
-
- private:
-  int round_ = 0;
-};
-
-}  // namespace
 
 Node::Node(Region& region, const NodeOptions& options, std::unique_ptr<LocalNode> local,
            LockArrayLayout layout, uint64_t node_table)
@@ -63,8 +35,12 @@ Node::Node(Region& region, const NodeOptions& options, std::unique_ptr<LocalNode
       max_nodes_(region.info().max_nodes),
       observed_(max_nodes_),
       recovered_incarnation_(max_nodes_, 0),
-      last_granted_(layout.max_locks(), max_nodes_ - 1),
-      held_request_(layout.max_locks(), 0) {}
+      held_request_(layout.max_locks(), 0) {
+  heartbeat_ = std::make_unique<Heartbeat>(meta(), layout_, NodeLineOffset(options.node_id), options.node_id,
+                                           options.lease, *local_);
+  manager_ = std::make_unique<LockManager>(meta(), layout_, options.node_id, *heartbeat_,
+                                           [this](std::vector<uint32_t>& out) { LiveIncarnations(out); });
+}
 
 Result<std::unique_ptr<Node>> Node::Join(Region& region, const NodeOptions& options) {
   const RegionInfo& info = region.info();
@@ -82,38 +58,49 @@ Result<std::unique_ptr<Node>> Node::Join(Region& region, const NodeOptions& opti
                            "of a pool; join the pool's first region");
   }
   LockArrayLayout layout(locks->offset, info.max_nodes, static_cast<uint32_t>(locks->param));
+  // Node-local files of regions and nodes nobody uses any more go (kill -9 leaves them).
+  LocalNode::SweepUnused(LocalNode::PathFor(info.region_id, options.node_id));
   CXLKV_ASSIGN_OR_RETURN(auto local, LocalNode::Open(info.region_id, options.node_id,
                                                      layout.max_locks()));
-  bool fresh_local = local->created();
+  const bool fresh_local = local->created();
+  const bool first_user = local->first_user();
   std::unique_ptr<Node> node(new Node(region, options, std::move(local), layout, nodes->offset));
-  node->local_->header().attached.fetch_add(1);
+  LocalHeader& h = node->local_->header();
 
-  region::MetaAccess& meta = node->meta();
   if (fresh_local) {
-    // No process of this node ran here before: is the id live on another host?
-    uint64_t off = node->NodeLineOffset(options.node_id);
-    meta.Invalidate(off, 64);
-    auto line = meta.ReadStruct<NodeLine>(off);
-    if (line.state == static_cast<uint64_t>(NodeState::kLive)) {
+    // No process of this node ran on this host before: is the id live on another host?
+    NodeView line = ReadNodeLine(node->meta(), nodes->offset, options.node_id);
+    if (line.state == NodeState::kLive) {
       auto until = Clock::now() + options.lease;
       while (Clock::now() < until) {
         std::this_thread::sleep_for(options.lease / 10);
-        if (meta.Fetch(off + offsetof(NodeLine, heartbeat)) != line.heartbeat) {
-          node->local_->header().attached.fetch_sub(1);
+        NodeView now = ReadNodeLine(node->meta(), nodes->offset, options.node_id);
+        if (now.heartbeat != line.heartbeat || now.incarnation != line.incarnation) {
           return AlreadyExists("node " + std::to_string(options.node_id) + " is live elsewhere "
                                "(pid " + std::to_string(line.pid) + "): choose another --node");
         }
       }
     }
   }
-  if (!node->TryBecomeBeatOwner()) {
-    // Another process of this node heartbeats; wait until it has an incarnation.
-    auto until = Clock::now() + options.lease;
-    while (node->local_->header().incarnation.load() == 0 && Clock::now() < until) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
+  // The first process of a node on this host starts a new life: whatever its predecessors
+  // held (they left or were killed) is recovered, never continued. We are alone on the file.
+  if (first_user) h.last_beat_ns.store(0);
+  h.attached.fetch_add(1);
+  node->heartbeat_->Tick();
+  // Another process of this node may be mid-beat: wait (bounded) until the node has a life.
+  auto until = Clock::now() + options.lease;
+  while (h.incarnation.load() == 0 && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    node->heartbeat_->Tick();
   }
-  node->membership_thread_ = std::thread([n = node.get()] { n->MembershipLoop(); });
+  if (h.incarnation.load() == 0) {
+    h.attached.fetch_sub(1);
+    return Timeout("node " + std::to_string(options.node_id) + " has no life after a lease: another process "
+                   "of it is stuck inside a heartbeat; stop it and retry");
+  }
+  node->ObserveNodes();
+  node->beat_thread_ = std::thread([n = node.get()] { n->BeatLoop(); });
+  node->tasks_thread_ = std::thread([n = node.get()] { n->TasksLoop(); });
   node->recovery_thread_ = std::thread([n = node.get()] { n->RecoveryLoop(); });
   return node;
 }
@@ -125,83 +112,45 @@ Node::~Node() {
   }
   stop_cv_.notify_all();
   recovery_cv_.notify_all();
-  if (membership_thread_.joinable()) membership_thread_.join();
+  if (beat_thread_.joinable()) beat_thread_.join();  // stops the manager, drops manager_mu
+  if (tasks_thread_.joinable()) tasks_thread_.join();
   if (recovery_thread_.joinable()) recovery_thread_.join();
-  LocalHeader& h = local_->header();
-  uint32_t left = h.attached.fetch_sub(1) - 1;
-  if (beat_owner_.load()) {
-    if (left == 0) PublishNodeLine(NodeState::kLeft);
-    pthread_mutex_unlock(&h.beat_owner);
-  }
-}
-
-void Node::PublishNodeLine(NodeState state) {
-  NodeLine line{};
-  line.incarnation = local_->header().incarnation.load();
-  line.state = static_cast<uint64_t>(state);
-  line.heartbeat = heartbeat_counter_;
-  line.pid = static_cast<uint64_t>(::getpid());
-  line.lease_ms = static_cast<uint64_t>(options_.lease.count());
-  uint64_t off = NodeLineOffset(options_.node_id);
-  meta().WriteStruct(off, line);
-  meta().Flush(off, sizeof line);  // P1: the line is this node's single-writer publication
-}
-
-bool Node::TryBecomeBeatOwner() {
-  LocalHeader& h = local_->header();
-  if (TryLockRobust(&h.beat_owner) < 0) return false;
-  beat_owner_.store(true);
-  uint64_t off = NodeLineOffset(options_.node_id);
-  meta().Invalidate(off, 64);
-  auto line = meta().ReadStruct<NodeLine>(off);
-  heartbeat_counter_ = line.heartbeat;
-  int64_t last = h.last_beat_ns.load();
-  bool silent_for_a_lease =
-      last == 0 || MonotonicNs() - last > std::chrono::nanoseconds(options_.lease).count();
-  if (h.incarnation.load() == 0 || silent_for_a_lease || line.incarnation != h.incarnation.load()) {
-    // A new life: whatever the old one left in the region is recovered, never trusted.
-    uint64_t inc = std::max<uint64_t>(h.incarnation.load(), line.incarnation) + 1;
-    for (uint32_t k = 0; k < layout_.max_locks(); ++k) {
-      local_->lock(k).seq.store(0);
-      meta().Publish(layout_.request(k, options_.node_id), MakeRequest(inc, 0));
-    }
-    h.incarnation.store(inc);
-  }
-  Beat();
-  return true;
-}
-
-void Node::Beat() {
-  ++heartbeat_counter_;
-  PublishNodeLine(NodeState::kLive);
-  local_->header().last_beat_ns.store(MonotonicNs());
+  local_->header().attached.fetch_sub(1);
+  // The last process of the node marks it left; the node-local file goes with it.
+  if (local_->LastUser()) heartbeat_->PublishLeft();
+  manager_.reset();
+  heartbeat_.reset();
+  local_.reset();
 }
 
 void Node::ObserveNodes() {
   auto now = Clock::now();
+  std::vector<uint64_t> offs(max_nodes_);
+  for (uint32_t j = 0; j < max_nodes_; ++j) offs[j] = NodeLineOffset(j);
+  meta().InvalidateEach(offs, 64);  // P2: other nodes wrote them; one fence for all
   std::vector<NodeLine> lines(max_nodes_);
-  for (uint32_t j = 0; j < max_nodes_; ++j) {
-    uint64_t off = NodeLineOffset(j);
-    meta().Invalidate(off, 64);  // P2: another node wrote it
-    lines[j] = meta().ReadStruct<NodeLine>(off);
-  }
+  for (uint32_t j = 0; j < max_nodes_; ++j) lines[j] = meta().ReadStruct<NodeLine>(offs[j]);
   std::lock_guard<std::mutex> lock(view_mu_);
   for (uint32_t j = 0; j < max_nodes_; ++j) {
     Observed& o = observed_[j];
-    const NodeLine& l = lines[j];
-    if (!o.seen || l.heartbeat != o.view.heartbeat || l.incarnation != o.view.incarnation ||
-        l.state != static_cast<uint64_t>(o.view.state)) {
+    LifeWord life = LifeWord::Decode(lines[j].life);
+    const uint64_t old_word = LifeWord{static_cast<uint32_t>(o.view.incarnation), o.view.state,
+                                       static_cast<uint32_t>(o.view.heartbeat)}.Encode();
+    if (!o.seen || lines[j].life != old_word) {
+      // A new incarnation ends the previous life even if no one saw it silent (a quick rejoin).
+      if (o.seen && o.view.incarnation != 0 && life.incarnation != o.view.incarnation) {
+        ended_lives_.emplace_back(j, o.view.incarnation);
+      }
       o.last_change = now;
       o.seen = true;
     }
     o.view.id = j;
-    o.view.state = static_cast<NodeState>(l.state);
-    o.view.incarnation = l.incarnation;
-    o.view.heartbeat = l.heartbeat;
-    o.view.pid = l.pid;
-    bool self_beating = j == options_.node_id && beat_owner_.load() && !test_stop_heartbeat_.load();
-    o.view.live = o.view.state == NodeState::kLive &&
-                  (self_beating || now - o.last_change < options_.lease);
+    o.view.state = life.state;
+    o.view.incarnation = life.incarnation;
+    o.view.heartbeat = life.heartbeat;
+    o.view.pid = lines[j].pid;
+    o.view.may_host = (lines[j].flags & kNodeMayHostManager) != 0;
+    o.view.live = o.view.state == NodeState::kLive && now - o.last_change < options_.lease;
   }
 }
 
@@ -212,15 +161,21 @@ std::vector<NodeView> Node::Nodes() {
   return out;
 }
 
+void Node::LiveIncarnations(std::vector<uint32_t>& out) {
+  out.assign(max_nodes_, 0);
+  std::lock_guard<std::mutex> lock(view_mu_);
+  for (uint32_t j = 0; j < max_nodes_; ++j) {
+    if (observed_[j].view.live) out[j] = static_cast<uint32_t>(observed_[j].view.incarnation);
+  }
+}
+
 bool Node::SurelyLive(uint32_t node, uint64_t incarnation, uint64_t inc_mask) {
   if (node >= max_nodes_) return false;
-  uint64_t off = NodeLineOffset(node);
-  meta().Invalidate(off, 64);  // P2: the node wrote it
-  auto line = meta().ReadStruct<NodeLine>(off);
-  if (line.state != static_cast<uint64_t>(NodeState::kLive) || (line.incarnation & inc_mask) != (incarnation & inc_mask)) {
+  NodeView line = ReadNodeLine(meta(), node_table_, node);
+  if (line.state != NodeState::kLive || (line.incarnation & inc_mask) != (incarnation & inc_mask)) {
     return false;
   }
-  if (node == options_.node_id) return true;
+  if (node == options_.node_id) return heartbeat_->Fence("liveness").ok();
   std::lock_guard<std::mutex> lock(view_mu_);
   const Observed& o = observed_[node];
   if (!o.seen) return true;  // not observed yet: the line says live
@@ -229,11 +184,9 @@ bool Node::SurelyLive(uint32_t node, uint64_t incarnation, uint64_t inc_mask) {
 
 bool Node::LifeOver(uint32_t node, uint64_t incarnation, uint64_t inc_mask) {
   if (node >= max_nodes_) return true;
-  uint64_t off = NodeLineOffset(node);
-  meta().Invalidate(off, 64);
-  auto line = meta().ReadStruct<NodeLine>(off);
+  NodeView line = ReadNodeLine(meta(), node_table_, node);
   if ((line.incarnation & inc_mask) != (incarnation & inc_mask)) return true;
-  if (line.state == static_cast<uint64_t>(NodeState::kLeft)) return true;
+  if (line.state == NodeState::kLeft) return true;
   std::lock_guard<std::mutex> lock(view_mu_);
   const Observed& o = observed_[node];
   return o.seen && (o.view.incarnation & inc_mask) == (incarnation & inc_mask) && !o.view.live;
@@ -244,45 +197,106 @@ void Node::WaitOrStop(std::chrono::nanoseconds d) {
   stop_cv_.wait_for(lock, d, [this] { return stop_.load(); });
 }
 
-void Node::MembershipLoop() {
-  const auto interval = options_.lease / 8;
+// The beat thread: beat, observe, elect. Nothing here waits on a lock, I/O or another node
+// (stopping the manager joins a thread that polls its stop flag at least every millisecond).
+void Node::BeatLoop() {
+  const auto interval = heartbeat_->interval();
   while (!stop_.load()) {
-    if (!beat_owner_.load()) TryBecomeBeatOwner();
-    if (beat_owner_.load() && !test_stop_heartbeat_.load()) Beat();
+    heartbeat_->Tick();
     ObserveNodes();
+    Elect();
+    WaitOrStop(interval / 2);  // half the interval: a beat is never later than one interval
+  }
+  StopManager();
+  if (manager_candidate_) {
+    pthread_mutex_unlock(&local_->header().manager_mu);  // by the thread that locked it
+    manager_candidate_ = false;
+  }
+}
 
-    // Election: the lowest-numbered live node's heartbeat owner hosts the manager.
-    uint32_t lowest = max_nodes_;
-    std::vector<NodeView> views = Nodes();
+void Node::Elect() {
+  // One process per node stands for the manager: the one holding the node's manager_mu.
+  if (options_.may_host_manager && !manager_candidate_) {
+    manager_candidate_ = TryLockRobust(&local_->header().manager_mu) >= 0;
+  }
+  std::vector<NodeView> views = Nodes();
+  if (manager_candidate_) views[options_.node_id].may_host = true;  // before our next beat says so
+  uint32_t lowest = max_nodes_;
+  for (const NodeView& v : views) {
+    if (v.live && v.may_host) {  // election skips nodes none of whose processes may host
+      lowest = v.id;
+      break;
+    }
+  }
+  const bool fenced = !heartbeat_->Fence("election").ok();
+  const bool elect = manager_candidate_ && !fenced && !heartbeat_->test_stopped() && lowest == options_.node_id;
+  // A manager of an ended life stops even if this node is elected again: its successor in the
+  // new life starts with a fresh claim and a fresh read of the region.
+  if (manager_running_.load() && (!elect || !manager_->running() || manager_life_ != heartbeat_->incarnation())) {
+    StopManager();
+  }
+  if (elect && !manager_running_.load() && ManagerLineFree(views)) {
+    if (manager_thread_.joinable()) manager_thread_.join();
+    manager_running_.store(true);
+    manager_->Arm();
+    manager_life_ = heartbeat_->incarnation();
+    manager_thread_ = std::thread([this, inc = manager_life_] { manager_->Run(inc); });
+  }
+  if (manager_running_.load() && options_.recovers) {
+    // Recover every life that ended: nodes seen dead or left, and lives replaced by a new one.
     for (const NodeView& v : views) {
-      if (v.live) {
-        lowest = v.id;
-        break;
-      }
+      if (v.live || v.incarnation == 0 || v.id == options_.node_id) continue;
+      if (recovered_incarnation_[v.id] == v.incarnation) continue;
+      QueueRecovery(v.id, v.incarnation);
     }
-    bool elect = beat_owner_.load() && options_.may_host_manager && !test_stop_heartbeat_.load() &&
-                 lowest == options_.node_id;
-    if (elect && !manager_running_.load() && ManagerLineFree(views)) {
-      if (manager_thread_.joinable()) manager_thread_.join();
-      manager_running_.store(true);
-      manager_thread_ = std::thread([this] { ManagerLoop(); });
-    } else if (!elect && manager_running_.load()) {
-      StopManager();
+    for (auto [node, inc] : ended_lives_) {
+      if (recovered_incarnation_[node] != inc) QueueRecovery(node, inc);
     }
-    if (manager_running_.load()) {
-      // Recover every node that is not live and has a life we have not recovered yet.
-      for (const NodeView& v : views) {
-        if (v.live || v.incarnation == 0 || v.id == options_.node_id) continue;
-        if (recovered_incarnation_[v.id] == v.incarnation) continue;
-        recovered_incarnation_[v.id] = v.incarnation;
-        ResetGrantsOf(v.id);
-        {
-          std::lock_guard<std::mutex> lock(hooks_mu_);
-          recovery_queue_.emplace_back(v.id, v.incarnation);
-        }
-        recovery_cv_.notify_all();
-      }
+  }
+  ended_lives_.clear();
+}
+
+void Node::QueueRecovery(uint32_t node, uint64_t incarnation) {
+  recovered_incarnation_[node] = incarnation;
+  {
+    std::lock_guard<std::mutex> lock(hooks_mu_);
+    recovery_queue_.emplace_back(node, incarnation);
+  }
+  recovery_cv_.notify_all();
+}
+
+// Single-writer handoff of the manager line: a manager writes it when it starts and clears it
+// after it has stopped granting; a newly elected node starts only once it is clear, or names
+// this node (in any life), or a node that is dead or in another life. A manager paused past its
+// lease is fenced: it resumes into a refused fence and grants nothing more.
+bool Node::ManagerLineFree(const std::vector<NodeView>& views) {
+  meta().Invalidate(layout_.manager_line(), 64);  // P2: the previous manager wrote it
+  uint64_t holder = meta().Load(layout_.manager_line());
+  if (!ManagerNamed(holder)) return true;
+  uint32_t node = ManagerNode(holder);
+  if (node == options_.node_id) return true;
+  return node >= views.size() || !views[node].live ||
+         static_cast<uint32_t>(views[node].incarnation) != ManagerIncarnation(holder);
+}
+
+void Node::StopManager() {
+  if (manager_thread_.joinable()) {
+    manager_->Stop();
+    manager_thread_.join();
+    meta().Invalidate(layout_.manager_line(), 64);
+    // Hand over (no grant follows from us) — only if the line is still ours in this life.
+    if (meta().Load(layout_.manager_line()) == ManagerHolder(options_.node_id, manager_life_) &&
+        manager_life_ == heartbeat_->incarnation() &&
+        heartbeat_->Fence("manager handover").ok()) {
+      meta().Publish(layout_.manager_line(), 0);
     }
+  }
+  manager_running_.store(false);
+}
+
+void Node::TasksLoop() {
+  const auto interval = heartbeat_->interval();
+  while (!stop_.load()) {
     std::vector<std::function<void()>> tasks;
     {
       std::lock_guard<std::mutex> lock(hooks_mu_);
@@ -291,32 +305,6 @@ void Node::MembershipLoop() {
     for (auto& t : tasks) t();
     WaitOrStop(interval);
   }
-  StopManager();
-}
-
-// Single-writer handoff of the manager line: a manager writes it when it starts and clears it
-// after it has stopped granting; a newly elected node starts only once it is clear (or names a
-// node that is dead or in another life). Two managers never grant at the same time, short of
-// a process paused longer than a lease.
-bool Node::ManagerLineFree(const std::vector<NodeView>& views) {
-  meta().Invalidate(layout_.manager_line(), 64);  // P2: the previous manager wrote it
-  auto line = meta().ReadStruct<ManagerLine>(layout_.manager_line());
-  if (line.node_plus_one == 0) return true;
-  uint32_t holder = static_cast<uint32_t>(line.node_plus_one - 1);
-  if (holder == options_.node_id) return true;
-  return holder >= views.size() || !views[holder].live || views[holder].incarnation != line.incarnation;
-}
-
-void Node::StopManager() {
-  if (manager_thread_.joinable()) {
-    manager_running_.store(false);
-    manager_thread_.join();
-    meta().Invalidate(layout_.manager_line(), 64);
-    if (meta().Load(layout_.manager_line()) == options_.node_id + 1) {
-      meta().Publish(layout_.manager_line(), 0);  // hand over: no grant follows from us
-    }
-  }
-  manager_running_.store(false);
 }
 
 void Node::RecoveryLoop() {
@@ -351,104 +339,6 @@ void Node::StartRecovery() {
 void Node::AddPeriodicTask(std::function<void()> task) {
   std::lock_guard<std::mutex> lock(hooks_mu_);
   periodic_tasks_.push_back(std::move(task));
-}
-
-Result<AcquireInfo> Node::Acquire(uint32_t lock, Clock::time_point deadline) {
-  if (lock >= layout_.max_locks()) {
-    return InvalidArgument("lock " + std::to_string(lock) + " does not exist (this region has " +
-                           std::to_string(layout_.max_locks()) + ")");
-  }
-  LocalLock& ll = local_->lock(lock);
-  AcquireInfo info;
-  // Local tier: one process per node competes for the global lock.
-  timespec ts = RealtimeDeadline(deadline);
-  int rc = pthread_mutex_timedlock(&ll.mu, &ts);
-  if (rc == ETIMEDOUT) return Timeout("lock " + std::to_string(lock) + " not granted in time (local tier)");
-  if (rc == EOWNERDEAD) {
-    pthread_mutex_consistent(&ll.mu);
-    info.holder_died = true;
-  } else if (rc != 0) {
-    return Internal("pthread_mutex_timedlock: " + std::string(std::strerror(rc)));
-  }
-  const uint32_t me = options_.node_id;
-  const uint64_t inc = local_->header().incarnation.load();
-  uint64_t req = meta().Fetch(layout_.request(lock, me));
-  if (!(info.holder_died && RequestWants(req) && RequestIncarnation(req) == static_cast<uint32_t>(inc))) {
-    // Global tier: publish a fresh odd request (single writer: this node, under the local mutex).
-    uint32_t seq = ll.seq.load();
-    seq = (seq | 1) == seq ? seq + 2 : seq + 1;
-    ll.seq.store(seq);
-    req = MakeRequest(inc, seq);
-    meta().Publish(layout_.request(lock, me), req);
-  }
-  Backoff backoff;
-  for (;;) {
-    if (meta().Fetch(layout_.grant(lock, me)) == req) {  // P2: the manager wrote it
-      held_request_[lock] = req;
-      return info;
-    }
-    // A leaving node's own manager thread is gone: waiting out the deadline would only delay
-    // the exit (recovery handlers still running hit this).
-    const bool leaving = stop_.load();
-    if (Clock::now() >= deadline || leaving) {
-      // Withdraw: an even request means "not wanted"; a grant racing with it matches nothing.
-      uint32_t seq = static_cast<uint32_t>(req) + 1;
-      ll.seq.store(seq);
-      meta().Publish(layout_.request(lock, me), MakeRequest(RequestIncarnation(req), seq));
-      pthread_mutex_unlock(&ll.mu);
-      if (leaving) return Busy("lock " + std::to_string(lock) + " not taken: this node is leaving");
-      return Timeout("lock " + std::to_string(lock) + " not granted within the deadline; is a "
-                     "lock manager running (a live node with may_host_manager)?");
-    }
-    backoff.Pause();
-  }
-}
-
-void Node::Release(uint32_t lock, std::span<const Range> written) {
-  LocalLock& ll = local_->lock(lock);
-  if (!test_skip_release_flush_.load()) {
-    for (const Range& r : written) meta().Flush(r.offset, r.bytes);  // P1 before the release
-  }
-  uint64_t req = held_request_[lock];
-  uint32_t seq = static_cast<uint32_t>(req) + 1;
-  ll.seq.store(seq);
-  meta().Publish(layout_.request(lock, options_.node_id), MakeRequest(RequestIncarnation(req), seq));
-  pthread_mutex_unlock(&ll.mu);
-}
-
-Result<uint32_t> Node::AllocateLock() {
-  CXLKV_ASSIGN_OR_RETURN(auto held, AcquireFor(kLockTableLock, options_.lease * 4));
-  (void)held;
-  for (uint32_t k = kReservedLocks; k < layout_.max_locks(); ++k) {
-    uint64_t off = layout_.bitmap_word(k);
-    uint64_t word = meta().Fetch(off);
-    if (word & (uint64_t{1} << (k % 64))) continue;
-    meta().Store(off, word | (uint64_t{1} << (k % 64)));
-    Range r{off, 8};
-    Release(kLockTableLock, {&r, 1});
-    return k;
-  }
-  Release(kLockTableLock);
-  return NoSpace("all " + std::to_string(layout_.max_locks() - kReservedLocks) +
-                 " user locks are allocated; free some or re-create the region with more locks");
-}
-
-Status Node::FreeLock(uint32_t lock) {
-  if (lock < kReservedLocks || lock >= layout_.max_locks()) {
-    return InvalidArgument("lock " + std::to_string(lock) + " is not a user lock");
-  }
-  CXLKV_ASSIGN_OR_RETURN(auto held, AcquireFor(kLockTableLock, options_.lease * 4));
-  (void)held;
-  uint64_t off = layout_.bitmap_word(lock);
-  uint64_t word = meta().Fetch(off);
-  if (!(word & (uint64_t{1} << (lock % 64)))) {
-    Release(kLockTableLock);
-    return InvalidArgument("lock " + std::to_string(lock) + " is not allocated");
-  }
-  meta().Store(off, word & ~(uint64_t{1} << (lock % 64)));
-  Range r{off, 8};
-  Release(kLockTableLock, {&r, 1});
-  return Status::Ok();
 }
 
 }  // namespace cxlkv::sync

@@ -1,21 +1,25 @@
 // A node's membership of a region and the two-tier lock (TraCT §3.3), per process.
 //
 //   auto node = sync::Node::Join(region, {.node_id = 3});
-//   CXLKV_RETURN_IF_ERROR(node->Acquire(lock, Deadline::After(1s)));
+//   CXLKV_ASSIGN_OR_RETURN(auto held, node->Acquire(lock, deadline));
+//   CXLKV_RETURN_IF_ERROR(node->CheckHeld(lock));   // fence: right before writing under it
 //   ... read shared data after Invalidate, write it, then:
 //   node->Release(lock, {{offset, bytes}});   // flushes what was written, then frees the lock
 //
-// Membership: one process of each node (the holder of the node-local beat_owner mutex)
-// publishes a heartbeat in the node's line every lease/8. A node whose heartbeat has not moved
-// for a lease is dead. A node that restarts after a lease of silence takes a new incarnation;
-// requests of its old incarnation never match a grant again.
+// Parts (one job each):
+//   Heartbeat     (heartbeat.h)     the node's life word, lease and fence; every process beats
+//   LockManager   (lock_manager.h)  grants, in one process of the elected node
+//   Node          (this file)       joins and leaves; observes other nodes; elects; queues and
+//                                   runs recovery of ended lives; runs periodic tasks; the node
+//                                   side of the lock (lock_client.cc)
+// Threads: the beat thread only beats, observes node lines and elects (it never waits on a lock,
+// I/O or another node); periodic tasks (drains) run on their own thread, recovery handlers on
+// another, the manager on another.
 //
 // Locks: a process first takes the node-local robust mutex of the lock (so one process per node
-// competes), then publishes an odd request word in its node's request line, and waits until the
-// manager publishes a grant equal to it. Release publishes the next (even) request word. The
-// manager — a thread of the lowest-numbered live node's heartbeat owner — grants one node at a
-// time, round-robin among waiters, and ignores dead nodes (and, on their death, zeroes their
-// grants). Nothing uses a cross-node atomic read-modify-write.
+// competes), then publishes an odd request word in its node's request line, rings its doorbell,
+// and waits until the manager publishes a grant equal to it. Release publishes the next (even)
+// request word. Nothing uses a cross-node atomic read-modify-write.
 //
 // Thread-safety: all methods are thread-safe. A lock is held by the *process* (the local
 // mutex is owned by the acquiring thread: release it from the thread that acquired it).
@@ -36,8 +40,10 @@
 
 #include "cxlkv/region.h"
 #include "region/region_internal.h"
+#include "sync/heartbeat.h"
 #include "sync/layout.h"
 #include "sync/local_node.h"
+#include "sync/lock_manager.h"
 
 namespace cxlkv::sync {
 
@@ -47,6 +53,8 @@ struct NodeOptions {
   uint32_t node_id = 0;                            // 0..max_nodes-1; required
   std::chrono::milliseconds lease{2000};           // dead after this long without a heartbeat. Default 2 s.
   bool may_host_manager = true;                    // false: never run the lock manager here. Default true.
+  bool recovers = true;                            // false: never run recovery of other nodes here (a
+                                                   // short-lived client such as a CLI command). Default true.
 };
 
 // A byte range of shared metadata a critical section wrote (flushed by Release).
@@ -63,10 +71,15 @@ struct NodeView {
   uint64_t incarnation = 0;
   uint64_t heartbeat = 0;
   uint64_t pid = 0;
+  bool may_host = false;
 };
+
+// One node line read now (no observation over time): for inspection tools.
+NodeView ReadNodeLine(region::MetaAccess& meta, uint64_t node_table, uint32_t node);
 
 struct AcquireInfo {
   bool holder_died = false;  // a process of this node died holding this lock; we took over
+  uint64_t token = 0;        // the hold's fencing token: the granted request (life << 32 | sequence)
 };
 
 class Node {
@@ -79,13 +92,20 @@ class Node {
   Node& operator=(const Node&) = delete;
 
   uint32_t id() const { return options_.node_id; }
-  uint64_t incarnation() const { return local_->header().incarnation.load(); }
+  uint64_t incarnation() const { return heartbeat_->incarnation(); }
   region::MetaAccess& meta() { return region_.impl().meta(); }
   Region& region() { return region_; }
   LocalNode& local() { return *local_; }
   std::chrono::milliseconds lease() const { return options_.lease; }
 
-  // Lock ids >= kReservedLocks are handed out here; kResourceExhausted-like kNoSpace when full.
+  // Ok iff this node's lease is surely valid and `incarnation` (0: any) is still its life; else
+  // kLeaseExpired naming `act`. Call before every act others rely on (a publish, a commit, a
+  // recovery step).
+  Status Fence(const char* act, uint64_t incarnation = 0) const { return heartbeat_->Fence(act, incarnation); }
+  // Ok iff this process holds `lock` in the node's current life with a valid lease.
+  Status CheckHeld(uint32_t lock) const;
+
+  // Lock ids >= kReservedLocks are handed out here; kNoSpace when full.
   Result<uint32_t> AllocateLock();
   Status FreeLock(uint32_t lock);
 
@@ -95,6 +115,7 @@ class Node {
     return Acquire(lock, Clock::now() + timeout);
   }
   // Flushes `written` (rule P1), then publishes the release. REQUIRES: held by this thread.
+  // A hold whose life ended (paused past the lease) publishes nothing: the flush is skipped.
   void Release(uint32_t lock, std::span<const Range> written = {});
 
   bool is_manager() const { return manager_running_.load(); }
@@ -109,38 +130,39 @@ class Node {
   // whole lease — what recovery itself assumes. Between the two, callers wait.
   bool LifeOver(uint32_t node, uint64_t incarnation, uint64_t inc_mask);
 
-  // Called (on a worker thread of the manager's process) for every node seen dead or left, with
-  // the incarnation that died; the alloc layer reclaims what it held. May be called again for
-  // the same node: handlers must be idempotent.
+  // Called (on a worker thread of the manager's process) for every life seen ended (dead, left
+  // or replaced by a new incarnation), with that incarnation; the layers reclaim what it held.
+  // May be called again for the same life: handlers must be idempotent.
   void AddRecoveryHandler(std::function<void(uint32_t node, uint64_t incarnation)> handler);
   // Recovery jobs queue until this is called: a joiner registers every handler first, so no
   // node is ever "recovered" by only some of them (or none) — this node may be elected manager
   // on its first beat, before its owner has added them. Idempotent.
   void StartRecovery();
-  // Runs `task` on the membership thread every beat (e.g. draining remote frees).
+  // Runs `task` every beat interval on the tasks thread (e.g. draining remote frees). A task
+  // may block on locks: it never delays a heartbeat.
   void AddPeriodicTask(std::function<void()> task);
 
   // Test hooks: stop heartbeating (as if hung), or make Release skip its data flush.
-  void TestStopHeartbeat() { test_stop_heartbeat_.store(true); }
+  void TestStopHeartbeat() { heartbeat_->TestStop(true); }
   void TestSkipReleaseFlush(bool skip) { test_skip_release_flush_.store(skip); }
+  uint64_t new_lives() const { return heartbeat_->new_lives(); }
 
  private:
   Node(Region& region, const NodeOptions& options, std::unique_ptr<LocalNode> local,
        LockArrayLayout layout, uint64_t node_table);
 
   uint64_t NodeLineOffset(uint32_t node) const { return node_table_ + uint64_t{node} * 64; }
-  void PublishNodeLine(NodeState state);
-  bool TryBecomeBeatOwner();
-  void Beat();
   void ObserveNodes();
-  void MembershipLoop();
-  void ManagerLoop();
+  void Elect();
+  void BeatLoop();
+  void TasksLoop();
+  void RecoveryLoop();
   bool ManagerLineFree(const std::vector<NodeView>& views);
   void StopManager();
-  bool ManagerScan();
-  void RecoveryLoop();
-  void ResetGrantsOf(uint32_t node);
+  void QueueRecovery(uint32_t node, uint64_t incarnation);
+  void LiveIncarnations(std::vector<uint32_t>& out);
   void WaitOrStop(std::chrono::nanoseconds d);
+  void RingDoorbell(uint32_t lock, bool want);
 
   Region& region_;
   NodeOptions options_;
@@ -148,17 +170,18 @@ class Node {
   LockArrayLayout layout_;
   uint64_t node_table_;
   uint32_t max_nodes_;
+  std::unique_ptr<Heartbeat> heartbeat_;
+  std::unique_ptr<LockManager> manager_;
 
-  uint64_t heartbeat_counter_ = 0;  // beat owner only
   std::atomic<bool> stop_{false};
-  std::atomic<bool> beat_owner_{false};
   std::atomic<bool> manager_running_{false};
-  std::atomic<bool> test_stop_heartbeat_{false};
+  bool manager_candidate_ = false;  // beat thread only: this process holds the node's manager_mu
+  uint64_t manager_life_ = 0;       // beat thread only: the life the running manager serves
   std::atomic<bool> test_skip_release_flush_{false};
   std::mutex stop_mu_;
   std::condition_variable stop_cv_;
 
-  // Liveness as observed by this process (membership thread writes, others read).
+  // Liveness as observed by this process (beat thread writes, others read).
   struct Observed {
     NodeView view;
     Clock::time_point last_change;
@@ -166,6 +189,7 @@ class Node {
   };
   std::mutex view_mu_;
   std::vector<Observed> observed_;
+  std::vector<std::pair<uint32_t, uint64_t>> ended_lives_;  // beat thread only
 
   std::mutex hooks_mu_;
   std::vector<std::function<void(uint32_t, uint64_t)>> recovery_handlers_;
@@ -173,15 +197,12 @@ class Node {
   std::deque<std::pair<uint32_t, uint64_t>> recovery_queue_;
   std::condition_variable recovery_cv_;
   bool recovery_started_ = false;                // guarded by hooks_mu_
-  std::vector<uint64_t> recovered_incarnation_;  // per node: last incarnation queued
+  std::vector<uint64_t> recovered_incarnation_;  // beat thread only: per node, last life queued
 
-  std::vector<uint32_t> last_granted_;  // manager: per lock, the node granted last (fairness)
-  std::vector<bool> scan_live_;         // manager thread only: scratch of ManagerScan
-  std::vector<uint32_t> scan_inc_;
-  std::vector<uint64_t> scan_req_;
   std::vector<uint64_t> held_request_;  // per lock: the request word this process holds
 
-  std::thread membership_thread_;
+  std::thread beat_thread_;
+  std::thread tasks_thread_;
   std::thread manager_thread_;
   std::thread recovery_thread_;
 };

@@ -17,6 +17,7 @@ std::string_view StatusCodeName(StatusCode code) {
     case StatusCode::kTimeout: return "timeout";
     case StatusCode::kNotSupported: return "not-supported";
     case StatusCode::kInternal: return "internal";
+    case StatusCode::kLeaseExpired: return "lease-expired";
   }
   return "unknown";
 }

@@ -2,63 +2,16 @@
 // of the lock manager's host.
 #include <gtest/gtest.h>
 
-#include "pool_test_util.h"
+#include "lock_test_util.h"
 
 namespace cxlkv {
 namespace {
 
-using testing::Meta;
+using testing::Incrementer;
+using testing::LockSetup;
 using testing::OpenOrNull;
-
-struct LockSetup {
-  std::string path;
-  uint32_t lock = 0;
-  uint64_t counter = 0;  // raw offset of a published 64-byte counter
-};
-
-// The parent joins as the last node only to allocate the lock and the counter, and leaves before
-// forking (no threads may cross a fork).
-LockSetup Prepare(const std::string& path, uint32_t nodes) {
-  LockSetup s{path};
-  PoolCreateOptions co;
-  co.size = 32 << 20;
-  co.max_nodes = nodes + 1;
-  EXPECT_TRUE(Pool::Create({path}, co).ok());
-  auto p = OpenOrNull({path}, nodes);
-  if (!p) return s;
-  auto lock = p->AllocateLock();
-  EXPECT_TRUE(lock.ok()) << lock.status().ToString();
-  s.lock = lock.ok() ? *lock : 0;
-  auto off = p->Alloc(64);
-  EXPECT_TRUE(off.ok());
-  s.counter = *off;
-  Meta(*p).Publish(region::Offset<void>(s.counter).byte_offset(), 0);
-  EXPECT_TRUE(p->Put("counter", s.counter, 64).ok());
-  return s;
-}
-
-uint64_t ReadCounter(const LockSetup& s) {
-  auto r = Region::Attach(s.path);
-  EXPECT_TRUE(r.ok());
-  return (*r)->impl().meta().Fetch(region::Offset<void>(s.counter).byte_offset());
-}
-
-int Incrementer(const LockSetup& s, uint32_t node, int iterations, uint64_t sim_seed, bool skip_flush) {
-  auto p = OpenOrNull({s.path}, node, sim_seed);
-  CHILD_CHECK(p != nullptr, "open");
-  auto& n = *p->impl().node;
-  n.TestSkipReleaseFlush(skip_flush);
-  uint64_t off = region::Offset<void>(s.counter).byte_offset();
-  for (int i = 0; i < iterations; ++i) {
-    auto held = n.AcquireFor(s.lock, std::chrono::seconds(30));
-    CHILD_CHECK(held.ok(), "%s", held.status().ToString().c_str());
-    uint64_t v = n.meta().Fetch(off);  // P2 before reading what the last holder wrote
-    n.meta().Store(off, v + 1);
-    sync::Range r{off, 8};
-    n.Release(s.lock, {&r, 1});        // flushes the counter (P1), then releases
-  }
-  return 0;
-}
+using testing::Prepare;
+using testing::ReadCounter;
 
 TEST(TwoTierLock, FourNodesCountExactly) {
   testing::TempRegionPath path("lock4");

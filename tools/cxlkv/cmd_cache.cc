@@ -9,6 +9,8 @@
 
 #include "commands.h"
 #include "pool/pool_internal.h"
+#include "region/region_internal.h"
+#include "sync/node.h"
 
 namespace cxlkv::cli {
 namespace {
@@ -19,18 +21,31 @@ struct CacheArgs {
   bool all = false;
 };
 
-// Joins as `node`, or (node < 0) as the highest node id nobody else is using.
+// Joins as `node`, or (node < 0) as a node id nobody uses: never-used or departed ids first
+// (highest first), silent ones (a killed process's) only after them — joining a silent id means
+// watching it for a lease to be sure it is not live elsewhere. A CLI command is a short-lived
+// client: it recovers nobody (the pool's long-lived processes do) and so leaves at once.
 Result<std::unique_ptr<Pool>> OpenAsNode(const std::string& paths, int node) {
   PoolOpenOptions o;
+  o.recovers = false;
   if (node >= 0) {
     o.node_id = static_cast<uint32_t>(node);
     return Pool::Open(SplitPaths(paths), o);
   }
   auto region = Region::Attach(SplitPaths(paths)[0]);
   if (!region.ok()) return region.status();
-  Status last = InvalidArgument("no node id is free");
+  const auto* table = (*region)->impl().find_area(region::AreaKind::kNodeTable);
+  if (table == nullptr) return InvalidArgument("the first path must be the pool's first region");
+  std::vector<uint32_t> unused, silent;
   for (int n = static_cast<int>((*region)->info().max_nodes) - 1; n >= 0; --n) {
-    o.node_id = static_cast<uint32_t>(n);
+    auto line = sync::ReadNodeLine((*region)->impl().meta(), table->offset, static_cast<uint32_t>(n));
+    (line.state == sync::NodeState::kLive ? silent : unused).push_back(static_cast<uint32_t>(n));
+  }
+  region->reset();
+  unused.insert(unused.end(), silent.begin(), silent.end());
+  Status last = InvalidArgument("no node id is free");
+  for (uint32_t n : unused) {
+    o.node_id = n;
     auto p = Pool::Open(SplitPaths(paths), o);
     if (p.ok() || p.status().code() != StatusCode::kAlreadyExists) return p;
     last = p.status();

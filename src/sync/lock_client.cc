@@ -1,0 +1,212 @@
+// The node side of the two-tier lock: the local tier (a robust process-shared mutex per lock in
+// the node-local file) and the global tier (request word + doorbell, then wait for the grant).
+// Protocol: docs/protocol.md, "Two-tier lock".
+#include <time.h>
+
+#include <cstring>
+#include <thread>
+
+#include "region/coherence.h"
+#include "sync/node.h"
+
+namespace cxlkv::sync {
+namespace {
+
+// pthread_mutex_timedlock takes CLOCK_REALTIME; convert a steady deadline.
+timespec RealtimeDeadline(Clock::time_point deadline) {
+  auto left = deadline - Clock::now();
+  if (left < std::chrono::nanoseconds(0)) left = std::chrono::nanoseconds(0);
+  timespec now;
+  clock_gettime(CLOCK_REALTIME, &now);
+  int64_t ns = now.tv_nsec + std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+  timespec ts;
+  ts.tv_sec = now.tv_sec + ns / 1000000000;
+  ts.tv_nsec = ns % 1000000000;
+  return ts;
+}
+
+// Waiting for another node: spin briefly with pause, then sleep with growing intervals, so
+// several waiting processes on a 2-core machine do not starve the holder.
+class Backoff {
+ public:
+  void Pause() {
+    if (round_ < 4) {
+      for (int i = 0; i < 8; ++i) region::CpuRelax();
+    } else if (round_ < 4096) {
+      std::this_thread::yield();  // two cores: the manager or the holder may need this one
+    } else {
+      int shift = std::min(round_ - 4096, 3);  // at most 40 us: a grant is not left waiting long
+      std::this_thread::sleep_for(std::chrono::microseconds(5 << shift));
+    }
+    ++round_;
+  }
+
+ private:
+  int round_ = 0;
+};
+
+}  // namespace
+
+// Tells the manager that this node's request for `lock` changed: the wanted bit (local atomics:
+// only this node's processes write its doorbell), then the sequence, then one flush (P1). The
+// request word itself was published before, so a manager that sees the new sequence finds it.
+void Node::RingDoorbell(uint32_t lock, bool want) {
+  const uint32_t me = options_.node_id;
+  const uint64_t word = layout_.wanted_word(me, lock);
+  const uint64_t bit = uint64_t{1} << (lock % 64);
+  uint64_t cur = meta().Load(word);
+  for (;;) {
+    uint64_t next = want ? (cur | bit) : (cur & ~bit);
+    if (next == cur || meta().LocalCompareExchange(word, cur, next)) break;
+  }
+  const uint64_t bell = layout_.doorbell(me);
+  meta().LocalFetchAdd(bell, 1);
+  if (word / 64 == bell / 64) {
+    meta().Flush(bell, 8);
+  } else {
+    const uint64_t lines[2] = {bell, word};
+    meta().FlushEach(lines, 8);
+  }
+}
+
+Status Node::CheckHeld(uint32_t lock) const {
+  if (lock >= layout_.max_locks() || !RequestWants(held_request_[lock])) {
+    return Internal("lock " + std::to_string(lock) + " is not held by this process");
+  }
+  return heartbeat_->Fence(("write under lock " + std::to_string(lock)).c_str(),
+                           RequestIncarnation(held_request_[lock]));
+}
+
+Result<AcquireInfo> Node::Acquire(uint32_t lock, Clock::time_point deadline) {
+  if (lock >= layout_.max_locks()) {
+    return InvalidArgument("lock " + std::to_string(lock) + " does not exist (this region has " +
+                           std::to_string(layout_.max_locks()) + ")");
+  }
+  LocalLock& ll = local_->lock(lock);
+  AcquireInfo info;
+  // Local tier: one process per node competes for the global lock.
+  timespec ts = RealtimeDeadline(deadline);
+  int rc = pthread_mutex_timedlock(&ll.mu, &ts);
+  if (rc == ETIMEDOUT) return Timeout("lock " + std::to_string(lock) + " not granted in time (local tier)");
+  if (rc == EOWNERDEAD) {
+    pthread_mutex_consistent(&ll.mu);
+    info.holder_died = true;
+  } else if (rc != 0) {
+    return Internal("pthread_mutex_timedlock: " + std::string(std::strerror(rc)));
+  }
+  const uint32_t me = options_.node_id;
+  auto publish_request = [&](uint64_t inc) {
+    // Global tier: a fresh odd request (single writer: this node, under the local mutex).
+    uint32_t seq = ll.seq.load();
+    seq = (seq | 1) == seq ? seq + 2 : seq + 1;
+    ll.seq.store(seq);
+    uint64_t r = MakeRequest(inc, seq);
+    meta().Publish(layout_.request(lock, me), r);
+    RingDoorbell(lock, true);
+    return r;
+  };
+  auto withdraw = [&](uint64_t r) {
+    // An even request means "not wanted"; a grant racing with it matches nothing.
+    uint32_t seq = static_cast<uint32_t>(r) + 1;
+    ll.seq.store(seq);
+    meta().Publish(layout_.request(lock, me), MakeRequest(RequestIncarnation(r), seq));
+    RingDoorbell(lock, false);
+    pthread_mutex_unlock(&ll.mu);
+  };
+  uint64_t inc = heartbeat_->incarnation();
+  uint64_t req = meta().Fetch(layout_.request(lock, me));
+  // A process of this node died holding or wanting the lock in this life: inherit its request.
+  if (!(info.holder_died && RequestWants(req) && RequestIncarnation(req) == static_cast<uint32_t>(inc))) {
+    req = publish_request(inc);
+  }
+  Backoff backoff;
+  for (;;) {
+    if (meta().Fetch(layout_.grant(lock, me)) == req) {  // P2: the manager wrote it
+      Status fenced = heartbeat_->Fence(("lock " + std::to_string(lock) + " grant").c_str(), RequestIncarnation(req));
+      if (!fenced.ok()) {
+        withdraw(req);
+        return fenced;
+      }
+      held_request_[lock] = req;
+      info.token = req;
+      return info;
+    }
+    // The node started a new life while we waited: the manager ignores the old one's request.
+    uint64_t now_inc = heartbeat_->incarnation();
+    if (static_cast<uint32_t>(now_inc) != RequestIncarnation(req)) req = publish_request(now_inc);
+    // A leaving node's own manager thread is gone: waiting out the deadline would only delay
+    // the exit (recovery handlers still running hit this).
+    const bool leaving = stop_.load();
+    if (Clock::now() >= deadline || leaving) {
+      withdraw(req);
+      if (leaving) return Busy("lock " + std::to_string(lock) + " not taken: this node is leaving");
+      return Timeout("lock " + std::to_string(lock) + " not granted within the deadline; is a "
+                     "lock manager running (a live node with may_host_manager)?");
+    }
+    backoff.Pause();
+  }
+}
+
+void Node::Release(uint32_t lock, std::span<const Range> written) {
+  LocalLock& ll = local_->lock(lock);
+  const uint64_t req = held_request_[lock];
+  held_request_[lock] = 0;
+  // Fence: a hold whose life ended (or whose lease may have lapsed) publishes nothing — the next
+  // holder may already be writing the same lines.
+  const bool valid = heartbeat_->Fence("release", RequestIncarnation(req)).ok();
+  if (valid && !test_skip_release_flush_.load()) {
+    for (const Range& r : written) meta().Flush(r.offset, r.bytes);  // P1 before the release
+  }
+  uint32_t seq = static_cast<uint32_t>(req) + 1;
+  ll.seq.store(seq);
+  meta().Publish(layout_.request(lock, options_.node_id), MakeRequest(RequestIncarnation(req), seq));
+  RingDoorbell(lock, false);
+  pthread_mutex_unlock(&ll.mu);
+}
+
+Result<uint32_t> Node::AllocateLock() {
+  CXLKV_ASSIGN_OR_RETURN(auto held, AcquireFor(kLockTableLock, options_.lease * 4));
+  (void)held;
+  for (uint32_t k = kReservedLocks; k < layout_.max_locks(); ++k) {
+    uint64_t off = layout_.bitmap_word(k);
+    uint64_t word = meta().Fetch(off);
+    if (word & (uint64_t{1} << (k % 64))) continue;
+    Status fenced = CheckHeld(kLockTableLock);
+    if (!fenced.ok()) {
+      Release(kLockTableLock);
+      return fenced;
+    }
+    meta().Store(off, word | (uint64_t{1} << (k % 64)));
+    Range r{off, 8};
+    Release(kLockTableLock, {&r, 1});
+    return k;
+  }
+  Release(kLockTableLock);
+  return NoSpace("all " + std::to_string(layout_.max_locks() - kReservedLocks) +
+                 " user locks are allocated; free some or re-create the region with more locks");
+}
+
+Status Node::FreeLock(uint32_t lock) {
+  if (lock < kReservedLocks || lock >= layout_.max_locks()) {
+    return InvalidArgument("lock " + std::to_string(lock) + " is not a user lock");
+  }
+  CXLKV_ASSIGN_OR_RETURN(auto held, AcquireFor(kLockTableLock, options_.lease * 4));
+  (void)held;
+  uint64_t off = layout_.bitmap_word(lock);
+  uint64_t word = meta().Fetch(off);
+  if (!(word & (uint64_t{1} << (lock % 64)))) {
+    Release(kLockTableLock);
+    return InvalidArgument("lock " + std::to_string(lock) + " is not allocated");
+  }
+  Status fenced = CheckHeld(kLockTableLock);
+  if (!fenced.ok()) {
+    Release(kLockTableLock);
+    return fenced;
+  }
+  meta().Store(off, word & ~(uint64_t{1} << (lock % 64)));
+  Range r{off, 8};
+  Release(kLockTableLock, {&r, 1});
+  return Status::Ok();
+}
+
+}  // namespace cxlkv::sync
