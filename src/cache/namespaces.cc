@@ -73,6 +73,16 @@ Result<NamespaceHandle> Index::RegisterNamespace(const KeyNamespace& ns) {
   CXLKV_RETURN_IF_ERROR(ValidateNamespace(ns));
   const BlockKey seed = SeedOf(ns);
   const uint64_t identity = IdentityHash(ns);
+  // A registered slot never changes (its state word is published last, P4), so the common case —
+  // the namespace exists — needs no lock: a reader is not held up by a silent lock manager.
+  for (uint32_t i = 0; i < kMaxNamespaces; ++i) {
+    uint64_t off = layout_.ns_slot(i);
+    meta_.Invalidate(off, sizeof(NamespaceSlot));  // P2: another node registered it
+    auto s = meta_.ReadStruct<NamespaceSlot>(off);
+    if (s.state == 2 && s.seed_lo == seed.lo && s.seed_hi == seed.hi) {
+      return NamespaceHandle{i, ns.layout.block_size, s.block_bytes, seed};
+    }
+  }
   const uint32_t lock = layout_.namespace_lock();
   CXLKV_ASSIGN_OR_RETURN(auto held, node_.AcquireFor(lock, node_.lease() * 4));
   (void)held;
