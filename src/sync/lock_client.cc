@@ -73,8 +73,7 @@ Status Node::CheckHeld(uint32_t lock) const {
   if (lock >= layout_.max_locks() || !RequestWants(held_request_[lock])) {
     return Internal("lock " + std::to_string(lock) + " is not held by this process");
   }
-  return heartbeat_->Fence(("write under lock " + std::to_string(lock)).c_str(),
-                           RequestIncarnation(held_request_[lock]));
+  return heartbeat_->Fence("a write under a lock", RequestIncarnation(held_request_[lock]));
 }
 
 Result<AcquireInfo> Node::Acquire(uint32_t lock, Clock::time_point deadline) {
@@ -114,15 +113,16 @@ Result<AcquireInfo> Node::Acquire(uint32_t lock, Clock::time_point deadline) {
     pthread_mutex_unlock(&ll.mu);
   };
   uint64_t inc = heartbeat_->incarnation();
-  uint64_t req = meta().Fetch(layout_.request(lock, me));
   // A process of this node died holding or wanting the lock in this life: inherit its request.
+  // Otherwise this node is the request word's only writer and needs no read of it.
+  uint64_t req = info.holder_died ? meta().Fetch(layout_.request(lock, me)) : 0;
   if (!(info.holder_died && RequestWants(req) && RequestIncarnation(req) == static_cast<uint32_t>(inc))) {
     req = publish_request(inc);
   }
   Backoff backoff;
   for (;;) {
     if (meta().Fetch(layout_.grant(lock, me)) == req) {  // P2: the manager wrote it
-      Status fenced = heartbeat_->Fence(("lock " + std::to_string(lock) + " grant").c_str(), RequestIncarnation(req));
+      Status fenced = heartbeat_->Fence("lock grant", RequestIncarnation(req));
       if (!fenced.ok()) {
         withdraw(req);
         return fenced;
