@@ -75,6 +75,11 @@ Result<std::unique_ptr<Node>> Node::Join(Region& region, const NodeOptions& opti
       while (Clock::now() < until) {
         std::this_thread::sleep_for(options.lease / 10);
         NodeView now = ReadNodeLine(node->meta(), nodes->offset, options.node_id);
+        // A process of this node on this host (joining beside us) beats through our local file:
+        // its beats match the local counter. Only a beat we cannot account for is elsewhere.
+        const bool ours = now.incarnation == static_cast<uint32_t>(h.incarnation.load()) &&
+                          now.heartbeat == (h.heartbeat.load() & LifeWord::kHeartbeatMask);
+        if (ours) break;
         if (now.heartbeat != line.heartbeat || now.incarnation != line.incarnation) {
           return AlreadyExists("node " + std::to_string(options.node_id) + " is live elsewhere "
                                "(pid " + std::to_string(line.pid) + "): choose another --node");
