@@ -26,7 +26,7 @@ namespace cxlkv {
 
 // The superblock's layout version. It changes whenever any shared structure changes; a region
 // made by another version is refused with both versions named.
-inline constexpr uint32_t kLayoutVersion = 3;
+inline constexpr uint32_t kLayoutVersion = 4;
 // Most hosts one region supports (a CXL switch connects up to ~16; headroom for processes that
 // attach as separate nodes on one host).
 inline constexpr uint32_t kMaxNodes = 64;
@@ -86,6 +86,9 @@ struct RegionInfo {
   int numa_node = -1;          // as requested at creation; -1: none
   uint64_t created_unix_ns = 0;
   std::string region_id;       // 32 hex digits, random at creation
+  std::string pool_id;         // 32 hex digits, random at pool creation; equal across its regions
+  uint32_t pool_index = 0;     // this region's position in its pool
+  uint32_t pool_regions = 1;   // regions in its pool
   uint64_t checksum = 0;       // xxh3-64 of the superblock header
   std::vector<AreaInfo> areas;
 };
