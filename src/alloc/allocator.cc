@@ -369,6 +369,7 @@ void Allocator::DrainRemoteFrees() {
     uint64_t tail = m.Fetch(ring);
     uint64_t head = m.Fetch(ring + 64);
     if (head == tail) continue;
+    if (!RingSane(head, tail)) continue;  // corrupted: left for `cxlkv check` (never looped over)
     for (; head < tail; ++head) {
       ObjectOffset off(m.Fetch(ring + 128 + (head % kInboxEntries) * 8));
       ChunkRef chunk;
@@ -427,7 +428,7 @@ void Allocator::Recover(uint32_t dead, uint64_t incarnation) {
   // The manager queues each dead life once: giving up here would leak what it held for good.
   // Keep trying (the lock can be slow to get under contention) until this node leaves.
   Status locked = LockAllocator();
-  while (!locked.ok() && !node_.leaving()) {
+  while (!locked.ok() && locked.code() != StatusCode::kCorrupted && !node_.leaving()) {
     std::this_thread::sleep_for(node_.lease() / 8);
     locked = LockAllocator();
   }
@@ -446,6 +447,7 @@ void Allocator::Recover(uint32_t dead, uint64_t incarnation) {
     for (uint32_t f = 0; f < max_nodes_; ++f) {
       uint64_t ring = tables_[0].inbox(dead, f);
       uint64_t tail = m.Fetch(ring);
+      if (!RingSane(m.Fetch(ring + 64), tail)) continue;  // corrupted: left for `cxlkv check`
       for (uint64_t head = m.Fetch(ring + 64); head < tail; ++head) {
         freed.insert(m.Fetch(ring + 128 + (head % kInboxEntries) * 8));
       }

@@ -156,6 +156,18 @@ void CheckChunks(Region& region, uint32_t region_index, uint32_t max_nodes,
     problems.push_back(where + "has a pending allocator intent (a holder died mid-update; the next "
                        "allocation redoes it)");
   }
+  if (t.has_inboxes()) {
+    for (uint32_t o = 0; o < max_nodes; ++o) {
+      for (uint32_t f = 0; f < max_nodes; ++f) {
+        uint64_t ring = t.inbox(o, f), tail = meta.Fetch(ring), head = meta.Fetch(ring + 64);
+        if (!RingSane(head, tail)) {
+          problems.push_back(where + "remote-free ring of node " + std::to_string(o) + " from node " +
+                             std::to_string(f) + " is corrupt (head " + std::to_string(head) + ", tail " +
+                             std::to_string(tail) + "); its frees are not applied");
+        }
+      }
+    }
+  }
   for (uint64_t c = 0; c < t.chunks(); ++c) {
     uint64_t raw = meta.Fetch(t.owner(c));
     bool bit = (meta.Fetch(t.bitmap_word(c)) >> (c % 64)) & 1;

@@ -48,6 +48,9 @@ inline uint32_t Inc20(uint64_t incarnation) { return static_cast<uint32_t>(incar
 // Remote-free ring (owner node o, freeing node f): single producer f, single consumer o.
 inline constexpr uint64_t kInboxEntries = 256;
 inline constexpr uint64_t kInboxBytes = 128 + kInboxEntries * 8;
+// A ring's head and tail are read from the region: a consumer walks [head, tail) only when it
+// holds at most kInboxEntries messages (a corrupted tail would otherwise loop for 2^64 steps).
+inline bool RingSane(uint64_t head, uint64_t tail) { return head <= tail && tail - head <= kInboxEntries; }
 
 struct Intent {
   uint64_t valid;     // commit word: 1 while the intent must be (re)applied

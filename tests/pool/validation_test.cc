@@ -251,6 +251,25 @@ TEST(DecodeValidation, CorruptIntentRecordIsRefusedNotApplied) {
   EXPECT_EQ(off.status().code(), StatusCode::kCorrupted);
 }
 
+// Found by fuzz/region_fuzz.cc (fuzz/corpus/regress-remote-free-ring-tail): a remote-free
+// ring whose tail word was overwritten made the owner's heartbeat thread walk [head, tail) for
+// 2^64 steps, so the pool could never be closed.
+TEST(DecodeValidation, CorruptRemoteFreeRingIsSkippedNotWalked) {
+  OpenPool f;
+  ASSERT_NO_FATAL_FAILURE(f.SetUp());
+  const uint64_t ring = f.table.inbox(0, 1);
+  f.meta().Publish(ring, ~uint64_t{0} - 0xd0);  // tail
+  f.pool->impl().allocator->DrainRemoteFrees();
+  f.pool->impl().allocator->Recover(0, f.pool->impl().node->incarnation() + 1);
+  EXPECT_TRUE(AnyContains(CheckProblems({f.path.path()}), "remote-free ring of node 0 from node 1 is corrupt"));
+  f.meta().Publish(ring + 64, 5);  // head past tail
+  f.meta().Publish(ring, 3);
+  f.pool->impl().allocator->DrainRemoteFrees();
+  EXPECT_TRUE(AnyContains(CheckProblems({f.path.path()}), "head 5, tail 3"));
+  f.meta().Publish(ring + 64, 0);
+  f.meta().Publish(ring, 0);
+}
+
 // ---- region indexes in object offsets ----
 
 TEST(DecodeValidation, OutOfRangeRegionIndexInAnOffset) {

@@ -85,7 +85,6 @@ TEST(RegionValidation, ForgedParametersAreRefusedByName) {
 // The accessor's checks are not compiled out by NDEBUG: an access outside the region stops
 // the process instead of writing past the mapping.
 TEST(RegionValidationDeathTest, MetaAccessChecksBoundsInEveryBuild) {
-  GTEST_FLAG_SET(death_test_style, "threadsafe");
   TempRegionPath path("meta-bounds");
   auto r = testing::CreateOrDie(path.path(), kSize);
   ASSERT_TRUE(r);
