@@ -77,7 +77,9 @@ Result<IndexLayout> ReadLayout(Region& region) {
   l.h = meta.ReadStruct<IndexHeader>(area->offset);
   const std::string where = "region " + region.info().path + " area index";
   const std::string recreate = ": re-create the pool with 'cxlkv init' (its cached blocks are lost)";
-  if (l.h.magic != kIndexMagic) return Corrupted(where + " has a bad magic: the region is damaged" + recreate);
+  if (l.h.magic != kIndexMagic) {
+    return Corrupted(where + ": the prefix index header has a bad magic: the region is damaged" + recreate);
+  }
   if (l.h.version != kIndexVersion) {
     return VersionMismatch("prefix index version " + std::to_string(l.h.version) + ", this build reads " +
                            std::to_string(kIndexVersion) + ": re-create the pool or use a matching cxlkv");
@@ -85,7 +87,7 @@ Result<IndexLayout> ReadLayout(Region& region) {
   // Every value below is used to index the region: check each against what init would have
   // planned (issue 12: values read from the region are untrusted in every build).
   auto bad = [&](const std::string& field, uint64_t value, const std::string& expected) {
-    return Corrupted(where + " is corrupt: header field " + field + " is " + std::to_string(value) +
+    return Corrupted(where + " is corrupt: prefix index header field " + field + " is " + std::to_string(value) +
                      ", expected " + expected + recreate);
   };
   const uint32_t region_nodes = region.info().max_nodes;

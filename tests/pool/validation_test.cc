@@ -270,6 +270,21 @@ TEST(DecodeValidation, CorruptRemoteFreeRingIsSkippedNotWalked) {
   f.meta().Publish(ring, 0);
 }
 
+// Names read from the region reach `cxlkv stat --json`: bytes that are not UTF-8 made the JSON
+// dump throw (an uncaught exception in the CLI). They print as '?' now.
+TEST(DecodeValidation, NonUtf8RootNameIsPrintedNotThrown) {
+  OpenPool f;
+  ASSERT_NO_FATAL_FAILURE(f.SetUp());
+  auto off = f.pool->Alloc(64);
+  ASSERT_TRUE(off.ok());
+  ASSERT_TRUE(f.pool->Put("bad\xff\xfe\x01name", *off, 64).ok());
+  auto regions = pool::AttachAll({f.path.path()});
+  ASSERT_TRUE(regions.ok());
+  std::string dumped;
+  EXPECT_NO_THROW(dumped = pool::Stat(*regions, 10).dump());
+  EXPECT_THAT(dumped, HasSubstr("bad???name"));
+}
+
 // ---- region indexes in object offsets ----
 
 TEST(DecodeValidation, OutOfRangeRegionIndexInAnOffset) {
