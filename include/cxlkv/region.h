@@ -86,6 +86,9 @@ struct RegionInfo {
   int numa_node = -1;          // as requested at creation; -1: none
   uint64_t created_unix_ns = 0;
   std::string region_id;       // 32 hex digits, random at creation
+  std::string pool_id;         // 32 hex digits, random at pool creation; equal across its regions
+  uint32_t pool_index = 0;     // this region's position in its pool
+  uint32_t pool_regions = 1;   // regions in its pool
   uint64_t checksum = 0;       // xxh3-64 of the superblock header
   std::vector<AreaInfo> areas;
 };

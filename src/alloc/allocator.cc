@@ -34,6 +34,7 @@ bool Allocator::Locate(ObjectOffset off, ChunkRef* c, uint64_t* within) const {
 }
 
 uint8_t* Allocator::Ptr(ObjectOffset off, uint64_t bytes) const {
+  if (!Contains(off, bytes)) [[unlikely]] return nullptr;  // offsets may come from the region
   return regions_[off.region_index()]->impl().PayloadPtr(off.byte_offset(), bytes);
 }
 
@@ -42,25 +43,32 @@ uint8_t* Allocator::Ptr(ObjectOffset off, uint64_t bytes) const {
 Status Allocator::LockAllocator() {
   auto held = node_.AcquireFor(sync::kAllocatorLock, node_.lease() * 4);
   if (!held.ok()) return held.status();
-  RedoIntentLocked();  // the previous holder may have died mid-update
-  return Status::Ok();
+  Status redo = RedoIntentLocked();  // the previous holder may have died mid-update
+  if (!redo.ok()) UnlockAllocator();
+  return redo;
 }
 
 void Allocator::UnlockAllocator(std::span<const sync::Range> written) {
   node_.Release(sync::kAllocatorLock, written);
 }
 
-void Allocator::RedoIntentLocked() {
+Status Allocator::RedoIntentLocked() {
   auto& m = meta(0);
   m.Invalidate(tables_[0].intent(), 64);
   auto intent = m.ReadStruct<Intent>(tables_[0].intent());
-  if (!intent.valid) return;
-  if (intent.region < regions_.size()) {
-    const ChunkTableLayout& t = tables_[intent.region];
-    meta(intent.region).Invalidate(t.owner(intent.first), intent.count * 8);
-    ApplyIntent(meta(intent.region), t, intent);
+  if (!intent.valid) return Status::Ok();
+  // Untrusted: a record naming chunks outside the table is refused, never applied.
+  if (intent.region >= regions_.size() || !IntentValid(tables_[intent.region], intent)) {
+    return Corrupted("the allocator intent record in region " + regions_[0]->info().path +
+                     " is corrupt (region " + std::to_string(intent.region) + ", op " + std::to_string(intent.op) +
+                     ", chunks " + std::to_string(intent.first) + " +" + std::to_string(intent.count) +
+                     "): run 'cxlkv check'; re-create the pool with 'cxlkv init'");
   }
+  const ChunkTableLayout& t = tables_[intent.region];
+  meta(intent.region).Invalidate(t.owner(intent.first), intent.count * 8);
+  ApplyIntent(meta(intent.region), t, intent);
   m.Publish(tables_[0].intent(), 0);
+  return Status::Ok();
 }
 
 void Allocator::CommitLocked(uint32_t region, uint64_t op, uint64_t first, uint64_t count,
@@ -149,7 +157,7 @@ bool Allocator::TrySlotIn(ChunkRef chunk, uint32_t c, ObjectOffset* out) {
   uint64_t base = ChunkBase(chunk);
   // The owner node is the only writer of its heap headers, so its own copy is current.
   auto h = m.ReadStruct<HeapHeader>(base);
-  if (h.magic != kHeapMagic || h.class_bytes != ClassBytes(c) || h.used >= h.slots) return false;
+  if (!HeapHeaderValid(h, chunk_bytes()) || h.class_bytes != ClassBytes(c) || h.used >= h.slots) return false;
   auto& cls = node_.local().header().heap[c];
   uint64_t words = (h.slots + 63) / 64;
   uint64_t start = cls.cursor.load() % words;
@@ -179,7 +187,7 @@ bool Allocator::FindPartialChunk(uint32_t c, ChunkRef* out) {
     for (uint64_t ch = 0; ch < t.chunks(); ++ch) {
       if (meta(r).Load(t.owner(ch)) != want) continue;
       auto h = meta(r).ReadStruct<HeapHeader>(ChunkBase({r, ch}));
-      if (h.magic == kHeapMagic && h.used < h.slots) {
+      if (HeapHeaderValid(h, chunk_bytes()) && h.class_bytes == ClassBytes(c) && h.used < h.slots) {
         *out = ChunkRef{r, ch};
         return true;
       }
@@ -233,6 +241,11 @@ Status Allocator::FreeSlot(ChunkRef chunk, uint64_t within, bool orphan) {
   uint64_t base = ChunkBase(chunk);
   if (orphan) m.Invalidate(base, 64);
   auto h = m.ReadStruct<HeapHeader>(base);
+  if (h.magic == kHeapMagic && !HeapHeaderValid(h, chunk_bytes())) {
+    return Corrupted("heap chunk " + std::to_string(chunk.chunk) + " of region " + std::to_string(chunk.region) +
+                     " has a corrupt header (class " + std::to_string(h.class_bytes) + " bytes, " +
+                     std::to_string(h.slots) + " slots): run 'cxlkv check'");
+  }
   if (h.magic != kHeapMagic || within < h.first_slot || (within - h.first_slot) % h.class_bytes != 0 ||
       (within - h.first_slot) / h.class_bytes >= h.slots) {
     return InvalidArgument("offset is not the start of an object (corrupted or foreign offset)");
@@ -269,6 +282,11 @@ Status Allocator::Free(ObjectOffset off) {
   switch (w.kind) {
     case ChunkKind::kLargeHead: {
       if (within != 0) return InvalidArgument("offset points inside a large object, not at its start");
+      if (!t.RunInRange(chunk.chunk, w.detail)) {
+        return Corrupted("chunk " + std::to_string(chunk.chunk) + " of region " + std::to_string(chunk.region) +
+                         " heads a run of " + std::to_string(w.detail) + " chunks past the table's " +
+                         std::to_string(t.chunks()) + ": run 'cxlkv check'");
+      }
       CXLKV_RETURN_IF_ERROR(LockAllocator());
       // Re-read under the lock: another node may have freed it meanwhile.
       uint64_t again = meta(chunk.region).Fetch(t.owner(chunk.chunk));
@@ -351,6 +369,7 @@ void Allocator::DrainRemoteFrees() {
     uint64_t tail = m.Fetch(ring);
     uint64_t head = m.Fetch(ring + 64);
     if (head == tail) continue;
+    if (!RingSane(head, tail)) continue;  // corrupted: left for `cxlkv check` (never looped over)
     for (; head < tail; ++head) {
       ObjectOffset off(m.Fetch(ring + 128 + (head % kInboxEntries) * 8));
       ChunkRef chunk;
@@ -409,7 +428,7 @@ void Allocator::Recover(uint32_t dead, uint64_t incarnation) {
   // The manager queues each dead life once: giving up here would leak what it held for good.
   // Keep trying (the lock can be slow to get under contention) until this node leaves.
   Status locked = LockAllocator();
-  while (!locked.ok() && !node_.leaving()) {
+  while (!locked.ok() && locked.code() != StatusCode::kCorrupted && !node_.leaving()) {
     std::this_thread::sleep_for(node_.lease() / 8);
     locked = LockAllocator();
   }
@@ -428,6 +447,7 @@ void Allocator::Recover(uint32_t dead, uint64_t incarnation) {
     for (uint32_t f = 0; f < max_nodes_; ++f) {
       uint64_t ring = tables_[0].inbox(dead, f);
       uint64_t tail = m.Fetch(ring);
+      if (!RingSane(m.Fetch(ring + 64), tail)) continue;  // corrupted: left for `cxlkv check`
       for (uint64_t head = m.Fetch(ring + 64); head < tail; ++head) {
         freed.insert(m.Fetch(ring + 128 + (head % kInboxEntries) * 8));
       }
@@ -445,6 +465,7 @@ void Allocator::Recover(uint32_t dead, uint64_t incarnation) {
       if (w.node != dead || w.incarnation != inc) continue;
       ChunkRef ref{r, ch};
       if (w.kind == ChunkKind::kLargeHead) {
+        if (!t.RunInRange(ch, w.detail)) continue;  // corrupted run length: left for `cxlkv check`
         // A published whole-chunk object stays (anyone may free it later); the rest goes.
         if (!published(OffsetOf(ref, 0).raw())) CommitLocked(r, 2, ch, w.detail, 0);
         ch += w.detail - 1;
@@ -456,6 +477,7 @@ void Allocator::Recover(uint32_t dead, uint64_t incarnation) {
           CommitLocked(r, 2, ch, 1, 0);
           continue;
         }
+        if (!HeapHeaderValid(h, chunk_bytes())) continue;  // corrupted: left for `cxlkv check`
         uint64_t kept = 0;
         uint64_t words = (h.slots + 63) / 64;
         m.Invalidate(base + 64, words * 8);

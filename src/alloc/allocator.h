@@ -51,8 +51,16 @@ class Allocator {
   // Errors: kInvalidArgument (not an allocated object: a double free or a foreign offset; the
   // pool is left untouched), kBusy (the owner's remote-free ring stayed full; retry).
   Status Free(ObjectOffset off);
-  // Payload pointer of `bytes` at `off` (bounds-checked in debug builds).
+  // Payload pointer of `bytes` at `off`; nullptr when that range is not inside a data area of
+  // this pool (checked in every build: offsets are read from the region).
   uint8_t* Ptr(ObjectOffset off, uint64_t bytes) const;
+  // True when [off, off + bytes) lies inside one region's data area of this pool.
+  bool Contains(ObjectOffset off, uint64_t bytes) const {
+    if (off.region_index() >= tables_.size()) return false;
+    const ChunkTableLayout& t = tables_[off.region_index()];
+    const uint64_t begin = t.data_offset(), end = begin + t.chunks() * t.chunk_bytes();
+    return off.byte_offset() >= begin && off.byte_offset() <= end && bytes <= end - off.byte_offset();
+  }
 
   void DrainRemoteFrees();
   // Drains remote frees and returns this node's empty heap chunks to the pool.
@@ -87,7 +95,7 @@ class Allocator {
   // Allocator-lock helpers. REQUIRES for *Locked: the allocator lock is held.
   Status LockAllocator();
   void UnlockAllocator(std::span<const sync::Range> written = {});
-  void RedoIntentLocked();
+  Status RedoIntentLocked();
   void CommitLocked(uint32_t region, uint64_t op, uint64_t first, uint64_t count, uint64_t owner);
   Result<ChunkRef> TakeRunLocked(uint64_t count, OwnerWord head);
   bool FindRunLocked(uint32_t r, uint64_t count, uint64_t* first);

@@ -29,6 +29,42 @@ ChunkTableLayout::ChunkTableLayout(const Region::Impl& region, uint32_t max_node
   has_inboxes_ = table->size >= Bytes(table->param, max_nodes, true);
 }
 
+Status ChunkTableLayout::Validate(const Region::Impl& region, uint32_t max_nodes, bool first) {
+  const auto* table = region.find_area(region::AreaKind::kChunkTable);
+  const auto* data = region.find_area(region::AreaKind::kData);
+  const std::string where = "region " + region.info().path + " area chunk-table is corrupt: ";
+  const std::string recreate = ": re-create the pool with 'cxlkv init'";
+  if (table == nullptr || data == nullptr) {
+    return InvalidArgument("region " + region.info().path + " was not made as part of a pool (no chunk "
+                           "table): create it with 'cxlkv init'");
+  }
+  // data->param == data->size / chunk_bytes was checked by the region layer.
+  if (table->param < data->param || table->param > (uint64_t{1} << 40)) {
+    return Corrupted(where + "parameter " + std::to_string(table->param) + " chunks, but the data area holds " +
+                     std::to_string(data->param) + recreate);
+  }
+  if (Bytes(table->param, max_nodes, first) > table->size) {
+    return Corrupted(where + "parameter " + std::to_string(table->param) + " chunks" +
+                     (first ? " and the remote-free rings of " + std::to_string(max_nodes) + " nodes" : "") +
+                     " do not fit its " + std::to_string(table->size) + " bytes" + recreate);
+  }
+  return Status::Ok();
+}
+
+bool HeapHeaderValid(const HeapHeader& h, uint64_t chunk_bytes) {
+  if (h.magic != kHeapMagic || h.class_bytes < kMinClassBytes || h.class_bytes > kMaxClassBytes ||
+      (h.class_bytes & (h.class_bytes - 1)) != 0 || chunk_bytes <= 2 * h.class_bytes) {
+    return false;
+  }
+  HeapGeometry g = GeometryFor(chunk_bytes, h.class_bytes);
+  return h.slots == g.slots && h.first_slot == g.first_slot && h.used <= h.slots;
+}
+
+bool IntentValid(const ChunkTableLayout& table, const Intent& intent) {
+  return (intent.op == 1 || intent.op == 2 || intent.op == 3) && table.RunInRange(intent.first, intent.count) &&
+         (intent.op != 3 || intent.count == 1);
+}
+
 HeapGeometry GeometryFor(uint64_t chunk_bytes, uint64_t class_bytes) {
   uint64_t slots = (chunk_bytes - 64) * 8 / (8 * class_bytes + 1);
   for (;;) {
@@ -40,7 +76,8 @@ HeapGeometry GeometryFor(uint64_t chunk_bytes, uint64_t class_bytes) {
 }
 
 void ApplyIntent(region::MetaAccess& meta, const ChunkTableLayout& table, const Intent& intent) {
-  if (intent.count > 0) {
+  if (!IntentValid(table, intent)) return;  // a corrupted record: callers report it
+  {
     // P2 before writing: owner words and bitmap bits of neighbouring chunks share these lines
     // and other nodes changed them under the lock. Storing into a stale cached line and
     // flushing it would write their old values back (the simulator caught exactly that).
@@ -64,7 +101,7 @@ void ApplyIntent(region::MetaAccess& meta, const ChunkTableLayout& table, const 
     uint64_t bits = meta.Load(table.bitmap_word(c));
     meta.Store(table.bitmap_word(c), word != 0 ? (bits | bit) : (bits & ~bit));
   }
-  if (intent.count > 0) {
+  {
     meta.Flush(table.owner(intent.first), intent.count * 8);
     meta.Flush(table.bitmap_word(intent.first),
                table.bitmap_word(intent.first + intent.count - 1) - table.bitmap_word(intent.first) + 8);
@@ -91,7 +128,7 @@ RegionUsage InspectChunks(Region& region, uint32_t max_nodes) {
       uint64_t base = t.data_offset() + c * t.chunk_bytes();
       meta.Invalidate(base, sizeof(HeapHeader));
       auto h = meta.ReadStruct<HeapHeader>(base);
-      if (h.magic == kHeapMagic) u.allocated_bytes += h.used * h.class_bytes;
+      if (HeapHeaderValid(h, t.chunk_bytes())) u.allocated_bytes += h.used * h.class_bytes;
     }
     if (w.kind == ChunkKind::kHeap || w.kind == ChunkKind::kLargeHead || w.kind == ChunkKind::kLargeTail) {
       if (w.node < max_nodes) ++u.per_node[w.node];
@@ -111,9 +148,25 @@ void CheckChunks(Region& region, uint32_t region_index, uint32_t max_nodes,
   auto& meta = region.impl().meta();
   meta.Invalidate(t.intent(), 64);
   auto intent = meta.ReadStruct<Intent>(t.intent());
-  if (intent.valid) {
+  if (intent.valid && !IntentValid(t, intent)) {
+    problems.push_back(where + "has a corrupted allocator intent (op " + std::to_string(intent.op) + ", chunks " +
+                       std::to_string(intent.first) + " +" + std::to_string(intent.count) + " of " +
+                       std::to_string(t.chunks()) + "): allocation refuses to run; re-create the pool");
+  } else if (intent.valid) {
     problems.push_back(where + "has a pending allocator intent (a holder died mid-update; the next "
                        "allocation redoes it)");
+  }
+  if (t.has_inboxes()) {
+    for (uint32_t o = 0; o < max_nodes; ++o) {
+      for (uint32_t f = 0; f < max_nodes; ++f) {
+        uint64_t ring = t.inbox(o, f), tail = meta.Fetch(ring), head = meta.Fetch(ring + 64);
+        if (!RingSane(head, tail)) {
+          problems.push_back(where + "remote-free ring of node " + std::to_string(o) + " from node " +
+                             std::to_string(f) + " is corrupt (head " + std::to_string(head) + ", tail " +
+                             std::to_string(tail) + "); its frees are not applied");
+        }
+      }
+    }
   }
   for (uint64_t c = 0; c < t.chunks(); ++c) {
     uint64_t raw = meta.Fetch(t.owner(c));
@@ -125,7 +178,7 @@ void CheckChunks(Region& region, uint32_t region_index, uint32_t max_nodes,
     }
     if (raw != 0 && w.node >= max_nodes) problems.push_back(chunk + "owner node out of range");
     if (w.kind == ChunkKind::kLargeHead) {
-      if (w.detail == 0 || c + w.detail > t.chunks()) {
+      if (!t.RunInRange(c, w.detail)) {
         problems.push_back(chunk + "large run length " + std::to_string(w.detail) + " is out of range");
         continue;
       }
@@ -148,11 +201,12 @@ void CheckChunks(Region& region, uint32_t region_index, uint32_t max_nodes,
         if (w.kind == ChunkKind::kOrphanHeap) problems.push_back(chunk + "orphan heap chunk without a header");
         continue;
       }
-      HeapGeometry g = GeometryFor(t.chunk_bytes(), h.class_bytes);
-      if (h.slots != g.slots || h.first_slot != g.first_slot) {
-        problems.push_back(chunk + "heap header geometry is wrong");
+      if (!HeapHeaderValid(h, t.chunk_bytes())) {
+        problems.push_back(chunk + "heap header is corrupt (class " + std::to_string(h.class_bytes) + " bytes, " +
+                           std::to_string(h.slots) + " slots, " + std::to_string(h.used) + " used)");
         continue;
       }
+      HeapGeometry g = GeometryFor(t.chunk_bytes(), h.class_bytes);
       uint64_t set = 0;
       meta.Invalidate(base + 64, g.bitmap_bytes);
       for (uint64_t wd = 0; wd < (g.slots + 63) / 64; ++wd) set += std::popcount(meta.Load(base + 64 + wd * 8));
@@ -177,7 +231,9 @@ bool IsAllocated(Region& region, uint64_t off, uint32_t max_nodes) {
   uint64_t base = t.data_offset() + c * t.chunk_bytes();
   meta.Invalidate(base, 64);
   auto h = meta.ReadStruct<HeapHeader>(base);
-  if (h.magic != kHeapMagic || within < h.first_slot || (within - h.first_slot) % h.class_bytes) return false;
+  if (!HeapHeaderValid(h, t.chunk_bytes()) || within < h.first_slot || (within - h.first_slot) % h.class_bytes) {
+    return false;
+  }
   uint64_t slot = (within - h.first_slot) / h.class_bytes;
   if (slot >= h.slots) return false;
   return (meta.Fetch(base + 64 + (slot / 64) * 8) >> (slot % 64)) & 1;

@@ -48,6 +48,9 @@ inline uint32_t Inc20(uint64_t incarnation) { return static_cast<uint32_t>(incar
 // Remote-free ring (owner node o, freeing node f): single producer f, single consumer o.
 inline constexpr uint64_t kInboxEntries = 256;
 inline constexpr uint64_t kInboxBytes = 128 + kInboxEntries * 8;
+// A ring's head and tail are read from the region: a consumer walks [head, tail) only when it
+// holds at most kInboxEntries messages (a corrupted tail would otherwise loop for 2^64 steps).
+inline bool RingSane(uint64_t head, uint64_t tail) { return head <= tail && tail - head <= kInboxEntries; }
 
 struct Intent {
   uint64_t valid;     // commit word: 1 while the intent must be (re)applied
@@ -67,6 +70,14 @@ class ChunkTableLayout {
   ChunkTableLayout(const Region::Impl& region, uint32_t max_nodes);
 
   static uint64_t Bytes(uint64_t chunks, uint32_t max_nodes, bool with_inboxes);
+  // Checks the chunk-table area's parameter (chunk count) against its size and the data area,
+  // at attach. `first`: the pool's first region, which also holds the remote-free rings.
+  // Errors: kCorrupted naming the area, the value and what to do.
+  static Status Validate(const Region::Impl& region, uint32_t max_nodes, bool first);
+  // True when chunks [first, first + count) lie in the table and count >= 1.
+  bool RunInRange(uint64_t first, uint64_t count) const {
+    return count >= 1 && first < chunks_ && count <= chunks_ - first;
+  }
 
   bool valid() const { return chunks_ != 0; }
   uint64_t chunks() const { return chunks_; }
@@ -101,13 +112,25 @@ struct HeapHeader {
 static_assert(sizeof(HeapHeader) == 64);
 inline constexpr uint64_t kHeapMagic = 0x5041454856584c43ull;  // "CLXVHEAP"
 
+// Size classes of heap chunks: powers of two from 64 B to 256 KiB (alloc::kMaxHeapObject).
+inline constexpr uint64_t kMinClassBytes = 64;
+inline constexpr uint64_t kMaxClassBytes = uint64_t{256} << 10;
+
 // Slots, bitmap bytes and first-slot offset of a heap chunk of `class_bytes` objects.
+// REQUIRES: class_bytes is a size class and chunk_bytes > 2 * class_bytes.
 struct HeapGeometry {
   uint64_t slots, bitmap_bytes, first_slot;
 };
 HeapGeometry GeometryFor(uint64_t chunk_bytes, uint64_t class_bytes);
 
-// Applies an intent to region `r`'s table (idempotent).
+// True when a heap header read from the region can be used to index its chunk: magic, a size
+// class that fits the chunk, the geometry that class implies, used <= slots. Everything that
+// divides by class_bytes or walks the slot bitmap checks this first.
+bool HeapHeaderValid(const HeapHeader& h, uint64_t chunk_bytes);
+
+// Applies an intent to region `r`'s table (idempotent). Returns false, writing nothing, when
+// the intent's run or op is out of range (a corrupted record).
+bool IntentValid(const ChunkTableLayout& table, const Intent& intent);
 void ApplyIntent(region::MetaAccess& meta, const ChunkTableLayout& table, const Intent& intent);
 
 // Read-only accounting and invariant checks for `cxlkv stat` / `cxlkv check` (no lock taken:

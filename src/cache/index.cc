@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "region/region_internal.h"
+#include "sync/layout.h"
 
 namespace cxlkv::cache {
 
@@ -74,14 +75,50 @@ Result<IndexLayout> ReadLayout(Region& region) {
   IndexLayout l;
   l.area_offset = area->offset;
   l.h = meta.ReadStruct<IndexHeader>(area->offset);
-  if (l.h.magic != kIndexMagic) return Corrupted("prefix index header has a bad magic: the region is damaged");
+  const std::string where = "region " + region.info().path + " area index";
+  const std::string recreate = ": re-create the pool with 'cxlkv init' (its cached blocks are lost)";
+  if (l.h.magic != kIndexMagic) {
+    return Corrupted(where + ": the prefix index header has a bad magic: the region is damaged" + recreate);
+  }
   if (l.h.version != kIndexVersion) {
     return VersionMismatch("prefix index version " + std::to_string(l.h.version) + ", this build reads " +
                            std::to_string(kIndexVersion) + ": re-create the pool or use a matching cxlkv");
   }
-  if (l.h.stripes == 0 || l.h.slots_per_stripe == 0 || l.h.max_nodes == 0 ||
-      l.h.counters_offset + uint64_t{l.h.max_nodes} * kCounterRowBytes > area->offset + area->size) {
-    return Corrupted("prefix index header describes parts outside its area: the region is damaged");
+  // Every value below is used to index the region: check each against what init would have
+  // planned (issue 12: values read from the region are untrusted in every build).
+  auto bad = [&](const std::string& field, uint64_t value, const std::string& expected) {
+    return Corrupted(where + " is corrupt: prefix index header field " + field + " is " + std::to_string(value) +
+                     ", expected " + expected + recreate);
+  };
+  const uint32_t region_nodes = region.info().max_nodes;
+  if (l.h.max_nodes != region_nodes) {
+    return bad("max_nodes", l.h.max_nodes, std::to_string(region_nodes) + " (the region's node count)");
+  }
+  if (l.h.stripes == 0 || l.h.stripes > 4096) return bad("stripes", l.h.stripes, "1..4096");
+  if (l.h.slots_per_stripe == 0 || l.entries() > (uint64_t{1} << 26)) {
+    return bad("slots_per_stripe", l.h.slots_per_stripe, "1.. with at most 64 Mi entries in all");
+  }
+  const auto* locks = region.impl().find_area(region::AreaKind::kLockArray);
+  const uint64_t max_locks = locks != nullptr ? locks->param : 0;
+  if (l.h.lock_base < sync::kReservedLocks || uint64_t{l.h.lock_base} + l.h.stripes + 1 > max_locks) {
+    return bad("lock_base", l.h.lock_base,
+               "stripe locks inside the lock array of " + std::to_string(max_locks) + " locks");
+  }
+  if (l.h.high_watermark_pct > 100 || l.h.low_watermark_pct > l.h.high_watermark_pct) {
+    return bad("high_watermark_pct", l.h.high_watermark_pct, "low <= high <= 100");
+  }
+  const uint64_t all = l.entries();
+  const uint64_t ns = area->offset + kIndexHeaderBytes;
+  const uint64_t entries = ns + kMaxNamespaces * sizeof(NamespaceSlot);
+  const uint64_t pins = entries + all * sizeof(Entry);
+  const uint64_t counters = pins + uint64_t{l.h.max_nodes} * all * 8;
+  if (l.h.namespaces_offset != ns) return bad("namespaces_offset", l.h.namespaces_offset, std::to_string(ns));
+  if (l.h.entries_offset != entries) return bad("entries_offset", l.h.entries_offset, std::to_string(entries));
+  if (l.h.pins_offset != pins) return bad("pins_offset", l.h.pins_offset, std::to_string(pins));
+  if (l.h.counters_offset != counters) return bad("counters_offset", l.h.counters_offset, std::to_string(counters));
+  if (counters + uint64_t{l.h.max_nodes} * kCounterRowBytes > area->offset + area->size) {
+    return bad("slots_per_stripe", l.h.slots_per_stripe,
+               "an index that fits its area of " + std::to_string(area->size) + " bytes");
   }
   return l;
 }
@@ -177,6 +214,13 @@ Result<LookupResult> Index::Lookup(const NamespaceHandle& ns, std::span<const Bl
                              "ChainKeys/KeyFromEngineHash of the namespace you look up in");
     }
     if (StateOf(e.state) != kReady) break;
+    // Untrusted (issue 12): a READY entry's payload is handed out as a pointer; it must lie in
+    // a data area of this pool, or the region is damaged.
+    if (e.bytes == 0 || !allocator_.Contains(alloc::ObjectOffset(e.payload), e.bytes)) [[unlikely]] {
+      return Corrupted("index slot " + std::to_string(slot) + " names payload " + std::to_string(e.payload) +
+                       " of " + std::to_string(e.bytes) + " bytes outside the pool's data areas: the "
+                       "region is damaged; run 'cxlkv check'");
+    }
     slots.push_back(slot);
     states.push_back(e.state);
     out.pins.push_back(BlockPin{static_cast<uint32_t>(slot), GenOf(e.state), e.payload, e.bytes, e.tier, e.checksum});

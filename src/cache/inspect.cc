@@ -7,6 +7,7 @@
 #include "cache/index.h"
 #include "region/offset.h"
 #include "region/region_internal.h"
+#include "util/units.h"
 
 namespace cxlkv::cache {
 namespace {
@@ -115,8 +116,8 @@ nlohmann::json Stat(Region& first, const std::vector<NodeStatus>& nodes) {
     const NamespaceSlot& ns = s.namespaces[i];
     if (ns.state != 2) continue;
     j["namespaces"].push_back({{"id", i},
-                               {"model", std::string(ns.model_id, strnlen(ns.model_id, sizeof ns.model_id))},
-                               {"extra", std::string(ns.extra_key, strnlen(ns.extra_key, sizeof ns.extra_key))},
+                               {"model", util::PrintableName(ns.model_id, sizeof ns.model_id)},
+                               {"extra", util::PrintableName(ns.extra_key, sizeof ns.extra_key)},
                                {"block_tokens", ns.layout.block_size},
                                {"block_bytes", ns.block_bytes},
                                {"layers", ns.layout.num_layers},

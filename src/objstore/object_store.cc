@@ -13,6 +13,18 @@ ObjectStore::ObjectStore(Region& region, sync::Node* node) : region_(region), no
   }
 }
 
+Status ObjectStore::ValidateArea(Region& region) {
+  const auto* area = region.impl().find_area(region::AreaKind::kObjectStore);
+  if (area == nullptr) return Status::Ok();
+  if (area->param < 1 || area->param > (uint64_t{1} << 24) ||
+      StoreBytes(static_cast<uint32_t>(area->param)) > area->size) {
+    return Corrupted("region " + region.info().path + " area object-store is corrupt: parameter " +
+                     std::to_string(area->param) + " roots does not fit its " + std::to_string(area->size) +
+                     " bytes: re-create the pool with 'cxlkv init'");
+  }
+  return Status::Ok();
+}
+
 Status ObjectStore::CheckName(std::string_view name) const {
   if (max_roots_ == 0) return InvalidArgument("region has no object store");
   if (name.empty()) return InvalidArgument("a root name cannot be empty");

@@ -44,7 +44,12 @@ inline uint64_t StoreBytes(uint32_t max_roots) { return uint64_t{max_roots} * si
 
 class ObjectStore {
  public:
+  // Checks the object-store area's parameter (root count) against its size, at attach.
+  // Errors: kCorrupted naming the area and the value. A region without the area is fine.
+  static Status ValidateArea(Region& region);
+
   // Read-only use (listing) needs no node; put/get/destroy take the object-store lock.
+  // REQUIRES: ValidateArea(region) passed.
   ObjectStore(Region& region, sync::Node* node);
 
   // Errors: kInvalidArgument (empty name, longer than kMaxNameBytes, null offset),

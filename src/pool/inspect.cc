@@ -6,6 +6,7 @@
 #include "region/region_internal.h"
 #include "sync/layout.h"
 #include "sync/node.h"
+#include "util/units.h"
 
 namespace cxlkv::pool {
 namespace {
@@ -86,7 +87,9 @@ nlohmann::json Stat(std::vector<std::unique_ptr<Region>>& regions, uint32_t watc
   objstore::ObjectStore store(first, nullptr);
   j["roots"] = nlohmann::json::array();
   for (const auto& r : store.List()) {
-    j["roots"].push_back({{"name", r.name}, {"offset", r.offset}, {"size", r.size}});
+    // Names are read from the region: printable only, or the JSON dump would throw.
+    j["roots"].push_back({{"name", util::PrintableName(r.name.data(), r.name.size())},
+                          {"offset", r.offset}, {"size", r.size}});
   }
   j["cache"] = cache::Stat(first, Statuses(before, after));
   uint64_t allocated_bytes = 0;
@@ -112,7 +115,7 @@ std::vector<std::string> Check(std::vector<std::unique_ptr<Region>>& regions, ui
     region::Offset<void> off(r.offset);
     if (off.region_index() >= regions.size() ||
         !alloc::IsAllocated(*regions[off.region_index()], off.byte_offset(), max_nodes)) {
-      problems.push_back("root '" + r.name + "' points at unallocated space (offset " +
+      problems.push_back("root '" + util::PrintableName(r.name.data(), r.name.size()) + "' points at unallocated space (offset " +
                          std::to_string(r.offset) + ")");
     }
   }

@@ -61,7 +61,10 @@ Status Pool::Create(const std::vector<std::string>& paths, const PoolCreateOptio
   const uint32_t total_locks = options.max_locks + (options.index ? cache::IndexLocks(index) : 0);
   // An upper bound: the data area is smaller than the region by the metadata before it.
   const uint64_t chunks = options.size / (options.chunk_bytes ? options.chunk_bytes : 1);
+  // One random pool id for all regions; each records its position (layout version 4).
+  region::PoolIdentity identity = region::NewPoolIdentity(static_cast<uint32_t>(paths.size()));
   for (size_t i = 0; i < paths.size(); ++i) {
+    identity.index = static_cast<uint32_t>(i);
     std::vector<region::AreaRequest> areas;
     if (i == 0) {
       areas.push_back({region::AreaKind::kLockArray,
@@ -74,7 +77,7 @@ Status Pool::Create(const std::vector<std::string>& paths, const PoolCreateOptio
                        options.max_roots});
       if (options.index) areas.push_back({region::AreaKind::kIndex, cache::IndexAreaBytes(index), 0});
     }
-    auto r = region::CreateRegion(paths[i], ro, region::Platform::Default(), areas);
+    auto r = region::CreateRegion(paths[i], ro, region::Platform::Default(), areas, &identity);
     if (!r.ok()) return r.status();
     if (i == 0 && options.index) WriteIndexHeader(**r, index, total_locks);
   }
@@ -88,21 +91,47 @@ Result<std::vector<std::unique_ptr<Region>>> AttachAll(const std::vector<std::st
   std::vector<std::unique_ptr<Region>> regions;
   for (const std::string& p : paths) {
     CXLKV_ASSIGN_OR_RETURN(auto r, Region::Attach(p, attach));
-    if (!r->impl().find_area(region::AreaKind::kChunkTable)) {
-      return InvalidArgument("region " + p + " was not made as part of a pool (no chunk table): "
-                             "create it with 'cxlkv init'");
+    const RegionInfo& info = r->info();
+    const uint32_t position = static_cast<uint32_t>(regions.size());
+    // Identity first: a foreign or misplaced region is named as such, not as a mismatch.
+    if (!regions.empty() && info.pool_id != regions[0]->info().pool_id) {
+      return InvalidArgument("region " + p + " belongs to another pool (pool id " + info.pool_id + ") than " +
+                             regions[0]->info().path + " (pool id " + regions[0]->info().pool_id +
+                             "): pass the regions of one pool, in the order 'cxlkv init --path' was given");
     }
-    if (!regions.empty() && (r->info().max_nodes != regions[0]->info().max_nodes ||
-                             r->info().chunk_bytes != regions[0]->info().chunk_bytes)) {
-      return InvalidArgument("region " + p + " does not match the pool's first region (node count "
-                             "or chunk size differ)");
+    if (info.pool_index != position) {
+      return InvalidArgument("region " + p + " is region " + std::to_string(info.pool_index) + " of its pool of " +
+                             std::to_string(info.pool_regions) + " but was given as region " +
+                             std::to_string(position) + ": pass the paths in the order 'cxlkv init --path' "
+                             "was given");
+    }
+    if (info.pool_regions != paths.size()) {
+      return InvalidArgument("region " + p + " belongs to a pool of " + std::to_string(info.pool_regions) +
+                             " regions, but " + std::to_string(paths.size()) + " path" +
+                             (paths.size() == 1 ? " was" : "s were") + " given: pass all of them, in order");
+    }
+    if (!regions.empty() && (info.max_nodes != regions[0]->info().max_nodes ||
+                             info.chunk_bytes != regions[0]->info().chunk_bytes)) {
+      return Corrupted("region " + p + " does not match the pool's first region (node count "
+                       "or chunk size differ) although it has its pool id: re-create the pool");
+    }
+    // Each area checks its parameters before anything indexes with them.
+    CXLKV_RETURN_IF_ERROR(alloc::ChunkTableLayout::Validate(r->impl(), info.max_nodes, position == 0));
+    if (position == 0) {
+      const auto* locks = r->impl().find_area(region::AreaKind::kLockArray);
+      if (locks == nullptr) {
+        return InvalidArgument("the first path must be the pool's first region (it holds the locks)");
+      }
+      CXLKV_RETURN_IF_ERROR(sync::ValidateLockArea(*locks, info.max_nodes, p));
+      CXLKV_RETURN_IF_ERROR(objstore::ObjectStore::ValidateArea(*r));
+      if (!r->impl().find_area(region::AreaKind::kObjectStore) ||
+          !r->impl().find_area(region::AreaKind::kNodeTable)) {
+        return InvalidArgument("region " + p + " lacks the object store: create the pool with 'cxlkv init'");
+      }
     }
     regions.push_back(std::move(r));
   }
   if (regions.empty()) return InvalidArgument("a pool needs at least one region path");
-  if (!regions[0]->impl().find_area(region::AreaKind::kLockArray)) {
-    return InvalidArgument("the first path must be the pool's first region (it holds the locks)");
-  }
   return regions;
 }
 

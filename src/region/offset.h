@@ -4,7 +4,7 @@
 // An Offset<T> is 64 bits: bits [55:0] are a byte offset from the start of one region, bits
 // [63:56] name which region of an interleaved pool (0 for a single-region pool). The raw value 0
 // is null: byte 0 of region 0 is the superblock, never an object. Conversion to a pointer needs
-// the mapping's base and is bounds-checked in debug builds (ToPtr below).
+// the mapping's base and is bounds-checked in every build (ToPtr below).
 #ifndef CXLKV_SRC_REGION_OFFSET_H_
 #define CXLKV_SRC_REGION_OFFSET_H_
 
@@ -51,20 +51,17 @@ static_assert(sizeof(Offset<int>) == 8);
 static_assert(std::is_standard_layout_v<Offset<int>>);
 static_assert(std::is_trivially_copyable_v<Offset<int>>);
 
-// Converts `off` to a pointer into the mapping [base, base+size) of its region. In debug builds
-// an offset whose object would not fit in the mapping aborts with the offending value: such an
-// offset is a bug or a corrupted region, and following it would scribble over someone's data.
+// Converts `off` to a pointer into the mapping [base, base+size) of its region. In every build
+// (offsets are read from shared memory: issue 12) an offset whose object would not fit in the
+// mapping aborts with the offending value: following it would scribble over someone's data.
+// Code that decodes an offset from the region checks it first and returns kCorrupted.
 template <typename T>
 T* ToPtr(uint8_t* base, uint64_t size, Offset<T> off) {
-#ifndef NDEBUG
-  if (off.is_null() || off.byte_offset() > size || sizeof(T) > size - off.byte_offset()) {
+  if (off.is_null() || off.byte_offset() > size || sizeof(T) > size - off.byte_offset()) [[unlikely]] {
     std::fprintf(stderr, "cxlkv: offset 0x%llx out of bounds of a %llu-byte region\n",
                  static_cast<unsigned long long>(off.raw()), static_cast<unsigned long long>(size));
     std::abort();
   }
-#else
-  (void)size;
-#endif
   return reinterpret_cast<T*>(base + off.byte_offset());
 }
 

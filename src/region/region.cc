@@ -2,6 +2,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -61,16 +62,14 @@ const AreaDesc& Region::Impl::area(AreaKind kind) const {
 }
 
 uint8_t* Region::Impl::PayloadPtr(uint64_t byte_offset, uint64_t len) const {
-#ifndef NDEBUG
-  if (byte_offset > sb_.region_size || len > sb_.region_size - byte_offset) {
+  // Every build (issue 12): offsets come from the region; callers validate them first and
+  // return kCorrupted, so reaching the abort means a decode site lacks its check.
+  if (byte_offset > sb_.region_size || len > sb_.region_size - byte_offset) [[unlikely]] {
     std::fprintf(stderr, "cxlkv: payload [%llu, +%llu) outside region of %llu bytes\n",
                  static_cast<unsigned long long>(byte_offset), static_cast<unsigned long long>(len),
                  static_cast<unsigned long long>(sb_.region_size));
     std::abort();
   }
-#else
-  (void)len;
-#endif
   return mapping_.base() + byte_offset;
 }
 
@@ -91,6 +90,9 @@ RegionInfo MakeInfo(const std::string& path, BackendKind backend, CoherenceMode 
   info.numa_node = sb.numa_node;
   info.created_unix_ns = sb.created_unix_ns;
   info.region_id = util::HexBytes(sb.region_id, sizeof(sb.region_id));
+  info.pool_id = util::HexBytes(sb.pool_id, sizeof(sb.pool_id));
+  info.pool_index = sb.pool_index;
+  info.pool_regions = sb.pool_regions;
   info.checksum = sb.checksum;
   for (uint32_t i = 0; i < sb.area_count; ++i) {
     info.areas.push_back(AreaInfo{std::string(AreaKindName(static_cast<AreaKind>(sb.areas[i].kind))),
@@ -102,17 +104,24 @@ RegionInfo MakeInfo(const std::string& path, BackendKind backend, CoherenceMode 
 
 // Writes a fresh superblock and zeroed metadata areas into `base`. The magic is stored last,
 // after everything else is flushed, so a crash mid-format leaves a region Attach refuses.
-void Format(uint8_t* base, Superblock sb) {
+void RandomBytes(uint8_t* out, size_t n) {
+  std::random_device rd;
+  for (size_t i = 0; i < n; i += 4) {
+    uint32_t r = rd();
+    std::memcpy(out + i, &r, std::min<size_t>(4, n - i));
+  }
+}
+
+void Format(uint8_t* base, Superblock sb, const PoolIdentity& pool) {
   const AreaDesc* data = FindArea(sb, AreaKind::kData);
   uint64_t metadata_end = data != nullptr ? data->offset : sb.region_size;
   std::memset(base, 0, metadata_end);
   FlushLines(base, metadata_end);
 
-  std::random_device rd;
-  for (size_t i = 0; i < sizeof(sb.region_id); i += 4) {
-    uint32_t r = rd();
-    std::memcpy(sb.region_id + i, &r, 4);
-  }
+  RandomBytes(sb.region_id, sizeof(sb.region_id));
+  std::memcpy(sb.pool_id, pool.id, sizeof(sb.pool_id));
+  sb.pool_index = pool.index;
+  sb.pool_regions = pool.regions;
   sb.created_unix_ns = static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(
           std::chrono::system_clock::now().time_since_epoch()).count());
@@ -136,7 +145,8 @@ uint64_t SimSeedFor(const RegionAttachOptions& options) {
 Result<std::unique_ptr<Region>> CreateOnDevDax(const std::string& path,
                                                const RegionCreateOptions& options,
                                                Platform& platform,
-                                               const std::vector<AreaRequest>& areas) {
+                                               const std::vector<AreaRequest>& areas,
+                                               const PoolIdentity& pool) {
   // OpenBacking only opens and sizes the device; a brand-new device holds garbage, which is fine.
   auto mapping = OpenBacking(path, platform);
   if (!mapping.ok()) return mapping.status();
@@ -156,7 +166,7 @@ Result<std::unique_ptr<Region>> CreateOnDevDax(const std::string& path,
                          "(its contents are lost)");
   }
   CXLKV_ASSIGN_OR_RETURN(Superblock sb, PlanLayout(size, options, areas));
-  Format(mapping->base(), sb);
+  Format(mapping->base(), sb, pool);
   Superblock formatted;
   std::memcpy(&formatted, mapping->base(), sizeof(formatted));
   RegionInfo info = MakeInfo(path, BackendKind::kDevDax, CoherenceMode::kSoftware, formatted);
@@ -166,12 +176,27 @@ Result<std::unique_ptr<Region>> CreateOnDevDax(const std::string& path,
 
 }  // namespace
 
+PoolIdentity NewPoolIdentity(uint32_t regions) {
+  PoolIdentity id;
+  RandomBytes(id.id, sizeof(id.id));
+  id.regions = regions;
+  return id;
+}
+
 Result<std::unique_ptr<Region>> CreateRegion(const std::string& path,
                                              const RegionCreateOptions& options,
                                              Platform& platform,
-                                             const std::vector<AreaRequest>& areas) {
+                                             const std::vector<AreaRequest>& areas,
+                                             const PoolIdentity* pool_in) {
   if (path.empty()) return InvalidArgument("region path is empty");
-  if (IsDevDaxPath(path) || platform.IsCharDevice(path)) return CreateOnDevDax(path, options, platform, areas);
+  const PoolIdentity pool = pool_in != nullptr ? *pool_in : NewPoolIdentity(1);
+  if (pool.regions == 0 || pool.index >= pool.regions) {
+    return InvalidArgument("region " + std::to_string(pool.index) + " of a pool of " +
+                           std::to_string(pool.regions) + " is out of range");
+  }
+  if (IsDevDaxPath(path) || platform.IsCharDevice(path)) {
+    return CreateOnDevDax(path, options, platform, areas, pool);
+  }
 
   if (options.size == 0) {
     return InvalidArgument("a file region needs a size (e.g. --size 1G); only /dev/daxX.Y "
@@ -199,7 +224,7 @@ Result<std::unique_ptr<Region>> CreateRegion(const std::string& path,
   std::string staging = path + ".init-" + std::to_string(::getpid());
   CXLKV_ASSIGN_OR_RETURN(Mapping mapping,
                          CreateFileBacking(staging, options.size, options.numa_node, platform));
-  Format(mapping.base(), sb);
+  Format(mapping.base(), sb, pool);
   int rc = options.overwrite ? platform.Rename(staging, path)
                              : platform.RenameNoReplace(staging, path);
   if (rc < 0) {

@@ -48,10 +48,14 @@ namespace region {
 
 // Create/Attach with an explicit Platform (tests inject faults through it).
 // `areas`: the areas the layers above need (placed between the node table and the data area).
+// `pool`: the pool this region is part of; null: a pool of one with a fresh random id.
 Result<std::unique_ptr<Region>> CreateRegion(const std::string& path,
                                              const RegionCreateOptions& options,
                                              Platform& platform,
-                                             const std::vector<AreaRequest>& areas = {});
+                                             const std::vector<AreaRequest>& areas = {},
+                                             const PoolIdentity* pool = nullptr);
+// A fresh random pool id.
+PoolIdentity NewPoolIdentity(uint32_t regions);
 Result<std::unique_ptr<Region>> AttachRegion(const std::string& path,
                                              const RegionAttachOptions& options,
                                              Platform& platform);

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "region/offset.h"
 #include "util/units.h"
 
 namespace cxlkv::region {
@@ -14,6 +15,53 @@ namespace {
 constexpr uint64_t kAreaAlign = 4096;
 
 uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+// The region layer's own parameters: everything later code indexes with. Reached only when the
+// checksum matched, so a failure here means the superblock was written wrong (or forged with a
+// valid checksum), not a stray bit flip.
+Status ValidateRegionParams(const Superblock& sb, const std::string& path, const std::string& recreate) {
+  auto bad = [&](const std::string& what) {
+    return Corrupted("region " + path + " " + what + recreate);
+  };
+  if (sb.max_nodes < 1 || sb.max_nodes > kMaxNodes) {
+    return bad("superblock names " + std::to_string(sb.max_nodes) + " nodes (1.." +
+               std::to_string(kMaxNodes) + " allowed)");
+  }
+  if (sb.chunk_bytes < kAreaAlign || (sb.chunk_bytes & (sb.chunk_bytes - 1)) != 0 ||
+      sb.chunk_bytes > sb.region_size) {
+    return bad("superblock names a chunk size of " + std::to_string(sb.chunk_bytes) +
+               " bytes (a power of two >= 4 KiB, within the region, expected)");
+  }
+  if (sb.pool_regions < 1 || sb.pool_regions > kMaxPoolRegions || sb.pool_index >= sb.pool_regions) {
+    return bad("superblock says it is region " + std::to_string(sb.pool_index) + " of a pool of " +
+               std::to_string(sb.pool_regions) + " (at most " + std::to_string(kMaxPoolRegions) + ")");
+  }
+  for (uint32_t i = 0; i < sb.area_count; ++i) {
+    if (sb.areas[i].kind == 0 || sb.areas[i].kind > static_cast<uint32_t>(AreaKind::kData)) {
+      return bad("area " + std::to_string(i) + " has unknown kind " + std::to_string(sb.areas[i].kind));
+    }
+  }
+  const AreaDesc* nodes = FindArea(sb, AreaKind::kNodeTable);
+  if (nodes == nullptr || nodes->param != sb.max_nodes ||
+      nodes->size < uint64_t{sb.max_nodes} * kNodeLineBytes) {
+    return bad("area node-table is corrupt: " +
+               (nodes == nullptr ? std::string("missing")
+                                 : "parameter " + std::to_string(nodes->param) + ", size " +
+                                       std::to_string(nodes->size) + " for " +
+                                       std::to_string(sb.max_nodes) + " nodes"));
+  }
+  const AreaDesc* data = FindArea(sb, AreaKind::kData);
+  if (data == nullptr || data->offset % sb.chunk_bytes != 0 || data->size % sb.chunk_bytes != 0 ||
+      data->param != data->size / sb.chunk_bytes || data->param == 0) {
+    return bad("area data is corrupt: " +
+               (data == nullptr ? std::string("missing")
+                                : "offset " + std::to_string(data->offset) + ", size " +
+                                      std::to_string(data->size) + ", parameter " +
+                                      std::to_string(data->param) + " chunks of " +
+                                      std::to_string(sb.chunk_bytes) + " bytes"));
+  }
+  return Status::Ok();
+}
 
 }  // namespace
 
@@ -125,6 +173,7 @@ Status ValidateSuperblock(const void* raw, uint64_t file_size, const std::string
     }
     prev_end = a.offset + a.size;
   }
+  CXLKV_RETURN_IF_ERROR(ValidateRegionParams(sb, path, recreate));
   *out = sb;
   return Status::Ok();
 }

@@ -5,7 +5,9 @@
 //   1  superblock + node table + data area.
 //   2  areas carry a parameter; lock array, chunk table, object store (sync/alloc/objstore).
 //   3  prefix index area (cache layer); the lock array also holds the index's stripe locks.
-//   4  node lines publish one life word; manager line one holder word; per-node lock doorbells.
+//   4  node lines publish one life word; manager line one holder word; per-node lock doorbells;
+//      pool identity: pool id (random 128-bit at pool creation), this region's index in the
+//      pool and the pool's region count, so a foreign or reordered region is refused.
 #ifndef CXLKV_SRC_REGION_SUPERBLOCK_H_
 #define CXLKV_SRC_REGION_SUPERBLOCK_H_
 
@@ -61,13 +63,17 @@ struct Superblock {
   uint64_t chunk_bytes;
   int32_t numa_node;          // -1: not bound
   uint32_t reserved0;
-  uint64_t reserved[7];
+  uint8_t pool_id[16];        // random at pool creation; the same in every region of a pool
+  uint32_t pool_index;        // this region's position in its pool (0: the first region)
+  uint32_t pool_regions;      // regions in the pool (>= 1)
+  uint64_t reserved[4];
   AreaDesc areas[kMaxAreas];
   uint64_t checksum;          // xxh3-64 of every byte before this field
 };
 // The version and magic must stay where every past and future build looks for them.
 static_assert(offsetof(Superblock, magic) == 0);
 static_assert(offsetof(Superblock, layout_version) == 8);
+static_assert(offsetof(Superblock, pool_id) == 72);
 static_assert(offsetof(Superblock, areas) == 128);
 static_assert(offsetof(Superblock, checksum) == 128 + 32 * kMaxAreas);
 static_assert(sizeof(Superblock) == 648);
@@ -75,6 +81,14 @@ static_assert(sizeof(Superblock) <= kSuperblockBytes);
 static_assert(std::is_standard_layout_v<Superblock> && std::is_trivially_copyable_v<Superblock>);
 
 uint64_t SuperblockChecksum(const Superblock& sb);
+
+// Which pool a region belongs to and where in it (layout version 4). Region::Create of a lone
+// region makes a pool of one with a random id.
+struct PoolIdentity {
+  uint8_t id[16];
+  uint32_t index = 0;
+  uint32_t regions = 1;
+};
 
 // Lays out the areas of a region of `size` bytes for `options`; fills every field but
 // created_unix_ns, region_id and checksum. Fails with kInvalidArgument when the options do not
@@ -89,7 +103,9 @@ Result<Superblock> PlanLayout(uint64_t size, const RegionCreateOptions& options,
                               const std::vector<AreaRequest>& extra = {});
 
 // Validates the raw superblock bytes of a region mapped from a file of `file_size` bytes at
-// `path`; the message names what is wrong and what to do. On success fills *out.
+// `path`; the message names what is wrong and what to do. On success fills *out. Besides the
+// header and the area table it checks the region layer's own parameters (node count, chunk
+// size, pool position, node table and data area): every value it passes is safe to index with.
 Status ValidateSuperblock(const void* raw, uint64_t file_size, const std::string& path,
                           Superblock* out);
 

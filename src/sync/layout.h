@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "region/superblock.h"
@@ -128,6 +129,19 @@ class LockArrayLayout {
   uint32_t max_nodes_;
   uint32_t max_locks_;
 };
+
+// Checks a lock-array area's parameter (its lock count) against its size, at attach: every lock
+// number below the parameter is then safe to index with. The message names the area, the value
+// and what to do.
+inline Status ValidateLockArea(const region::AreaDesc& a, uint32_t max_nodes, const std::string& path) {
+  if (a.param <= kReservedLocks || a.param > (uint64_t{1} << 20) ||
+      LockArrayLayout::Bytes(max_nodes, static_cast<uint32_t>(a.param)) > a.size) {
+    return Corrupted("region " + path + " area lock-array is corrupt: parameter " + std::to_string(a.param) +
+                     " locks does not fit its " + std::to_string(a.size) + " bytes for " +
+                     std::to_string(max_nodes) + " nodes: re-create the pool with 'cxlkv init'");
+  }
+  return Status::Ok();
+}
 
 }  // namespace cxlkv::sync
 

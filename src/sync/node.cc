@@ -57,6 +57,7 @@ Result<std::unique_ptr<Node>> Node::Join(Region& region, const NodeOptions& opti
     return InvalidArgument("region " + info.path + " has no lock array: it is a data-only region "
                            "of a pool; join the pool's first region");
   }
+  CXLKV_RETURN_IF_ERROR(ValidateLockArea(*locks, info.max_nodes, info.path));
   LockArrayLayout layout(locks->offset, info.max_nodes, static_cast<uint32_t>(locks->param));
   // Node-local files of regions and nodes nobody uses any more go (kill -9 leaves them).
   LocalNode::SweepUnused(LocalNode::PathFor(info.region_id, options.node_id));

@@ -2,6 +2,7 @@
 
 #include <cctype>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 
 namespace cxlkv::util {
@@ -73,6 +74,14 @@ std::string HexBytes(const uint8_t* p, size_t n) {
     s += kDigits[p[i] & 15];
   }
   return s;
+}
+
+std::string PrintableName(const char* p, size_t n) {
+  std::string out(p, strnlen(p, n));
+  for (char& c : out) {
+    if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) > 0x7e) c = '?';
+  }
+  return out;
 }
 
 }  // namespace cxlkv::util

@@ -22,6 +22,10 @@ std::string Hex64(uint64_t v);
 // Lower-case hex of a byte string.
 std::string HexBytes(const uint8_t* p, size_t n);
 
+// A name read from the region (up to the first NUL, at most `n` bytes) with every byte that is
+// not printable ASCII replaced by '?': safe to print and to put in JSON (which must be UTF-8).
+std::string PrintableName(const char* p, size_t n);
+
 }  // namespace cxlkv::util
 
 #endif  // CXLKV_SRC_UTIL_UNITS_H_
