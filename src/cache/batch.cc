@@ -185,7 +185,21 @@ Result<std::vector<KeyReservation>> Index::ReserveMany(const NamespaceHandle& ns
 
   // 3. Payloads, before any stripe lock (lock order: stripe above allocator).
   std::vector<uint64_t> payload(keys.size(), 0);
-  {
+  bool batched = false;
+  if (!todo.empty()) {
+    // Below the high watermark the whole batch is one AllocMany (one chunk-lease refill at
+    // most); otherwise one at a time, evicting as needed.
+    const uint64_t want = bytes * todo.size();
+    const uint64_t high = capacity_ / 100 * layout_.h.high_watermark_pct;
+    if (want / todo.size() == bytes && UsedBytes() + want <= high) {
+      auto many = allocator_.AllocMany(bytes, todo.size());
+      if (many.ok()) {
+        for (size_t k = 0; k < todo.size(); ++k) payload[todo[k]] = (*many)[k].raw();
+        batched = true;
+      }
+    }
+  }
+  if (!batched) {
     std::vector<size_t> placed;
     placed.reserve(todo.size());
     for (size_t i : todo) {
