@@ -100,6 +100,41 @@ struct Reservation {
   bool open = false;
 };
 
+// Per-key outcome of a batched reserve (KvCache::ReserveMany). The batch keeps the single-key
+// semantics: each key ends exactly as Reserve would have left it.
+enum class ReserveOutcome : uint8_t {
+  kReserved = 0,       // WRITING, owned by this process: `reservation` is open
+  kAlreadyCached = 1,  // READY already: nothing to do (Reserve's kAlreadyExists)
+  kBusy = 2,           // being written (writer_node/writer_incarnation name the writer; a key
+                       // repeated within one batch is busy with this node as its writer) or
+                       // being evicted (writer_incarnation 0)
+  kError = 3,          // `status` says why (kNoSpace, kInvalidArgument...)
+};
+
+struct KeyReservation {
+  ReserveOutcome outcome = ReserveOutcome::kError;
+  Reservation reservation;          // open iff kReserved
+  Status status;                    // kBusy/kAlreadyCached/kError: Reserve's status
+  uint32_t writer_node = 0;         // kBusy while WRITING: the writer
+  uint64_t writer_incarnation = 0;  // its life; 0 when evicting
+};
+
+// What a lock-free Peek saw of a key (a snapshot: may change at once).
+enum class PeekState : uint8_t {
+  kAbsent = 0,    // no entry (or a tombstone)
+  kWriting = 1,   // being written: writer_node / writer_incarnation name the writer
+  kReady = 2,     // published
+  kOther = 3,     // being evicted
+};
+
+struct KeyPeek {
+  PeekState state = PeekState::kAbsent;
+  uint32_t writer_node = 0;         // kWriting: the writer
+  uint64_t writer_incarnation = 0;  // kWriting: the writer's life
+  bool writer_live = false;         // kWriting: that life is live in this process's view (a
+                                    // dead writer's entry is reclaimed by the next Reserve)
+};
+
 class KvCache {
  public:
   // Over the decentralized index (Pool::Cache) or, later, a client of the metadata service.
@@ -126,6 +161,20 @@ class KvCache {
   // names the writer node), kInvalidArgument (size 0, not the namespace's block size, larger
   // than a region), kNoSpace (pool full of pinned or in-flight blocks).
   Result<Reservation> Reserve(const NamespaceHandle& ns, const BlockKey& key, uint64_t bytes);
+  // Reserve for every key of a batch: payloads allocated first, then one stripe lock per stripe
+  // touched (ascending) and one flush batch per stripe. One outcome per key, in key order.
+  // Errors (the whole batch, nothing reserved): kInvalidArgument (bad size, stale handle).
+  Result<std::vector<KeyReservation>> ReserveMany(const NamespaceHandle& ns, std::span<const BlockKey> keys,
+                                                  uint64_t bytes);
+  // Commits every open reservation (lock-free; one flush batch for the fields, one for the
+  // states). All are attempted; returns the first error (a reservation reclaimed because this
+  // node was presumed dead). Every reservation is closed afterwards.
+  Status CommitMany(std::span<Reservation> rs);
+  // Aborts every open reservation: one stripe lock per stripe touched. Returns the first error.
+  Status AbortMany(std::span<Reservation> rs);
+  // Per key, what the index holds now, without a lock, a pin or a write (P2 invalidates only).
+  Result<std::vector<KeyPeek>> Peek(const NamespaceHandle& ns, std::span<const BlockKey> keys);
+
   // Non-temporal copy into bytes [at, at+n) of the reserved payload.
   Status Write(Reservation& r, uint64_t at, const void* src, uint64_t bytes);
   Status Commit(Reservation& r);

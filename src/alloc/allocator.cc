@@ -17,9 +17,14 @@ uint32_t ClassFor(uint64_t bytes) {
 
 }  // namespace
 
-Allocator::Allocator(std::vector<Region*> regions, sync::Node& node)
+Allocator::Allocator(std::vector<Region*> regions, sync::Node& node, AllocatorOptions options)
     : regions_(std::move(regions)), node_(node), max_nodes_(regions_[0]->info().max_nodes) {
   for (Region* r : regions_) tables_.emplace_back(r->impl(), max_nodes_);
+  lease_lines_ = (uint64_t{options.lease_chunks} + kLeaseLineChunks - 1) / kLeaseLineChunks;
+  // A lease is whole 64-byte lines of owner words (P5): only where owner words are line-aligned.
+  for (const auto& t : tables_) {
+    if (t.valid() && t.owner(0) % 64 != 0) leasable_ = false;
+  }
 }
 
 bool Allocator::Locate(ObjectOffset off, ChunkRef* c, uint64_t* within) const {
@@ -43,6 +48,7 @@ uint8_t* Allocator::Ptr(ObjectOffset off, uint64_t bytes) const {
 Status Allocator::LockAllocator() {
   auto held = node_.AcquireFor(sync::kAllocatorLock, node_.lease() * 4);
   if (!held.ok()) return held.status();
+  lock_acquisitions_.fetch_add(1, std::memory_order_relaxed);
   Status redo = RedoIntentLocked();  // the previous holder may have died mid-update
   if (!redo.ok()) UnlockAllocator();
   return redo;
@@ -139,6 +145,23 @@ Result<ObjectOffset> Allocator::Alloc(uint64_t bytes) {
       return InvalidArgument("object of " + std::to_string(bytes) + " bytes is larger than any "
                              "region's data area (" + std::to_string(largest * chunk_bytes()) + " bytes)");
     }
+    if (count == 1 && LeaseAllowed()) {
+      // From this node's lease: no global lock (one trip per refill of lease_chunks chunks).
+      sync::LockRobust(&node_.local().header().heap_mu);
+      ChunkRef c;
+      Status st;
+      for (int attempt = 0; attempt < 2; ++attempt) {
+        if (TakeFromLeaseLocked(&c)) {
+          pthread_mutex_unlock(&node_.local().header().heap_mu);
+          return OffsetOf(c, 0);
+        }
+        st = RefillLeaseLocked(lease_lines_);
+        if (!st.ok()) break;
+      }
+      pthread_mutex_unlock(&node_.local().header().heap_mu);
+      // No whole free line left to lease: a single free chunk of the global pool will do.
+      if (!st.ok() && st.code() != StatusCode::kNoSpace) return st;
+    }
     CXLKV_RETURN_IF_ERROR(LockAllocator());
     auto run = TakeRunLocked(count, {ChunkKind::kLargeHead, me, inc, static_cast<uint32_t>(count)});
     UnlockAllocator();
@@ -234,6 +257,169 @@ Result<ObjectOffset> Allocator::AllocSlotLocked(uint32_t c) {
   return Internal("heap could not place an object of class " + std::to_string(ClassBytes(c)));
 }
 
+// ---- chunk leases ----------------------------------------------------------------------
+
+uint64_t Allocator::LeaseWord() const {
+  return OwnerWord{ChunkKind::kLeased, node_.id(), Inc20(node_.incarnation()), 0}.Encode();
+}
+
+void Allocator::NoteLeaseLine(uint32_t region, uint64_t first) {
+  for (const ChunkRef& l : lease_hint_) {
+    if (l.region == region && l.chunk == first) return;
+  }
+  lease_hint_.push_back(ChunkRef{region, first});
+}
+
+bool Allocator::TakeFromLeaseLocked(ChunkRef* out) {
+  const uint64_t free_word = LeaseWord();
+  const uint64_t object = OwnerWord{ChunkKind::kLeasedObject, node_.id(), Inc20(node_.incarnation()), 1}.Encode();
+  for (size_t i = 0; i < lease_hint_.size();) {
+    const ChunkRef line = lease_hint_[i];
+    const ChunkTableLayout& t = tables_[line.region];
+    auto& m = meta(line.region);
+    // P2: another process of this node (behind its own cache in the simulator) may have
+    // written this line last. No other node writes it while it is leased.
+    m.Invalidate(t.owner(line.chunk), kLeaseLineChunks * 8);
+    for (uint64_t k = 0; k < kLeaseLineChunks; ++k) {
+      const uint64_t off = t.owner(line.chunk + k);
+      if (m.Load(off) != free_word) continue;
+      m.Store(off, object);
+      m.Flush(off, 8);  // P1: frees, recovery and `check` on other nodes read it
+      *out = ChunkRef{line.region, line.chunk + k};
+      return true;
+    }
+    lease_hint_.erase(lease_hint_.begin() + static_cast<std::ptrdiff_t>(i));  // used up
+  }
+  return false;
+}
+
+void Allocator::ScanLeaseLocked() {
+  const uint64_t free_word = LeaseWord();
+  for (uint32_t r = 0; r < regions_.size(); ++r) {
+    const ChunkTableLayout& t = tables_[r];
+    if (!t.valid()) continue;
+    auto& m = meta(r);
+    const uint64_t lines = t.chunks() / kLeaseLineChunks;
+    for (uint64_t l = 0; l < lines; ++l) {
+      const uint64_t first = l * kLeaseLineChunks;
+      m.Invalidate(t.owner(first), kLeaseLineChunks * 8);
+      for (uint64_t k = 0; k < kLeaseLineChunks; ++k) {
+        if (m.Load(t.owner(first + k)) == free_word) {
+          NoteLeaseLine(r, first);
+          break;
+        }
+      }
+    }
+  }
+}
+
+Status Allocator::RefillLeaseLocked(uint64_t lines) {
+  if (!lease_scanned_) {
+    // Once per process: lines of this node's lease that exited processes of the node left.
+    lease_scanned_ = true;
+    ScanLeaseLocked();
+    if (!lease_hint_.empty()) return Status::Ok();
+  }
+  CXLKV_RETURN_IF_ERROR(LockAllocator());
+  const uint64_t word = LeaseWord();
+  uint64_t taken = 0;
+  const uint32_t n = static_cast<uint32_t>(regions_.size());
+  const uint32_t start = next_region_.fetch_add(1) % n;  // interleave leases across devices
+  for (uint32_t i = 0; i < n && taken < lines; ++i) {
+    const uint32_t r = (start + i) % n;
+    const ChunkTableLayout& t = tables_[r];
+    if (!t.valid()) continue;
+    uint64_t bits = 0;
+    for (uint64_t first = 0; first + kLeaseLineChunks <= t.chunks() && taken < lines; first += kLeaseLineChunks) {
+      if (first % 64 == 0) bits = meta(r).Fetch(t.bitmap_word(first));  // P2: others allocate
+      if ((bits >> (first % 64)) & 0xff) continue;  // a line with any chunk in use is not leasable
+      // One intent per line: every word kLeased with our life, the bits set (P4 via the intent).
+      CommitLocked(r, 4, first, kLeaseLineChunks, word);
+      bits |= uint64_t{0xff} << (first % 64);
+      NoteLeaseLine(r, first);
+      ++taken;
+    }
+  }
+  UnlockAllocator();
+  if (taken == 0) return NoSpace("no wholly free line of " + std::to_string(kLeaseLineChunks) + " chunks to lease");
+  return Status::Ok();
+}
+
+bool Allocator::ReturnLineIfFreeLocked(ChunkRef line, uint64_t free_word) {
+  const ChunkTableLayout& t = tables_[line.region];
+  auto& m = meta(line.region);
+  m.Invalidate(t.owner(line.chunk), kLeaseLineChunks * 8);
+  for (uint64_t k = 0; k < kLeaseLineChunks; ++k) {
+    if (m.Load(t.owner(line.chunk + k)) != free_word) return false;
+  }
+  if (!LockAllocator().ok()) return false;
+  // We hold heap_mu: no process of this node writes the line meanwhile, and no other node
+  // writes a leased line. The lock holder is now its writer (the intent frees all 8).
+  CommitLocked(line.region, 2, line.chunk, kLeaseLineChunks, 0);
+  UnlockAllocator();
+  return true;
+}
+
+Status Allocator::FreeLeasedLocked(ChunkRef chunk, OwnerWord w) {
+  const ChunkTableLayout& t = tables_[chunk.region];
+  auto& m = meta(chunk.region);
+  const uint64_t off = t.owner(chunk.chunk);
+  m.Invalidate(t.owner(chunk.chunk / kLeaseLineChunks * kLeaseLineChunks), kLeaseLineChunks * 8);
+  if (m.Load(off) != w.Encode()) return InvalidArgument("whole-chunk object is not allocated (double free?)");
+  const uint64_t free_word = LeaseWord();
+  m.Store(off, free_word);
+  m.Flush(off, 8);  // P1: back in the lease
+  const ChunkRef line{chunk.region, chunk.chunk / kLeaseLineChunks * kLeaseLineChunks};
+  // Keep about one refill's worth of lines; a line wholly free beyond that goes back to the
+  // global pool (whole lines only: a line is leased whole or not at all, P5).
+  uint64_t others = 0;
+  for (const ChunkRef& l : lease_hint_) others += !(l.region == line.region && l.chunk == line.chunk);
+  if (others >= lease_lines_ && ReturnLineIfFreeLocked(line, free_word)) {
+    for (size_t i = 0; i < lease_hint_.size(); ++i) {
+      if (lease_hint_[i].region == line.region && lease_hint_[i].chunk == line.chunk) {
+        lease_hint_.erase(lease_hint_.begin() + static_cast<std::ptrdiff_t>(i));
+        break;
+      }
+    }
+    return Status::Ok();
+  }
+  NoteLeaseLine(line.region, line.chunk);
+  return Status::Ok();
+}
+
+Result<std::vector<ObjectOffset>> Allocator::AllocMany(uint64_t bytes, size_t n) {
+  std::vector<ObjectOffset> out;
+  out.reserve(n);
+  auto undo = [&](Status s) -> Status {
+    for (ObjectOffset o : out) (void)Free(o);
+    return s;
+  };
+  const uint64_t count = bytes > kMaxHeapObject ? (bytes + chunk_bytes() - 1) / chunk_bytes() : 0;
+  if (count == 1 && LeaseAllowed() && n > 0) {
+    // One refill sized for the whole batch, then every object from the lease.
+    sync::LockRobust(&node_.local().header().heap_mu);
+    ChunkRef c;
+    bool refilled = false;
+    while (out.size() < n) {
+      if (TakeFromLeaseLocked(&c)) {
+        out.push_back(OffsetOf(c, 0));
+        continue;
+      }
+      if (refilled) break;
+      refilled = true;
+      const uint64_t want = (n - out.size() + kLeaseLineChunks - 1) / kLeaseLineChunks;
+      if (!RefillLeaseLocked(std::max(want, lease_lines_)).ok()) break;
+    }
+    pthread_mutex_unlock(&node_.local().header().heap_mu);
+  }
+  while (out.size() < n) {
+    auto a = Alloc(bytes);
+    if (!a.ok()) return undo(a.status());
+    out.push_back(*a);
+  }
+  return out;
+}
+
 // ---- frees -----------------------------------------------------------------------------
 
 Status Allocator::FreeSlot(ChunkRef chunk, uint64_t within, bool orphan) {
@@ -326,6 +512,48 @@ Status Allocator::Free(ObjectOffset off) {
       UnlockAllocator();
       return Free(off);  // recovery changed the chunk meanwhile (orphaned it): route again
     }
+    case ChunkKind::kLeasedObject: {
+      if (within != 0) return InvalidArgument("offset points inside a whole-chunk object, not at its start");
+      if (w.node == node_.id() && w.incarnation == Inc20(node_.incarnation())) {
+        sync::LockRobust(&node_.local().header().heap_mu);
+        Status s = FreeLeasedLocked(chunk, w);
+        pthread_mutex_unlock(&node_.local().header().heap_mu);
+        return s;
+      }
+      // The lessee is the only writer of its leased line: as for heap objects, a live owner
+      // gets the free through its ring; an ended life's object is freed under the lock (its
+      // recovery holds the same lock).
+      for (auto deadline = sync::Clock::now() + node_.lease() * 2;;) {
+        if (node_.SurelyLive(w.node, w.incarnation, 0xfffff)) return PushRemoteFree(w.node, off);
+        if (node_.LifeOver(w.node, w.incarnation, 0xfffff)) break;
+        if (sync::Clock::now() > deadline || node_.leaving()) {
+          return Busy("node " + std::to_string(w.node) + " is neither beating nor declared dead; retry the free");
+        }
+        std::this_thread::sleep_for(node_.lease() / 8);
+      }
+      CXLKV_RETURN_IF_ERROR(LockAllocator());
+      if (meta(chunk.region).Fetch(t.owner(chunk.chunk)) == w.Encode()) {
+        // A line is leased whole or not at all (P5): the chunk goes back to the ended life's
+        // lease, and the line to the pool once every chunk of it is free in that lease.
+        const uint64_t dead_free = OwnerWord{ChunkKind::kLeased, w.node, w.incarnation, 0}.Encode();
+        const uint64_t first = chunk.chunk / kLeaseLineChunks * kLeaseLineChunks;
+        auto& m = meta(chunk.region);
+        m.Invalidate(t.owner(first), kLeaseLineChunks * 8);
+        bool line_free = first + kLeaseLineChunks <= t.chunks();
+        for (uint64_t k = first; line_free && k < first + kLeaseLineChunks; ++k) {
+          line_free = k == chunk.chunk || m.Load(t.owner(k)) == dead_free;
+        }
+        if (line_free) {
+          CommitLocked(chunk.region, 2, first, kLeaseLineChunks, 0);
+        } else {
+          CommitLocked(chunk.region, 3, chunk.chunk, 1, dead_free);
+        }
+        UnlockAllocator();
+        return Status::Ok();
+      }
+      UnlockAllocator();
+      return Free(off);  // recovery changed it meanwhile (kept it as a large object): route again
+    }
     case ChunkKind::kOrphanHeap: {
       CXLKV_RETURN_IF_ERROR(LockAllocator());
       Status s = FreeSlot(chunk, within, /*orphan=*/true);
@@ -376,15 +604,19 @@ void Allocator::DrainRemoteFrees() {
       uint64_t within;
       if (!Locate(off, &chunk, &within)) continue;
       OwnerWord w = OwnerWord::Decode(meta(chunk.region).Fetch(tables_[chunk.region].owner(chunk.chunk)));
-      bool mine = w.kind == ChunkKind::kHeap && w.node == node_.id() &&
-                  w.incarnation == Inc20(node_.incarnation());
+      const bool node_owned = w.kind == ChunkKind::kHeap || w.kind == ChunkKind::kLeasedObject;
+      bool mine = node_owned && w.node == node_.id() && w.incarnation == Inc20(node_.incarnation());
       // Not ours any more (an old life's chunk, since recovered): route it like any free.
       if (!mine) {
-        if (w.kind != ChunkKind::kHeap || w.node != node_.id()) (void)Free(off);
+        if (!node_owned || w.node != node_.id()) (void)Free(off);
         continue;
       }
       sync::LockRobust(&node_.local().header().heap_mu);
-      (void)FreeSlot(chunk, within, false);
+      if (w.kind == ChunkKind::kHeap) {
+        (void)FreeSlot(chunk, within, false);
+      } else if (within == 0) {
+        (void)FreeLeasedLocked(chunk, w);
+      }
       pthread_mutex_unlock(&node_.local().header().heap_mu);
     }
     m.Publish(ring + 64, head);
@@ -413,6 +645,29 @@ void Allocator::Trim() {
       }
     }
   }
+  // Wholly free lines of this node's lease go back to the pool (the scan finds the lines other
+  // processes of this node left too).
+  if (LeaseAllowed()) {
+    ScanLeaseLocked();
+    ReturnFreeLeaseLinesLocked();
+  }
+  pthread_mutex_unlock(&node_.local().header().heap_mu);
+}
+
+void Allocator::ReturnFreeLeaseLinesLocked() {
+  const uint64_t free_word = LeaseWord();
+  for (size_t i = 0; i < lease_hint_.size();) {
+    if (ReturnLineIfFreeLocked(lease_hint_[i], free_word)) {
+      lease_hint_.erase(lease_hint_.begin() + static_cast<std::ptrdiff_t>(i));
+    } else {
+      ++i;
+    }
+  }
+}
+
+void Allocator::ReturnLease() {
+  sync::LockRobust(&node_.local().header().heap_mu);
+  if (!lease_hint_.empty()) ReturnFreeLeaseLinesLocked();
   pthread_mutex_unlock(&node_.local().header().heap_mu);
 }
 
@@ -469,6 +724,15 @@ void Allocator::Recover(uint32_t dead, uint64_t incarnation) {
         // A published whole-chunk object stays (anyone may free it later); the rest goes.
         if (!published(OffsetOf(ref, 0).raw())) CommitLocked(r, 2, ch, w.detail, 0);
         ch += w.detail - 1;
+      } else if (w.kind == ChunkKind::kLeased) {
+        CommitLocked(r, 2, ch, 1, 0);  // the dead life's lease: free again
+      } else if (w.kind == ChunkKind::kLeasedObject) {
+        // Published: kept as an ordinary one-chunk object (anyone frees it under the lock).
+        if (published(OffsetOf(ref, 0).raw())) {
+          CommitLocked(r, 3, ch, 1, OwnerWord{ChunkKind::kLargeHead, dead, w.incarnation, 1}.Encode());
+        } else {
+          CommitLocked(r, 2, ch, 1, 0);
+        }
       } else if (w.kind == ChunkKind::kHeap) {
         uint64_t base = ChunkBase(ref);
         m.Invalidate(base, 64);

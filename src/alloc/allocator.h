@@ -16,6 +16,15 @@
 // ring (one single-producer ring per pair of nodes), which the owner drains every heartbeat.
 // Whole-chunk objects and orphaned heap chunks are freed under the allocator lock by anyone.
 //
+// Chunk leases: a node takes whole owner-word lines of free chunks (kLeaseLineChunks each,
+// `AllocatorOptions::lease_chunks` per allocator-lock trip) and marks them kLeased with its
+// node and life. A one-chunk object then comes from the lease with no global lock: under the
+// node-local heap mutex the node rewrites its own owner word kLeased → kLeasedObject and
+// flushes it. The lessee is the only writer of a leased line (P4/P5): frees of a leased object
+// by other nodes go through the remote-free ring, like heap objects. A freed leased object
+// goes back to the lease; a line wholly free again goes back to the global pool when the
+// process still knows another free leased line.
+//
 // Node death: the lock manager's process calls Recover(node, incarnation). Everything the dead
 // life owned that is not reachable from a published root (AddReachability) is freed; heap
 // chunks that still hold published objects become orphans, freed object by object later.
@@ -40,10 +49,17 @@ inline constexpr uint64_t kMaxHeapObject = uint64_t{64} << (kSizeClasses - 1);
 
 using ObjectOffset = region::Offset<void>;
 
+struct AllocatorOptions {
+  // Chunks a node leases per allocator-lock trip for one-chunk objects, rounded up to whole
+  // owner-word lines (kLeaseLineChunks). Default 8; 0 turns leasing off (every whole-chunk
+  // object takes the allocator lock).
+  uint32_t lease_chunks = 8;
+};
+
 class Allocator {
  public:
   // `regions[0]` is the pool's first region (locks, rings). The node must outlive this.
-  Allocator(std::vector<Region*> regions, sync::Node& node);
+  Allocator(std::vector<Region*> regions, sync::Node& node, AllocatorOptions options = {});
 
   // Errors: kInvalidArgument (0 bytes, larger than a region's data area), kNoSpace (pool full),
   // kTimeout (the allocator lock was not granted within 4 leases).
@@ -62,9 +78,20 @@ class Allocator {
     return off.byte_offset() >= begin && off.byte_offset() <= end && bytes <= end - off.byte_offset();
   }
 
+  // `n` objects of `bytes` each (one lease refill at most for one-chunk objects). On error the
+  // objects allocated so far are freed again.
+  Result<std::vector<ObjectOffset>> AllocMany(uint64_t bytes, size_t n);
+
   void DrainRemoteFrees();
-  // Drains remote frees and returns this node's empty heap chunks to the pool.
+  // Drains remote frees and returns this node's empty heap chunks and wholly free leased lines
+  // to the pool.
   void Trim();
+  // Gives back the wholly free lines of the lease this process knows of (at a clean exit: a
+  // departed node's lease would otherwise wait for its recovery). Takes the allocator lock
+  // only when there is a line to give back.
+  void ReturnLease();
+  // Allocator-lock acquisitions by this process (tests count lock round trips).
+  uint64_t lock_acquisitions() const { return lock_acquisitions_.load(std::memory_order_relaxed); }
   // Reachability for recovery: a provider appends the raw offsets of every published object.
   void AddReachability(std::function<void(std::vector<uint64_t>&)> provider);
   // Reclaims what `node`'s life `incarnation` held (see above). Idempotent.
@@ -100,6 +127,20 @@ class Allocator {
   Result<ChunkRef> TakeRunLocked(uint64_t count, OwnerWord head);
   bool FindRunLocked(uint32_t r, uint64_t count, uint64_t* first);
 
+  void ReturnFreeLeaseLinesLocked();
+  // Lease helpers. REQUIRES: heap_mu held.
+  bool TakeFromLeaseLocked(ChunkRef* out);
+  // Leases `lines` more owner-word lines under the allocator lock (the first call of a
+  // process adopts the node's existing lease instead, when it has one).
+  Status RefillLeaseLocked(uint64_t lines);
+  void ScanLeaseLocked();
+  // Returns `line` to the global pool if every chunk of it is free in the lease.
+  bool ReturnLineIfFreeLocked(ChunkRef line, uint64_t free_word);
+  Status FreeLeasedLocked(ChunkRef chunk, OwnerWord w);
+  void NoteLeaseLine(uint32_t region, uint64_t line);
+  bool LeaseAllowed() const { return lease_lines_ > 0 && leasable_; }
+  uint64_t LeaseWord() const;
+
   // Heap helpers. REQUIRES: heap_mu held.
   Result<ObjectOffset> AllocSlotLocked(uint32_t c);
   bool TrySlotIn(ChunkRef chunk, uint32_t c, ObjectOffset* out);
@@ -112,6 +153,13 @@ class Allocator {
   sync::Node& node_;
   uint32_t max_nodes_;
   std::atomic<uint32_t> next_region_{0};
+  uint64_t lease_lines_ = 1;  // owner-word lines per lease refill
+  bool leasable_ = true;      // owner words are line-aligned in every region
+  bool lease_scanned_ = false;  // guarded by heap_mu
+  // Lines of this node's lease that this process knows of (region, first chunk): a hint,
+  // verified against the owner words under heap_mu. Guarded by the node's heap_mu.
+  std::vector<ChunkRef> lease_hint_;
+  std::atomic<uint64_t> lock_acquisitions_{0};
   std::mutex providers_mu_;
   std::vector<std::function<void(std::vector<uint64_t>&)>> providers_;
 };

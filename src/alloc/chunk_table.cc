@@ -61,7 +61,7 @@ bool HeapHeaderValid(const HeapHeader& h, uint64_t chunk_bytes) {
 }
 
 bool IntentValid(const ChunkTableLayout& table, const Intent& intent) {
-  return (intent.op == 1 || intent.op == 2 || intent.op == 3) && table.RunInRange(intent.first, intent.count) &&
+  return (intent.op >= 1 && intent.op <= 4) && table.RunInRange(intent.first, intent.count) &&
          (intent.op != 3 || intent.count == 1);
 }
 
@@ -88,7 +88,9 @@ void ApplyIntent(region::MetaAccess& meta, const ChunkTableLayout& table, const 
   for (uint64_t i = 0; i < intent.count; ++i) {
     uint64_t c = intent.first + i;
     uint64_t word = 0;
-    if (intent.op == 1 || intent.op == 3) {
+    if (intent.op == 4) {
+      word = intent.owner;
+    } else if (intent.op == 1 || intent.op == 3) {
       OwnerWord head = OwnerWord::Decode(intent.owner);
       if (i == 0) {
         word = intent.owner;
@@ -123,6 +125,8 @@ RegionUsage InspectChunks(Region& region, uint32_t max_nodes) {
       case ChunkKind::kLargeHead:
       case ChunkKind::kLargeTail: ++u.large; u.allocated_bytes += t.chunk_bytes(); break;
       case ChunkKind::kOrphanHeap: ++u.orphan; break;
+      case ChunkKind::kLeased: ++u.leased; break;
+      case ChunkKind::kLeasedObject: ++u.large; u.allocated_bytes += t.chunk_bytes(); break;
     }
     if (w.kind == ChunkKind::kHeap || w.kind == ChunkKind::kOrphanHeap) {
       uint64_t base = t.data_offset() + c * t.chunk_bytes();
@@ -130,7 +134,8 @@ RegionUsage InspectChunks(Region& region, uint32_t max_nodes) {
       auto h = meta.ReadStruct<HeapHeader>(base);
       if (HeapHeaderValid(h, t.chunk_bytes())) u.allocated_bytes += h.used * h.class_bytes;
     }
-    if (w.kind == ChunkKind::kHeap || w.kind == ChunkKind::kLargeHead || w.kind == ChunkKind::kLargeTail) {
+    if (w.kind == ChunkKind::kHeap || w.kind == ChunkKind::kLargeHead || w.kind == ChunkKind::kLargeTail ||
+        w.kind == ChunkKind::kLeased || w.kind == ChunkKind::kLeasedObject) {
       if (w.node < max_nodes) ++u.per_node[w.node];
     }
   }
@@ -177,7 +182,23 @@ void CheckChunks(Region& region, uint32_t region_index, uint32_t max_nodes,
       problems.push_back(chunk + (bit ? "marked allocated but has no owner" : "owned but marked free"));
     }
     if (raw != 0 && w.node >= max_nodes) problems.push_back(chunk + "owner node out of range");
-    if (w.kind == ChunkKind::kLargeHead) {
+    if (w.kind == ChunkKind::kLeased || w.kind == ChunkKind::kLeasedObject) {
+      // A leased line is written by its lessee without the lock: every word of the line must
+      // belong to the same life, or a lock holder could dirty the line beside it (P5).
+      const uint64_t first = c / kLeaseLineChunks * kLeaseLineChunks;
+      for (uint64_t i = first; i < first + kLeaseLineChunks && i < t.chunks(); ++i) {
+        OwnerWord o = OwnerWord::Decode(meta.Fetch(t.owner(i)));
+        if ((o.kind != ChunkKind::kLeased && o.kind != ChunkKind::kLeasedObject) || o.node != w.node ||
+            o.incarnation != w.incarnation) {
+          problems.push_back(chunk + "leased to node " + std::to_string(w.node) + " but chunk " + std::to_string(i) +
+                             " of its line is not");
+          break;
+        }
+      }
+      if (w.kind == ChunkKind::kLeasedObject && w.detail != 1) {
+        problems.push_back(chunk + "leased object spans " + std::to_string(w.detail) + " chunks, not 1");
+      }
+    } else if (w.kind == ChunkKind::kLargeHead) {
       if (!t.RunInRange(c, w.detail)) {
         problems.push_back(chunk + "large run length " + std::to_string(w.detail) + " is out of range");
         continue;
@@ -226,7 +247,7 @@ bool IsAllocated(Region& region, uint64_t off, uint32_t max_nodes) {
   auto& meta = region.impl().meta();
   OwnerWord w = OwnerWord::Decode(meta.Fetch(t.owner(c)));
   uint64_t within = off - t.data_offset() - c * t.chunk_bytes();
-  if (w.kind == ChunkKind::kLargeHead) return within == 0;
+  if (w.kind == ChunkKind::kLargeHead || w.kind == ChunkKind::kLeasedObject) return within == 0;
   if (w.kind != ChunkKind::kHeap && w.kind != ChunkKind::kOrphanHeap) return false;
   uint64_t base = t.data_offset() + c * t.chunk_bytes();
   meta.Invalidate(base, 64);

@@ -27,7 +27,14 @@ enum class ChunkKind : uint64_t {
   kLargeHead = 2,    // first chunk of an object of one or more whole chunks
   kLargeTail = 3,    // a following chunk of such an object
   kOrphanHeap = 4,   // a heap chunk whose owner died with published objects in it
+  kLeased = 5,       // free, but leased to a node (life): only that node allocates it
+  kLeasedObject = 6, // a whole-chunk object the node allocated from its lease (detail: 1)
 };
+
+// Chunk leases (docs/protocol.md, "Chunk leases"): a node takes whole owner-word lines (8
+// chunks, 64-byte aligned) under the allocator lock, so that a leased line's words have one
+// writer — the lessee, without the lock — and no other node ever dirties that line (P5).
+inline constexpr uint64_t kLeaseLineChunks = 8;
 
 struct OwnerWord {
   ChunkKind kind = ChunkKind::kFree;
@@ -54,11 +61,12 @@ inline bool RingSane(uint64_t head, uint64_t tail) { return head <= tail && tail
 
 struct Intent {
   uint64_t valid;     // commit word: 1 while the intent must be (re)applied
-  uint64_t op;        // 1: set a run's owner words (allocate), 2: clear a run (free), 3: set one word
+  uint64_t op;        // 1: set a run's owner words (allocate), 2: clear a run (free), 3: set one word,
+                      // 4: set every word of the run to `owner` (lease a line)
   uint64_t region;
   uint64_t first;
   uint64_t count;
-  uint64_t owner;     // encoded OwnerWord of the head (op 1, 3)
+  uint64_t owner;     // encoded OwnerWord of the head (op 1, 3), of every chunk (op 4)
   uint64_t reserved[2];
 };
 static_assert(sizeof(Intent) == 64);
@@ -137,13 +145,16 @@ void ApplyIntent(region::MetaAccess& meta, const ChunkTableLayout& table, const 
 // run them on a quiet pool, or accept a snapshot).
 struct RegionUsage {
   uint64_t chunks = 0, free = 0, heap = 0, large = 0, orphan = 0;
+  uint64_t leased = 0;             // free chunks leased to a node (neither free nor allocated)
   uint64_t allocated_bytes = 0;    // objects: heap slots in use × class + whole-chunk runs
+                                   // (leased chunks allocated as objects included)
   std::vector<uint64_t> per_node;  // chunks owned, by node
 };
 RegionUsage InspectChunks(Region& region, uint32_t max_nodes);
 
 // Appends a line per violated invariant to `problems`: bit vs owner word, run heads and tails,
-// heap headers (magic, used == bits set), a pending intent.
+// heap headers (magic, used == bits set), leased lines (whole lines of one life), a pending
+// intent.
 void CheckChunks(Region& region, uint32_t region_index, uint32_t max_nodes,
                  std::vector<std::string>& problems);
 

@@ -278,6 +278,7 @@ void Index::Release(std::span<const BlockPin> pins) {
 
 Status Index::LockStripe(uint32_t stripe) {
   CXLKV_ASSIGN_OR_RETURN(auto held, node_.AcquireFor(layout_.stripe_lock(stripe), node_.lease() * 4));
+  stripe_locks_taken_.fetch_add(1, std::memory_order_relaxed);
   if (held.holder_died) RepairStripeLocked(stripe, -1, 0);
   return Status::Ok();
 }
@@ -287,137 +288,19 @@ void Index::UnlockStripe(uint32_t stripe, std::span<const sync::Range> written) 
 }
 
 Result<Reservation> Index::Reserve(const NamespaceHandle& ns, const BlockKey& key, uint64_t bytes) {
-  CXLKV_RETURN_IF_ERROR(CheckHandle(ns));
-  if (bytes == 0) return InvalidArgument("a block cannot be empty");
-  if (bytes > kMaxBlockBytes) {
-    return InvalidArgument("block of " + std::to_string(bytes) + " bytes exceeds the 4 GiB limit of one block");
-  }
-  if (ns.block_bytes != 0 && bytes != ns.block_bytes) {
-    return InvalidArgument("block of " + std::to_string(bytes) + " bytes does not match the namespace's KV "
-                           "layout (" + std::to_string(ns.block_bytes) + " bytes per block)");
-  }
-  auto present = [&](const Probe& p) -> Status {
-    if (p.entry.ns != ns.id) {
-      return InvalidArgument("the key is taken by namespace " + std::to_string(p.entry.ns) +
-                             ": keys are namespace-specific");
-    }
-    EntryState s = StateOf(p.entry.state);
-    if (s == kReady) {
-      Add(kDuplicates, 1);
-      return AlreadyExists("block is already cached (READY)");
-    }
-    Add(kBusy, 1);
-    if (s == kWriting) {
-      return Busy("block is being written by node " + std::to_string(WriterNode(p.entry.writer)));
-    }
-    return Busy("block is being evicted; retry");
-  };
-  // A lock-free look first: most duplicate inserts end here without allocating (a WRITING
-  // entry whose writer is gone is reclaimed under the lock below).
-  if (Probe hint = Find(key); hint.found >= 0 &&
-                              !(StateOf(hint.entry.state) == kWriting && !WriterLive(hint.entry.writer))) {
-    return present(hint);
-  }
-  CXLKV_ASSIGN_OR_RETURN(auto payload, AllocatePayload(bytes));
-
-  const uint32_t stripe = static_cast<uint32_t>(StripeOf(key));
-  if (Status s = LockStripe(stripe); !s.ok()) {
-    FreePayload(payload.raw(), 0);
-    return s;
-  }
-  Probe p = Find(key);
-  if (p.found >= 0 && StateOf(p.entry.state) == kWriting && !WriterLive(p.entry.writer)) {
-    // Its writer's life ended and recovery has not reached it (or skipped this stripe): the
-    // entry is reclaimed here, as recovery would (its payload is the allocator's to reclaim).
-    TombstoneLocked(static_cast<uint64_t>(p.found), GenOf(p.entry.state));
-    Add(kBytesReleased, p.entry.bytes);
-    Add(kReclaimed, 1);
-    p = Find(key);
-  }
-  if (p.found < 0 && p.free_slot < 0) {
-    // The stripe is full: make room by evicting its least recently used unpinned entry.
-    std::vector<std::pair<uint64_t, uint64_t>> ready;  // (stamp, slot)
-    for (uint32_t i = 0; i < layout_.h.slots_per_stripe; ++i) {
-      Entry e = ReadEntry(SlotAt(stripe, i));
-      if (StateOf(e.state) == kReady) ready.push_back({e.stamp_us, SlotAt(stripe, i)});
-    }
-    std::sort(ready.begin(), ready.end());
-    for (auto [stamp, slot] : ready) {
-      uint64_t off, n;
-      if (TryEvictLocked(slot, GenOf(meta_.Fetch(layout_.entry(slot))), &off, &n)) break;
-    }
-    p = Find(key);
-  }
-  if (p.found >= 0 || p.free_slot < 0) {
-    UnlockStripe(stripe);
-    FreePayload(payload.raw(), 0);
-    if (p.found >= 0) return present(p);
-    Add(kFullErrors, 1);
-    return NoSpace("index stripe " + std::to_string(stripe) + " is full of pinned or in-flight blocks (" +
-                   std::to_string(layout_.h.slots_per_stripe) + " slots): release pins, or re-create the "
-                   "pool with more --index-entries");
-  }
-  const uint64_t slot = static_cast<uint64_t>(p.free_slot);
-  const uint64_t off = layout_.entry(slot);
-  const uint64_t gen = GenOf(meta_.Load(off)) + 1;
-  Entry e{};
-  e.state = StateWord(gen, kWriting);
-  e.key_lo = key.lo;
-  e.key_hi = key.hi;
-  e.payload = payload.raw();
-  e.bytes = static_cast<uint32_t>(bytes);
-  e.tier = 0;
-  e.ns = static_cast<uint16_t>(ns.id);
-  e.writer = WriterWord(node_.id(), node_.incarnation());
-  e.stamp_us = NowStamp();
-  meta_.WriteStruct(off, e);
-  Add(kBytesClaimed, bytes);
-  MaybeCrash(CrashPoint::kReserveHoldingLock);
-  sync::Range written{off, sizeof e};
-  UnlockStripe(stripe, {&written, 1});
-  return Reservation{static_cast<uint32_t>(slot), gen, payload.raw(), bytes, true};
+  CXLKV_ASSIGN_OR_RETURN(auto many, ReserveMany(ns, {&key, 1}, bytes));
+  if (many[0].outcome == ReserveOutcome::kReserved) return many[0].reservation;
+  return many[0].status;
 }
 
 Status Index::Commit(Reservation& r) {
   if (!r.open) return InvalidArgument("reservation is not open (committed or aborted already)");
-  const uint64_t off = layout_.entry(r.slot);
-  if (meta_.Fetch(off) != StateWord(r.generation, kWriting)) {
-    r.open = false;
-    return NotFound("reservation was reclaimed: this node was presumed dead (its lease expired)");
-  }
-  uint64_t checksum = 0;
-  if (checksums()) {
-    const uint8_t* p = Payload(r.offset, r.bytes);
-    if (meta_.mode() == CoherenceMode::kSoftware) region::InvalidateLinesOpt(p, r.bytes);
-    checksum = XXH3_64bits(p, r.bytes);
-  }
-  // The writer owns a WRITING entry: no lock. Fields first, then the state word (P4). The
-  // payload was written with non-temporal stores and fenced: it is in memory already (P3).
-  meta_.Store(off + offsetof(Entry, checksum), checksum);
-  meta_.Store(off + offsetof(Entry, stamp_us), NowStamp());
-  meta_.Flush(off, sizeof(Entry));
-  meta_.Publish(off, StateWord(r.generation, kReady));
-  Add(kInserts, 1);
-  Add(kInsertBytes, r.bytes);
-  r.open = false;
-  return Status::Ok();
+  return CommitMany({&r, 1});
 }
 
 Status Index::Abort(Reservation& r) {
   if (!r.open) return InvalidArgument("reservation is not open (committed or aborted already)");
-  r.open = false;
-  const uint32_t stripe = layout_.stripe_of(r.slot);
-  CXLKV_RETURN_IF_ERROR(LockStripe(stripe));
-  if (meta_.Fetch(layout_.entry(r.slot)) != StateWord(r.generation, kWriting)) {
-    UnlockStripe(stripe);
-    return NotFound("reservation was reclaimed: this node was presumed dead (its lease expired)");
-  }
-  TombstoneLocked(r.slot, r.generation);
-  Add(kBytesReleased, r.bytes);
-  Add(kAborts, 1);
-  UnlockStripe(stripe);
-  FreePayload(r.offset, 0);
-  return Status::Ok();
+  return AbortMany({&r, 1});
 }
 
 bool Index::WriterLive(uint64_t writer) {

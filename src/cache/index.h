@@ -54,6 +54,12 @@ class Index final : public IndexApi {
   Result<Reservation> Reserve(const NamespaceHandle& ns, const BlockKey& key, uint64_t bytes) override;
   Status Commit(Reservation& r) override;
   Status Abort(Reservation& r) override;
+  // Batched forms (batch.cc); the single-key forms above call them.
+  Result<std::vector<KeyReservation>> ReserveMany(const NamespaceHandle& ns, std::span<const BlockKey> keys,
+                                                  uint64_t bytes) override;
+  Status CommitMany(std::span<Reservation> rs) override;
+  Status AbortMany(std::span<Reservation> rs) override;
+  Result<std::vector<KeyPeek>> Peek(const NamespaceHandle& ns, std::span<const BlockKey> keys) override;
   uint8_t* Payload(uint64_t offset, uint64_t bytes) override {
     return allocator_.Ptr(alloc::ObjectOffset(offset), bytes);
   }
@@ -100,6 +106,8 @@ class Index final : public IndexApi {
   // recovery paths. Never set outside tests.
   enum class CrashPoint { kNone, kReserveHoldingLock, kEvictAfterMark };
   void TestCrashAt(CrashPoint p) { crash_at_.store(p); }
+  // Stripe-lock acquisitions by this process (tests count lock round trips per batch).
+  uint64_t stripe_locks_taken() const { return stripe_locks_taken_.load(std::memory_order_relaxed); }
   // Test hook: Lookup forgets to flush its pins (the protocol bug the simulator must catch).
   void TestSkipPinFlush(bool skip) { test_skip_pin_flush_.store(skip); }
 
@@ -114,6 +122,18 @@ class Index final : public IndexApi {
   Entry ReadEntry(uint64_t slot);
   // Probes the key's stripe. Without the lock the answer is a hint.
   Probe Find(const BlockKey& key);
+  // Every key's entry at once, without a lock: home slots invalidated in one batch, a key not
+  // at home probed slot by slot. A hint (found = -1: absent).
+  std::vector<Probe> FindMany(std::span<const BlockKey> keys);
+  // Validates a block size for `ns` (Reserve's argument checks).
+  Status CheckBlockBytes(const NamespaceHandle& ns, uint64_t bytes);
+  // The outcome Reserve reports for a key found present (READY, WRITING, EVICTING).
+  void PresentOutcome(const NamespaceHandle& ns, const Entry& e, KeyReservation& out);
+  // REQUIRES: the stripe lock of `key` held. Claims a slot for `key` (WRITING, not flushed:
+  // the caller flushes `*written`), reclaiming a dead writer's entry or evicting the stripe's
+  // LRU entry when it is full. Sets `out`; true iff reserved (the payload is then used).
+  bool ClaimLocked(const NamespaceHandle& ns, const BlockKey& key, uint64_t payload, uint64_t bytes,
+                   KeyReservation& out, uint64_t* written);
 
   // Stripe lock helpers. On taking a lock whose holder died, repairs the stripe first.
   Status LockStripe(uint32_t stripe);
@@ -152,6 +172,7 @@ class Index final : public IndexApi {
   const uint64_t capacity_;  // payload budget: the header's, or every data chunk of the pool
   std::atomic<CrashPoint> crash_at_{CrashPoint::kNone};
   std::atomic<bool> test_skip_pin_flush_{false};
+  std::atomic<uint64_t> stripe_locks_taken_{0};
   struct VerifiedSeed {
     std::atomic<uint64_t> lo{0}, hi{0};
   };

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "cxlkv/cache.h"
 
@@ -23,6 +24,12 @@ class IndexApi {
   virtual Result<Reservation> Reserve(const NamespaceHandle& ns, const BlockKey& key, uint64_t bytes) = 0;
   virtual Status Commit(Reservation& r) = 0;
   virtual Status Abort(Reservation& r) = 0;
+  // Batched forms (see KvCache::ReserveMany...).
+  virtual Result<std::vector<KeyReservation>> ReserveMany(const NamespaceHandle& ns, std::span<const BlockKey> keys,
+                                                          uint64_t bytes) = 0;
+  virtual Status CommitMany(std::span<Reservation> rs) = 0;
+  virtual Status AbortMany(std::span<Reservation> rs) = 0;
+  virtual Result<std::vector<KeyPeek>> Peek(const NamespaceHandle& ns, std::span<const BlockKey> keys) = 0;
   virtual Result<uint64_t> EvictKeys(const NamespaceHandle& ns, std::span<const BlockKey> keys) = 0;
   virtual Result<uint64_t> EvictAll() = 0;
 

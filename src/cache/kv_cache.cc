@@ -81,6 +81,16 @@ Status KvCache::Write(Reservation& r, uint64_t at, const void* src, uint64_t byt
   return Status::Ok();
 }
 
+Result<std::vector<KeyReservation>> KvCache::ReserveMany(const NamespaceHandle& ns, std::span<const BlockKey> keys,
+                                                         uint64_t bytes) {
+  return index_.ReserveMany(ns, keys, bytes);
+}
+Status KvCache::CommitMany(std::span<Reservation> rs) { return index_.CommitMany(rs); }
+Status KvCache::AbortMany(std::span<Reservation> rs) { return index_.AbortMany(rs); }
+Result<std::vector<KeyPeek>> KvCache::Peek(const NamespaceHandle& ns, std::span<const BlockKey> keys) {
+  return index_.Peek(ns, keys);
+}
+
 Status KvCache::Commit(Reservation& r) { return index_.Commit(r); }
 Status KvCache::Abort(Reservation& r) { return index_.Abort(r); }
 

@@ -81,7 +81,7 @@ nlohmann::json Stat(std::vector<std::unique_ptr<Region>>& regions, uint32_t watc
     }
     j["regions"].push_back({{"path", regions[i]->info().path}, {"chunk_bytes", regions[i]->info().chunk_bytes},
                             {"chunks", u.chunks}, {"free", u.free}, {"heap", u.heap},
-                            {"large", u.large}, {"orphan_heap", u.orphan}, {"allocated_bytes", u.allocated_bytes},
+                            {"large", u.large}, {"orphan_heap", u.orphan}, {"leased", u.leased}, {"allocated_bytes", u.allocated_bytes},
                             {"per_node", per_node}});
   }
   objstore::ObjectStore store(first, nullptr);

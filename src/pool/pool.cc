@@ -188,6 +188,7 @@ Pool::Pool(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Pool::~Pool() {
   if (impl_->index) impl_->index->PublishCounters();
+  impl_->allocator->ReturnLease();
   // Stop the node's threads (they call into the allocator and index) before those go.
   impl_->node.reset();
 }

@@ -136,14 +136,12 @@ Result<LookupResult> KvConnector::LookupAwaitingInFlight(std::span<const BlockKe
     CXLKV_ASSIGN_OR_RETURN(auto hit, pool_.Lookup(ns_, keys));
     if (hit.hit_blocks == keys.size() || NowNs() - start > kInFlightWaitNs) return hit;
     // Is the first missing block being written by another worker right now (the same
-    // document in flight there)? Loading it when it lands beats computing it twice. A probe
-    // that gets the block means nobody has it: give it back and compute it.
-    auto probe = pool_.Reserve(ns_, keys[hit.hit_blocks], layout_.PoolBlockBytes());
-    if (probe.ok()) {
-      (void)pool_.Abort(*probe);
-      return hit;
-    }
-    if (probe.status().code() != StatusCode::kBusy && probe.status().code() != StatusCode::kAlreadyExists) return hit;
+    // document in flight there)? Loading it when it lands beats computing it twice. A lock-free
+    // peek answers without touching the index; a writer whose life ended never lands it.
+    auto peek = pool_.Peek(ns_, {&keys[hit.hit_blocks], 1});
+    if (!peek.ok()) return hit;
+    const KeyPeek& p = (*peek)[0];
+    if (p.state == PeekState::kAbsent || (p.state == PeekState::kWriting && !p.writer_live)) return hit;
     pool_.Release(hit.pins);
     const int64_t slept = NowNs();
     std::this_thread::sleep_for(backoff);

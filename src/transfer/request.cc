@@ -27,40 +27,40 @@ Status ValidateGather(const char* what, const NamespaceHandle& ns, const EngineK
 Status ReserveAll(KvCache& cache, const NamespaceHandle& ns, uint64_t block_bytes, std::span<const uint32_t> block_ids,
                   std::span<const BlockKey> keys, std::vector<Reservation>& reserved, std::vector<uint32_t>& reserved_ids,
                   GatherResult& out) {
+  // One batch: payloads allocated up front, one stripe lock per stripe touched.
+  CXLKV_ASSIGN_OR_RETURN(auto many, cache.ReserveMany(ns, keys, block_bytes));
   reserved.reserve(keys.size());
   reserved_ids.reserve(keys.size());
+  Status error;
+  size_t skipped = 0;
   for (size_t i = 0; i < keys.size(); ++i) {
-    auto r = cache.Reserve(ns, keys[i], block_bytes);
-    if (r.ok()) {
-      reserved.push_back(*r);
-      reserved_ids.push_back(block_ids[i]);
-      continue;
+    switch (many[i].outcome) {
+      case ReserveOutcome::kReserved:
+        reserved.push_back(many[i].reservation);
+        reserved_ids.push_back(block_ids[i]);
+        break;
+      case ReserveOutcome::kAlreadyCached:
+      case ReserveOutcome::kBusy: ++skipped; break;
+      case ReserveOutcome::kError:
+        if (error.ok()) error = many[i].status;
+        break;
     }
-    if (r.status().code() == StatusCode::kAlreadyExists || r.status().code() == StatusCode::kBusy) {
-      ++out.already_cached;
-      continue;
-    }
-    for (auto& done : reserved) (void)cache.Abort(done);
+  }
+  if (!error.ok()) {
+    (void)cache.AbortMany(reserved);
     reserved.clear();
     reserved_ids.clear();
-    return r.status();
+    return error;
   }
+  out.already_cached += skipped;
   return Status::Ok();
 }
 
 Result<GatherResult> CommitAll(KvCache& cache, std::span<Reservation> reserved, GatherResult out) {
-  // Commit every block even if one fails (a reservation reclaimed because this node was
+  // Every block is committed even if one fails (a reservation reclaimed because this node was
   // presumed dead): none is left WRITING behind the error.
-  Status first_error;
-  for (auto& r : reserved) {
-    Status s = cache.Commit(r);
-    if (s.ok()) {
-      ++out.written;
-    } else if (first_error.ok()) {
-      first_error = s;
-    }
-  }
-  if (!first_error.ok()) return first_error;
+  CXLKV_RETURN_IF_ERROR(cache.CommitMany(reserved));
+  out.written += reserved.size();
   return out;
 }
 

@@ -95,6 +95,7 @@ struct StormOptions {
   int crash_after = -1;  // op index at which to die (see crash_mode)
   int crash_mode = 0;    // 1: in reserve holding the lock, 2: mid-write, 3: after commit,
                          // 4: mid-eviction
+  bool batch = false;    // insert a request's missing blocks with ReserveMany / CommitMany
 };
 
 uint64_t BlockBytesFor(const BlockKey& k) { return uint64_t{4096} << (k.lo % 5); }  // 4..64 KiB
@@ -119,7 +120,50 @@ int StormWorker(const std::string& path, uint32_t node, const StormOptions& so) 
       CHILD_CHECK(o.cache->Read(p, 0, buf.data(), p.bytes).ok(), "read");
       CHILD_CHECK(MatchesKey(keys[i], buf.data(), p.bytes), "node %u op %d: block %zu read wrong bytes", node, op, i);
     }
-    for (size_t i = hit->hit_blocks; i < keys.size(); ++i) {
+    if (so.batch && hit->hit_blocks < keys.size()) {
+      // The request's missing blocks in batches of one size (sizes vary by key): reserve,
+      // write, commit together. A kill -9 can land holding a stripe lock or mid-write.
+      std::vector<BlockKey> rest(keys.begin() + static_cast<std::ptrdiff_t>(hit->hit_blocks), keys.end());
+      for (uint64_t bytes = 4096; bytes <= (64 << 10); bytes *= 2) {
+        std::vector<BlockKey> group;
+        for (const auto& k : rest) {
+          if (BlockBytesFor(k) == bytes) group.push_back(k);
+        }
+        if (group.empty()) continue;
+        if (rng() % 4 == 0) group.push_back(group[0]);  // a repeat within the batch
+        if (crash_now && so.crash_mode == 1) index.TestCrashAt(cache::Index::CrashPoint::kReserveHoldingLock);
+        auto many = o.cache->ReserveMany(o.ns, group, bytes);
+        CHILD_CHECK(many.ok(), "%s", many.status().ToString().c_str());
+        std::vector<Reservation> rs;
+        std::vector<BlockKey> rk;
+        for (size_t g = 0; g < group.size(); ++g) {
+          const auto& out = (*many)[g];
+          if (out.outcome == ReserveOutcome::kReserved) {
+            rs.push_back(out.reservation);
+            rk.push_back(group[g]);
+            continue;
+          }
+          auto c = out.status.code();
+          CHILD_CHECK(c == StatusCode::kAlreadyExists || c == StatusCode::kBusy || c == StatusCode::kNoSpace,
+                      "%s", out.status.ToString().c_str());
+        }
+        for (size_t g = 0; g < rs.size(); ++g) {
+          FillForKey(rk[g], buf.data(), bytes);
+          if (crash_now && so.crash_mode == 2) {
+            CHILD_CHECK(o.cache->Write(rs[g], 0, buf.data(), bytes / 2).ok(), "write");
+            ::raise(SIGKILL);
+          }
+          CHILD_CHECK(o.cache->Write(rs[g], 0, buf.data(), bytes).ok(), "write");
+        }
+        if (rng() % 8 == 0) {
+          CHILD_CHECK(o.cache->AbortMany(rs).ok(), "abort many");
+        } else {
+          CHILD_CHECK(o.cache->CommitMany(rs).ok(), "commit many");
+        }
+        if (crash_now && so.crash_mode == 3 && !rs.empty()) ::raise(SIGKILL);
+      }
+    }
+    for (size_t i = so.batch ? keys.size() : hit->hit_blocks; i < keys.size(); ++i) {
       const uint64_t bytes = BlockBytesFor(keys[i]);
       if (crash_now && so.crash_mode == 1) index.TestCrashAt(cache::Index::CrashPoint::kReserveHoldingLock);
       auto r = o.cache->Reserve(o.ns, keys[i], bytes);
@@ -241,6 +285,65 @@ TEST(CacheProcesses, StormUnderTheNonCoherentSimulator) {
     auto problems = Problems(path.path());
     for (const auto& p : problems) ADD_FAILURE() << "seed " << seed << ": " << p;
   }
+}
+
+TEST(CacheProcesses, BatchedStormReadsOnlyRightBytes) {
+  testing::TempRegionPath path("storm-batch");
+  ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
+  auto codes = testing::RunForked(4, [&](int i) {
+    StormOptions so;
+    so.batch = true;
+    return StormWorker(path.path(), i, so);
+  });
+  for (int c : codes) EXPECT_EQ(c, 0);
+  VerifyQuiescentPool(path.path(), 5);
+  auto problems = Problems(path.path());
+  for (const auto& p : problems) ADD_FAILURE() << p;
+}
+
+TEST(CacheProcesses, BatchedStormUnderTheNonCoherentSimulator) {
+  for (uint64_t seed : {12u, 23u, 34u, 45u, 56u}) {
+    testing::TempRegionPath path("storm-batch-sim");
+    ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
+    auto codes = testing::RunForked(4, [&](int i) {
+      StormOptions so;
+      so.ops = 30;
+      so.batch = true;
+      so.sim_seed = seed * 10 + i;
+      return StormWorker(path.path(), i, so);
+    });
+    for (int c : codes) EXPECT_EQ(c, 0) << "seed " << seed;
+    VerifyQuiescentPool(path.path(), 5);
+    auto problems = Problems(path.path());
+    for (const auto& p : problems) ADD_FAILURE() << "seed " << seed << ": " << p;
+  }
+}
+
+TEST(CacheProcesses, BatchedKillNineAtEveryStepIsRecovered) {
+  testing::TempRegionPath path("storm-batch-kill");
+  ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
+  auto survivor = OpenCache(path.path(), 0);
+  ASSERT_TRUE(survivor.cache);
+  auto codes = testing::RunForked(4, [&](int i) {
+    StormOptions so;
+    so.ops = 200;
+    so.batch = true;
+    if (i < 3) {
+      so.crash_after = 20 + 10 * i;
+      so.crash_mode = i + 1;
+    }
+    int rc = StormWorker(path.path(), static_cast<uint32_t>(i) + 1, so);
+    return i < 3 && rc == 0 ? 3 : rc;
+  });
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(codes[i], 128 + SIGKILL) << "worker " << i << " was to die";
+  EXPECT_EQ(codes[3], 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(4 * testing::kTestLeaseMs));
+  auto problems = Problems(path.path());
+  for (const auto& p : problems) ADD_FAILURE() << p;
+  survivor.pool.reset();
+  VerifyQuiescentPool(path.path(), 7);
+  problems = Problems(path.path());
+  for (const auto& p : problems) ADD_FAILURE() << p;
 }
 
 TEST(CacheProcesses, KillNineAtEveryStepIsRecovered) {

@@ -85,10 +85,11 @@ void AddPoolCommands(CLI::App& app, CommandResult& result) {
     std::printf("locks: %d allocated of %d (+%d internal)\n", j["locks"]["allocated"].get<int>(),
                 j["locks"]["max"].get<int>() - j["locks"]["internal"].get<int>(), j["locks"]["internal"].get<int>());
     for (const auto& r : j["regions"]) {
-      std::printf("region %s: %llu chunks of %s: %llu free, %llu heap, %llu large, %llu orphan; per node %s\n",
+      std::printf("region %s: %llu chunks of %s: %llu free, %llu leased, %llu heap, %llu large, %llu orphan; per node %s\n",
                   r["path"].get<std::string>().c_str(), r["chunks"].get<unsigned long long>(),
                   util::FormatBytes(r["chunk_bytes"].get<uint64_t>()).c_str(),
-                  r["free"].get<unsigned long long>(), r["heap"].get<unsigned long long>(),
+                  r["free"].get<unsigned long long>(), r["leased"].get<unsigned long long>(),
+                  r["heap"].get<unsigned long long>(),
                   r["large"].get<unsigned long long>(), r["orphan_heap"].get<unsigned long long>(),
                   r["per_node"].dump().c_str());
     }
