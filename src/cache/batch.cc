@@ -271,60 +271,104 @@ Result<std::vector<KeyReservation>> Index::ReserveMany(const NamespaceHandle& ns
   return out;
 }
 
+// Commit takes the stripe lock of each stripe touched (one per stripe, ascending, one at a
+// time) and passes the fence under it: a writer paused past its lease between Reserve and
+// Commit may have been declared dead, its WRITING entry reclaimed and the slot reserved again
+// by another node. Under the lock, with the hold fenced, the check "still WRITING, same
+// generation, written by this life" and the READY store cannot be separated by a reclaim.
 Status Index::CommitMany(std::span<Reservation> rs) {
   Status first_error;
   auto fail = [&](Status s) {
     if (first_error.ok()) first_error = std::move(s);
   };
   std::vector<Reservation*> live;
-  std::vector<uint64_t> offs;
   live.reserve(rs.size());
-  offs.reserve(rs.size());
   for (Reservation& r : rs) {
     if (!r.open) {
       fail(InvalidArgument("reservation is not open (committed or aborted already)"));
       continue;
     }
     live.push_back(&r);
-    offs.push_back(layout_.entry(r.slot));
   }
-  meta_.InvalidateEach(offs, 8);  // P2: recovery on another node may have reclaimed an entry
-  std::vector<uint64_t> mine;
-  mine.reserve(live.size());
-  std::vector<Reservation*> kept;
-  kept.reserve(live.size());
-  for (size_t i = 0; i < live.size(); ++i) {
-    Reservation& r = *live[i];
-    if (meta_.Load(offs[i]) != StateWord(r.generation, kWriting)) {
-      r.open = false;
-      fail(NotFound("reservation was reclaimed: this node was presumed dead (its lease expired)"));
+  // Checksums before any lock: the payload is this writer's own (non-temporal stores, P3).
+  std::vector<uint64_t> sums(live.size(), 0);
+  if (checksums()) {
+    for (size_t i = 0; i < live.size(); ++i) {
+      const uint8_t* p = Payload(live[i]->offset, live[i]->bytes);
+      if (meta_.mode() == CoherenceMode::kSoftware) region::InvalidateLinesOpt(p, live[i]->bytes);
+      sums[i] = XXH3_64bits(p, live[i]->bytes);
+    }
+  }
+  std::vector<size_t> order(live.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  const uint32_t per_stripe = layout_.h.slots_per_stripe;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return live[a]->slot / per_stripe < live[b]->slot / per_stripe; });
+  uint64_t committed = 0, bytes = 0;
+  std::vector<uint64_t> offs;
+  std::vector<size_t> mine;
+  for (size_t g = 0; g < order.size();) {
+    const uint32_t stripe = live[order[g]]->slot / per_stripe;
+    size_t end = g;
+    while (end < order.size() && live[order[end]]->slot / per_stripe == stripe) ++end;
+    Status locked = LockStripe(stripe);
+    const bool held = locked.ok();
+    if (held) locked = node_.CheckHeld(layout_.stripe_lock(stripe));  // the fence, under the lock
+    if (!locked.ok()) {
+      // Not granted: the entries stay WRITING (retry or abort). Fenced: this life is over and
+      // its recovery drops them; the reservations are closed.
+      if (locked.code() == StatusCode::kLeaseExpired) {
+        for (size_t k = g; k < end; ++k) live[order[k]]->open = false;
+      }
+      fail(locked);
+      if (held) UnlockStripe(stripe);
+      g = end;
       continue;
     }
-    uint64_t checksum = 0;
-    if (checksums()) {
-      const uint8_t* p = Payload(r.offset, r.bytes);
-      if (meta_.mode() == CoherenceMode::kSoftware) region::InvalidateLinesOpt(p, r.bytes);
-      checksum = XXH3_64bits(p, r.bytes);
+    // The life that holds the lock, checked just now: only its own reservations commit (taken
+    // before the lock, a paused writer's old life would still match its old entries).
+    const uint64_t writer = WriterWord(node_.id(), node_.incarnation());
+    offs.clear();
+    mine.clear();
+    for (size_t k = g; k < end; ++k) offs.push_back(layout_.entry(live[order[k]]->slot));
+    meta_.InvalidateEach(offs, sizeof(Entry));  // P2: a reclaim on another node rewrote it
+    for (size_t k = g; k < end; ++k) {
+      Reservation& r = *live[order[k]];
+      const uint64_t off = offs[k - g];
+      const uint64_t entry_writer = meta_.Load(off + offsetof(Entry, writer));
+      if (meta_.Load(off) != StateWord(r.generation, kWriting)) {
+        r.open = false;
+        fail(NotFound("reservation was reclaimed: this node was presumed dead (its lease expired)"));
+        continue;
+      }
+      if (entry_writer != writer) {  // reserved by an earlier life of this node: that life is over
+        r.open = false;
+        fail(LeaseExpired("commit refused: the block was reserved by node " + std::to_string(node_.id()) +
+                          "'s life " + std::to_string(WriterInc(entry_writer)) + ", which ended (paused or "
+                          "silent past its lease); its recovery drops the block: reserve it again"));
+        continue;
+      }
+      meta_.Store(off + offsetof(Entry, checksum), sums[order[k]]);
+      meta_.Store(off + offsetof(Entry, stamp_us), NowStamp());
+      mine.push_back(k - g);
     }
-    // The writer owns a WRITING entry: no lock. The payload was written with non-temporal
-    // stores and fenced: it is in memory already (P3).
-    meta_.Store(offs[i] + offsetof(Entry, checksum), checksum);
-    meta_.Store(offs[i] + offsetof(Entry, stamp_us), NowStamp());
-    mine.push_back(offs[i]);
-    kept.push_back(&r);
+    // Fields first, flushed; then each state word READY, flushed (P4).
+    std::vector<uint64_t> done;
+    for (size_t m : mine) done.push_back(offs[m]);
+    meta_.FlushEach(done, sizeof(Entry));
+    for (size_t m : mine) {
+      Reservation& r = *live[order[g + m]];
+      meta_.Store(offs[m], StateWord(r.generation, kReady));
+      r.open = false;
+      ++committed;
+      bytes += r.bytes;
+    }
+    meta_.FlushEach(done, 8);
+    UnlockStripe(stripe);
+    g = end;
   }
-  // Fields first, all flushed; then every state word READY, flushed (P4: each entry's READY
-  // store follows the write-back of its fields).
-  meta_.FlushEach(mine, sizeof(Entry));
-  uint64_t bytes = 0;
-  for (size_t i = 0; i < kept.size(); ++i) {
-    meta_.Store(mine[i], StateWord(kept[i]->generation, kReady));
-    bytes += kept[i]->bytes;
-    kept[i]->open = false;
-  }
-  meta_.FlushEach(mine, 8);
-  if (!kept.empty()) {
-    Add(kInserts, kept.size());
+  if (committed != 0) {
+    Add(kInserts, committed);
     Add(kInsertBytes, bytes);
   }
   return first_error;

@@ -7,7 +7,8 @@
 //            it, re-fetch the state word; unchanged → pinned; changed → unpin, miss.
 //   reserve  allocate the payload, then under the stripe lock claim a slot: WRITING with this
 //            life's writer word, flushed by the release.
-//   commit   (the writer owns a WRITING entry) flush checksum/stamp, then publish READY.
+//   commit   under the stripe lock, fenced: still WRITING by this life → flush checksum/stamp,
+//            then publish READY (a writer paused past its lease commits nothing).
 //   evict    under the stripe lock: publish EVICTING, fetch every node's pin word for the
 //            slot; any pin → publish READY again; none → free the payload, publish TOMBSTONE.
 // A pinner writes its pin then reads the state; an evictor writes the state then reads the

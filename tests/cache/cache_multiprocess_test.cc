@@ -460,3 +460,168 @@ TEST(CacheProcesses, SimulatorCatchesAPinThatIsNotFlushed) {
 
 }  // namespace
 }  // namespace cxlkv
+
+namespace cxlkv {
+namespace {
+
+// A writer stopped (SIGSTOP) between Reserve and Commit for several leases: it is declared dead,
+// its WRITING entry is reclaimed and another node reserves, writes and commits the same key.
+// Resumed, the paused writer's Commit must publish nothing: the block stays the second writer's.
+void PausedWriter(uint64_t seed) {
+  testing::TempRegionPath path("pausedwriter");
+  ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
+  const BlockKey key{0x1234, 0x5678};
+  constexpr uint64_t kBytes = 64 << 10;
+  int ready[2], go[2], written[2], leave[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  ASSERT_EQ(::pipe(go), 0);
+  ASSERT_EQ(::pipe(written), 0);
+  ASSERT_EQ(::pipe(leave), 0);
+  std::fflush(stdout);
+  pid_t victim = ::fork();
+  if (victim == 0) {
+    auto body = [&]() -> int {
+      auto o = OpenCache(path.path(), 1, seed ? seed * 10 + 1 : 0);
+      CHILD_CHECK(o.cache != nullptr, "open");
+      auto r = o.cache->Reserve(o.ns, key, kBytes);
+      CHILD_CHECK(r.ok(), "%s", r.status().ToString().c_str());
+      std::vector<uint8_t> mine(kBytes, 0xAA);  // not the key's pattern
+      CHILD_CHECK(o.cache->Write(*r, 0, mine.data(), kBytes).ok(), "write");
+      char c = 'r';
+      CHILD_CHECK(::write(ready[1], &c, 1) == 1, "pipe");
+      CHILD_CHECK(::read(go[0], &c, 1) == 1, "pipe");
+      Status s = o.cache->Commit(*r);
+      CHILD_CHECK(!s.ok(), "a writer paused past its lease committed its block");
+      CHILD_CHECK(s.code() == StatusCode::kLeaseExpired || s.code() == StatusCode::kNotFound, "%s",
+                  s.ToString().c_str());
+      return 0;
+    };
+    ::_exit(body());
+  }
+  char c;
+  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  ::kill(victim, SIGSTOP);
+  // Node 2 takes the key over once node 1 is declared dead (it also manages and recovers).
+  pid_t second = ::fork();
+  if (second == 0) {
+    auto body = [&]() -> int {
+      auto o = OpenCache(path.path(), 2, seed ? seed * 10 + 2 : 0);
+      CHILD_CHECK(o.cache != nullptr, "open");
+      auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      Result<Reservation> r = Busy("not yet");
+      while (std::chrono::steady_clock::now() < deadline) {
+        r = o.cache->Reserve(o.ns, key, kBytes);
+        if (r.ok() || r.status().code() != StatusCode::kBusy) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      CHILD_CHECK(r.ok(), "the paused writer's entry was never reclaimed: %s", r.status().ToString().c_str());
+      std::vector<uint8_t> theirs(kBytes);
+      FillForKey(key, theirs.data(), kBytes);
+      CHILD_CHECK(o.cache->Write(*r, 0, theirs.data(), kBytes).ok(), "write");
+      CHILD_CHECK(o.cache->Commit(*r).ok(), "commit");
+      char w = 'w';
+      CHILD_CHECK(::write(written[1], &w, 1) == 1, "pipe");
+      CHILD_CHECK(::read(leave[0], &w, 1) == 1, "pipe");  // stay (managing) until the victim is done
+      return 0;
+    };
+    ::_exit(body());
+  }
+  ::close(written[1]);  // a second writer that fails closes the pipe: the read ends, no hang
+  written[1] = -1;
+  const bool second_wrote = ::read(written[0], &c, 1) == 1;
+  ::kill(victim, SIGCONT);
+  EXPECT_TRUE(second_wrote) << "the second writer never took the key over, seed " << seed;
+  ASSERT_EQ(::write(go[1], "g", 1), 1);  // the victim commits (and must be refused)
+  int status = 0;
+  ::waitpid(victim, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "victim, seed " << seed;
+  ASSERT_EQ(::write(leave[1], "l", 1), 1);  // the second node may leave
+  ::waitpid(second, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "second writer, seed " << seed;
+  for (int fd : {ready[0], ready[1], go[0], go[1], written[0], leave[0], leave[1]}) ::close(fd);
+  // What is published is the second writer's block, whole.
+  pid_t reader = ::fork();
+  if (reader == 0) {
+    auto body = [&]() -> int {
+      auto o = OpenCache(path.path(), 3);
+      CHILD_CHECK(o.cache != nullptr, "open");
+      auto hit = o.cache->Lookup(o.ns, {&key, 1});
+      CHILD_CHECK(hit.ok() && hit->hit_blocks == 1, "the block is not READY");
+      std::vector<uint8_t> got(kBytes);
+      CHILD_CHECK(o.cache->Read(hit->pins[0], 0, got.data(), kBytes).ok(), "read");
+      o.cache->Release(hit->pins);
+      CHILD_CHECK(MatchesKey(key, got.data(), kBytes), "the published block is not the second writer's");
+      return 0;
+    };
+    ::_exit(body());
+  }
+  ::waitpid(reader, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "reader, seed " << seed;
+  auto problems = Problems(path.path());
+  for (const auto& p : problems) ADD_FAILURE() << "seed " << seed << ": " << p;
+}
+
+// The same writer, alone: nobody reclaims its entry while it is stopped, so the entry is still
+// WRITING with its old life's writer word when it resumes. A lock-free "still WRITING? then
+// READY" would publish it; the fenced commit refuses, and the old life's recovery drops it.
+TEST(CacheLease, AWriterPausedAloneCommitsNothingAfterItsLease) {
+  testing::TempRegionPath path("pausedalone");
+  ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
+  const BlockKey key{0x4321, 0x8765};
+  constexpr uint64_t kBytes = 64 << 10;
+  int ready[2], go[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  ASSERT_EQ(::pipe(go), 0);
+  std::fflush(stdout);
+  pid_t victim = ::fork();
+  if (victim == 0) {
+    auto body = [&]() -> int {
+      auto o = OpenCache(path.path(), 1);
+      CHILD_CHECK(o.cache != nullptr, "open");
+      auto r = o.cache->Reserve(o.ns, key, kBytes);
+      CHILD_CHECK(r.ok(), "%s", r.status().ToString().c_str());
+      std::vector<uint8_t> bytes(kBytes);
+      FillForKey(key, bytes.data(), kBytes);
+      CHILD_CHECK(o.cache->Write(*r, 0, bytes.data(), kBytes).ok(), "write");
+      char c = 'r';
+      CHILD_CHECK(::write(ready[1], &c, 1) == 1, "pipe");
+      CHILD_CHECK(::read(go[0], &c, 1) == 1, "pipe");
+      const uint64_t life_before = o.pool->impl().node->incarnation();
+      Status s = o.cache->Commit(*r);
+      CHILD_CHECK(s.code() == StatusCode::kLeaseExpired, "commit after the lease: %s (life %llu then %llu)",
+                  s.ToString().c_str(), (unsigned long long)life_before,
+                  (unsigned long long)o.pool->impl().node->incarnation());
+      // The node's new life recovers the old one: the entry goes, nothing stays WRITING.
+      auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      for (;;) {
+        auto peek = o.cache->Peek(o.ns, {&key, 1});
+        CHILD_CHECK(peek.ok(), "peek");
+        if ((*peek)[0].state != PeekState::kWriting) break;
+        CHILD_CHECK(std::chrono::steady_clock::now() < deadline, "the old life's entry was never recovered");
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      return 0;
+    };
+    ::_exit(body());
+  }
+  char c;
+  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  ::kill(victim, SIGSTOP);
+  std::this_thread::sleep_for(std::chrono::milliseconds(4 * testing::kTestLeaseMs));
+  ::kill(victim, SIGCONT);
+  ASSERT_EQ(::write(go[1], "g", 1), 1);
+  int status = 0;
+  ::waitpid(victim, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  for (int fd : {ready[0], ready[1], go[0], go[1]}) ::close(fd);
+  auto problems = Problems(path.path());
+  for (const auto& p : problems) ADD_FAILURE() << p;
+}
+
+TEST(CacheLease, AWriterPausedBetweenReserveAndCommitPublishesNothing) { PausedWriter(0); }
+TEST(CacheLease, AWriterPausedBetweenReserveAndCommitUnderTheSimulator) {
+  for (uint64_t seed : {7, 31}) PausedWriter(seed);
+}
+
+}  // namespace
+}  // namespace cxlkv
