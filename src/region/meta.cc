@@ -10,6 +10,17 @@ MetaAccess::MetaAccess(uint8_t* base, uint64_t size, CoherenceMode mode)
 
 void MetaAccess::AttachSimulator(const SimOptions& options) {
   sim_ = std::make_unique<NcSimCache>(base_, size_, options);
+  audit_ = SimSiteAudit::FromEnvironment();
+}
+
+void MetaAccess::SimFlush(uint64_t off, size_t n, const std::source_location& site) {
+  if (audit_ && audit_->Observe(SimSiteKind::kFlush, site)) return;
+  sim_->Flush(off, n);
+}
+
+void MetaAccess::SimInvalidate(uint64_t off, size_t n, const std::source_location& site) {
+  if (audit_ && audit_->Observe(SimSiteKind::kInvalidate, site)) return;
+  sim_->Invalidate(off, n);
 }
 
 void MetaAccess::OutOfBounds(uint64_t off, size_t n) const {

@@ -25,10 +25,12 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <source_location>
 
 #include "cxlkv/region.h"
 #include "region/coherence.h"
 #include "region/nc_sim.h"
+#include "region/sim_audit.h"
 
 namespace cxlkv::region {
 
@@ -62,18 +64,20 @@ class MetaAccess {
     std::memcpy(base_ + off, src, n);
     std::atomic_thread_fence(std::memory_order_release);
   }
-  void Flush(uint64_t off, size_t n) {
+  // `site` costs nothing in hardware mode; under the simulator it names the call site for the
+  // flush audit (sim_audit.h).
+  void Flush(uint64_t off, size_t n, std::source_location site = std::source_location::current()) {
     CheckSpan(off, n);
-    if (sim_) [[unlikely]] return sim_->Flush(off, n);
+    if (sim_) [[unlikely]] return SimFlush(off, n, site);
     if (mode_ == CoherenceMode::kSoftware) {
       FlushLines(base_ + off, n);
     } else {
       std::atomic_thread_fence(std::memory_order_seq_cst);
     }
   }
-  void Invalidate(uint64_t off, size_t n) {
+  void Invalidate(uint64_t off, size_t n, std::source_location site = std::source_location::current()) {
     CheckSpan(off, n);
-    if (sim_) [[unlikely]] return sim_->Invalidate(off, n);
+    if (sim_) [[unlikely]] return SimInvalidate(off, n, site);
     if (mode_ == CoherenceMode::kSoftware) {
       InvalidateLinesOpt(base_ + off, n);
     } else {
@@ -84,11 +88,11 @@ class MetaAccess {
   // Batched forms: flush / invalidate `n` bytes at each offset, with one fence for all (the
   // misses and write-backs overlap instead of queueing one fence each).
   template <typename Offsets>
-  void FlushEach(const Offsets& offs, size_t n) {
+  void FlushEach(const Offsets& offs, size_t n, std::source_location site = std::source_location::current()) {
     if (sim_) [[unlikely]] {
       for (uint64_t off : offs) {
         CheckSpan(off, n);
-        sim_->Flush(off, n);
+        SimFlush(off, n, site);
       }
       return;
     }
@@ -102,11 +106,11 @@ class MetaAccess {
     if (mode_ == CoherenceMode::kSoftware) FullFence();
   }
   template <typename Offsets>
-  void InvalidateEach(const Offsets& offs, size_t n) {
+  void InvalidateEach(const Offsets& offs, size_t n, std::source_location site = std::source_location::current()) {
     if (sim_) [[unlikely]] {
       for (uint64_t off : offs) {
         CheckSpan(off, n);
-        sim_->Invalidate(off, n);
+        SimInvalidate(off, n, site);
       }
       return;
     }
@@ -120,12 +124,12 @@ class MetaAccess {
     std::atomic_thread_fence(std::memory_order_seq_cst);
   }
 
-  void Publish(uint64_t off, uint64_t value) {
+  void Publish(uint64_t off, uint64_t value, std::source_location site = std::source_location::current()) {
     Store(off, value);
-    Flush(off, sizeof(uint64_t));
+    Flush(off, sizeof(uint64_t), site);
   }
-  uint64_t Fetch(uint64_t off) {
-    Invalidate(off, sizeof(uint64_t));
+  uint64_t Fetch(uint64_t off, std::source_location site = std::source_location::current()) {
+    Invalidate(off, sizeof(uint64_t), site);
     return Load(off);
   }
 
@@ -187,11 +191,14 @@ class MetaAccess {
     if (off > size_ || n > size_ - off) [[unlikely]] OutOfBounds(off, n);
   }
   [[noreturn, gnu::noinline, gnu::cold]] void OutOfBounds(uint64_t off, size_t n) const;
+  void SimFlush(uint64_t off, size_t n, const std::source_location& site);
+  void SimInvalidate(uint64_t off, size_t n, const std::source_location& site);
 
   uint8_t* base_;
   uint64_t size_;
   CoherenceMode mode_;
   std::unique_ptr<NcSimCache> sim_;
+  std::unique_ptr<SimSiteAudit> audit_;  // flush audit (only with a simulator, only when asked)
   std::mutex sim_rmw_mu_;  // local read-modify-writes through the simulator
 };
 

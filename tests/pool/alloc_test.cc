@@ -31,8 +31,9 @@ std::vector<std::string> CheckProblems(const std::vector<std::string>& paths) {
 
 // Random churn: objects carry a pattern naming their owner and sequence; any overlap between
 // two live objects corrupts one pattern, caught before it is freed.
-int Churn(const std::vector<std::string>& paths, uint32_t node, int ops, int publish_every) {
-  auto p = OpenOrNull(paths, node);
+int Churn(const std::vector<std::string>& paths, uint32_t node, int ops, int publish_every,
+          uint64_t sim_seed = 0) {
+  auto p = OpenOrNull(paths, node, sim_seed);
   CHILD_CHECK(p != nullptr, "open");
   std::mt19937_64 rng(node * 7919 + 1);
   struct Obj {
@@ -92,7 +93,10 @@ int Churn(const std::vector<std::string>& paths, uint32_t node, int ops, int pub
   return 0;
 }
 
-TEST(Allocator, ChurnAcrossProcessesNeverOverlapsAndLeaksNothing) {
+// `sim_seed` != 0: every process (churners and the last nodes) sits behind its own simulated
+// non-coherent cache, seeded from it; a flush or invalidate the protocol forgets shows up as an
+// overlap, a failed free, a check problem or a leaked chunk.
+void ChurnThenCheck(int ops, uint64_t sim_seed) {
   testing::TempRegionPath a("alloc-a"), b("alloc-b");
   std::vector<std::string> paths{a.path(), b.path()};  // two "devices": chunks interleave
   PoolCreateOptions co;
@@ -100,11 +104,11 @@ TEST(Allocator, ChurnAcrossProcessesNeverOverlapsAndLeaksNothing) {
   co.max_nodes = 4;
   ASSERT_TRUE(Pool::Create(paths, co).ok());
   uint64_t total = FreeChunks(paths);
-  auto codes = testing::RunForked(3, [&](int i) { return Churn(paths, i, 1500, 50); });
+  auto codes = testing::RunForked(3, [&](int i) { return Churn(paths, i, ops, 50, sim_seed ? sim_seed + i : 0); });
   for (int c : codes) EXPECT_EQ(c, 0);
   // Roots nobody consumed (a node's own) still hold their objects; free them as a last node.
   {
-    auto p = OpenOrNull(paths, 3);
+    auto p = OpenOrNull(paths, 3, sim_seed ? sim_seed + 3 : 0);
     ASSERT_TRUE(p);
     for (const auto& r : p->impl().roots->List()) {
       Status freed = p->Free(r.offset);
@@ -115,7 +119,7 @@ TEST(Allocator, ChurnAcrossProcessesNeverOverlapsAndLeaksNothing) {
     p->impl().allocator->Trim();
   }
   // Nodes 0..2 left: recovery (by whichever node managed) reclaimed anything they still held.
-  auto p = OpenOrNull(paths, 0);
+  auto p = OpenOrNull(paths, 0, sim_seed ? sim_seed + 4 : 0);
   ASSERT_TRUE(p);
   std::this_thread::sleep_for(std::chrono::milliseconds(3 * testing::kTestLeaseMs));
   p->impl().allocator->Trim();
@@ -125,7 +129,21 @@ TEST(Allocator, ChurnAcrossProcessesNeverOverlapsAndLeaksNothing) {
   EXPECT_EQ(FreeChunks(paths), total) << "chunks leaked";
 }
 
-TEST(Allocator, KillNineMidChurnKeepsPublishedAndReclaimsTheRest) {
+TEST(Allocator, ChurnAcrossProcessesNeverOverlapsAndLeaksNothing) { ChurnThenCheck(1500, 0); }
+
+// Large runs (intent records under the allocator lock), heap chunks, leases, remote-free rings
+// drained on beats and Trim, each process behind its own simulated cache.
+TEST(Allocator, ChurnUnderTheNonCoherentSimulator) {
+  for (uint64_t seed : {11u, 57u}) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    ChurnThenCheck(500, seed);
+  }
+}
+
+// kill -9 of a node mid-churn (large runs under intent records, heap chunks, its lease):
+// published objects stay, everything else comes back. With `sim_seed`, both processes sit
+// behind simulated caches: the victim's unflushed stores die with it, as on a real host.
+void KillMidChurnAndRecover(uint64_t sim_seed) {
   testing::TempRegionPath path("alloc-kill");
   std::vector<std::string> paths{path.path()};
   PoolCreateOptions co;
@@ -133,23 +151,31 @@ TEST(Allocator, KillNineMidChurnKeepsPublishedAndReclaimsTheRest) {
   co.max_nodes = 4;
   ASSERT_TRUE(Pool::Create(paths, co).ok());
   uint64_t total = FreeChunks(paths);
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
   pid_t victim = ::fork();
   if (victim == 0) {
-    // Node 2 allocates and publishes some objects, then keeps churning until killed.
-    auto p = OpenOrNull(paths, 2);
+    // Node 2 allocates and publishes some objects, then keeps churning until killed: heap
+    // objects and, now and then, a large run (an intent record under the allocator lock).
+    auto p = OpenOrNull(paths, 2, sim_seed ? sim_seed + 1 : 0);
     if (!p) ::_exit(1);
     for (int i = 0; i < 6; ++i) {
       auto off = p->Alloc(i % 2 ? 4096 : (uint64_t{3} << 20));
       if (!off.ok() || !p->Put("keep-" + std::to_string(i), *off, 4096).ok()) ::_exit(1);
     }
+    if (::write(ready[1], "r", 1) != 1) ::_exit(1);
     for (uint64_t i = 0;; ++i) {
-      auto off = p->Alloc(64 << (i % 10));
+      auto off = p->Alloc(i % 17 == 0 ? (uint64_t{3} << 20) : (uint64_t{64} << (i % 10)));
       if (off.ok() && i % 3) (void)p->Free(*off);
     }
   }
-  auto survivor = OpenOrNull(paths, 0);  // hosts the manager: runs the recovery
+  auto survivor = OpenOrNull(paths, 0, sim_seed);  // hosts the manager: runs the recovery
   ASSERT_TRUE(survivor);
-  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  char c;
+  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  ::close(ready[0]);
+  ::close(ready[1]);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
   ::kill(victim, SIGKILL);
   int status;
   ::waitpid(victim, &status, 0);
@@ -170,6 +196,15 @@ TEST(Allocator, KillNineMidChurnKeepsPublishedAndReclaimsTheRest) {
   EXPECT_EQ(roots.size(), 6u);
   // Each 3 MiB object holds a run of 2 chunks; the 4 KiB ones share one orphan heap chunk.
   EXPECT_EQ(FreeChunks(paths), total - (3 * 2 + 1));
+}
+
+TEST(Allocator, KillNineMidChurnKeepsPublishedAndReclaimsTheRest) { KillMidChurnAndRecover(0); }
+
+TEST(Allocator, KillNineMidChurnUnderTheNonCoherentSimulator) {
+  for (uint64_t seed : {7u, 91u, 313u}) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    KillMidChurnAndRecover(seed);
+  }
 }
 
 alloc::RegionUsage Usage(const std::vector<std::string>& paths) {
