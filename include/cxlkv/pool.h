@@ -47,6 +47,8 @@ struct PoolOpenOptions {
   bool may_host_manager = true;       // default true
   bool recovers = true;               // false: never recover other nodes' lives here (a short-lived
                                       // client such as one CLI command). Default true.
+  bool prefault = true;               // map every page at open (RegionAttachOptions::prefault);
+                                      // a one-shot CLI command turns it off. Default true.
   RegionAttachOptions attach;         // coherence mode, simulator seed
 };
 

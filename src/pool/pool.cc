@@ -144,7 +144,9 @@ Result<std::vector<std::unique_ptr<Region>>> AttachAll(const std::vector<std::st
 Result<std::unique_ptr<Pool>> Pool::Open(const std::vector<std::string>& paths,
                                          const PoolOpenOptions& options) {
   auto impl = std::make_unique<Impl>();
-  CXLKV_ASSIGN_OR_RETURN(impl->regions, pool::AttachAll(paths, options.attach));
+  RegionAttachOptions attach = options.attach;
+  attach.prefault = attach.prefault || options.prefault;
+  CXLKV_ASSIGN_OR_RETURN(impl->regions, pool::AttachAll(paths, attach));
   // A damaged or foreign index is refused before joining: nothing is written.
   auto layout = cache::ReadLayout(*impl->regions[0]);
   if (!layout.ok() && layout.status().code() != StatusCode::kNotFound) return layout.status();

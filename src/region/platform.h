@@ -59,6 +59,8 @@ class Platform {
   virtual int NumaMaxNode();
   // Binds [addr, addr+len) to `node` (mbind MPOL_BIND) before it is first touched.
   virtual int NumaBind(void* addr, size_t len, int node);
+  // Maps every page of [addr, addr+len) now, for writing (madvise MADV_POPULATE_WRITE).
+  virtual int Populate(void* addr, size_t len);
 
   std::string sysfs_root = "/sys";
 };

@@ -108,6 +108,13 @@ Result<std::string> Platform::ReadSysfs(const std::string& path) {
 
 int Platform::NumaMaxNode() { return numa_available() < 0 ? -1 : numa_max_node(); }
 
+int Platform::Populate(void* addr, size_t len) {
+#ifndef MADV_POPULATE_WRITE
+  constexpr int MADV_POPULATE_WRITE = 23;  // Linux 5.14; older kernels answer EINVAL
+#endif
+  return ::madvise(addr, len, MADV_POPULATE_WRITE) == 0 ? 0 : NegErrno();
+}
+
 int Platform::NumaBind(void* addr, size_t len, int node) {
   if (numa_available() < 0) return -ENOSYS;
   struct bitmask* mask = numa_allocate_nodemask();

@@ -252,6 +252,11 @@ Result<std::unique_ptr<Region>> AttachRegion(const std::string& path,
   Superblock sb;
   CXLKV_RETURN_IF_ERROR(ValidateSuperblock(mapping.base(), mapping.size(), path, &sb));
   RegionInfo info = MakeInfo(path, mapping.kind(), options.coherence, sb);
+  if (options.prefault) {
+    // Only an optimization: a kernel without MADV_POPULATE_WRITE (before 5.14), or a backing
+    // that refuses it, leaves the pages to be faulted in on first touch, as without it.
+    (void)platform.Populate(mapping.base(), mapping.size());
+  }
   auto impl = std::make_unique<Region::Impl>(std::move(mapping), sb, std::move(info),
                                              options.coherence);
   if (uint64_t seed = SimSeedFor(options); seed != 0) {

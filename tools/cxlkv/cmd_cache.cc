@@ -28,6 +28,7 @@ struct CacheArgs {
 Result<std::unique_ptr<Pool>> OpenAsNode(const std::string& paths, int node) {
   PoolOpenOptions o;
   o.recovers = false;
+  o.prefault = false;  // one command touches a few blocks: mapping every page would cost more
   if (node >= 0) {
     o.node_id = static_cast<uint32_t>(node);
     return Pool::Open(SplitPaths(paths), o);
