@@ -273,6 +273,61 @@ TEST(Heartbeat, TheNodeLocalFileGoesWithTheNodesLastProcess) {
   EXPECT_FALSE(std::filesystem::exists(stale));
 }
 
+// Forks a process that joins the pool as `node`, says so on `ready`, and waits to be killed.
+pid_t JoinAndWait(const std::string& path, uint32_t node, int ready) {
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    auto p = OpenOrNull({path}, node);
+    if (!p || ::write(ready, "r", 1) != 1) ::_exit(1);
+    for (;;) ::pause();
+  }
+  return pid;
+}
+
+// kill -9 leaves the node-local file (nobody runs the destructor), but the kernel drops the
+// killed process's flock: the next joiner sweeps the file when no process of the node is left,
+// and never while one still is.
+TEST(Heartbeat, AKilledNodesLocalFileIsSweptOnlyOnceNoProcessHoldsIt) {
+  testing::TempRegionPath path("localkill");
+  PoolCreateOptions co;
+  co.size = 16 << 20;
+  co.max_nodes = 3;
+  ASSERT_TRUE(Pool::Create({path.path()}, co).ok());
+  std::string region_id;
+  {
+    auto regions = pool::AttachAll({path.path()});
+    ASSERT_TRUE(regions.ok());
+    region_id = (*regions)[0]->info().region_id;
+  }
+  const std::string local = sync::LocalNode::PathFor(region_id, 1);
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  pid_t first = JoinAndWait(path.path(), 1, ready[1]);
+  pid_t second = JoinAndWait(path.path(), 1, ready[1]);  // a second process of node 1
+  char c;
+  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  ASSERT_TRUE(std::filesystem::exists(local));
+  int status;
+  ::kill(first, SIGKILL);
+  ::waitpid(first, &status, 0);
+  {
+    auto joiner = OpenOrNull({path.path()}, 0);  // sweeps what nobody holds
+    ASSERT_TRUE(joiner);
+    EXPECT_TRUE(std::filesystem::exists(local)) << "swept while a process of node 1 still held it";
+  }
+  ::kill(second, SIGKILL);
+  ::waitpid(second, &status, 0);
+  EXPECT_TRUE(std::filesystem::exists(local)) << "kill -9 cannot remove it: the sweep must";
+  {
+    auto joiner = OpenOrNull({path.path()}, 2);
+    ASSERT_TRUE(joiner);
+    EXPECT_FALSE(std::filesystem::exists(local)) << "a file no process holds outlived the next joiner";
+  }
+  ::close(ready[0]);
+  ::close(ready[1]);
+}
+
 TEST(Election, SkipsANodeThatMayNotHostTheManager) {
   testing::TempRegionPath path("nohost");
   PoolCreateOptions co;
