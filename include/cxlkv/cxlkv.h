@@ -106,6 +106,45 @@ cxlkv_status cxlkv_put(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_
                        uint64_t bytes);
 cxlkv_status cxlkv_read(cxlkv_pool* pool, const cxlkv_pin* pin, uint64_t at, void* dst, uint64_t bytes);
 
+/* Batched forms: one stripe lock per stripe the keys touch, not one per key. */
+
+/* Per key of a cxlkv_reserve_many (the values of cxlkv::ReserveOutcome). */
+typedef enum {
+  CXLKV_RESERVED = 0,        /* WRITING, owned by this process: its reservation is open */
+  CXLKV_ALREADY_CACHED = 1,  /* READY already: nothing to write */
+  CXLKV_RESERVE_BUSY = 2,    /* being written (writer_node names the writer) or evicted */
+  CXLKV_RESERVE_ERROR = 3    /* status says why (CXLKV_NO_SPACE, ...) */
+} cxlkv_reserve_outcome;
+
+typedef struct {
+  uint32_t outcome;            /* cxlkv_reserve_outcome */
+  uint32_t status;             /* cxlkv_status of this key (CXLKV_OK when reserved) */
+  uint32_t writer_node;        /* CXLKV_RESERVE_BUSY while being written: the writer */
+  uint64_t writer_incarnation; /* its life (0 while being evicted) */
+  cxlkv_reservation reservation; /* open iff CXLKV_RESERVED */
+} cxlkv_key_reservation;
+
+/* Reserves every key for `bytes` each; out must hold n entries, one per key in key order.
+ * Returns an error only when the whole batch failed (nothing reserved). */
+cxlkv_status cxlkv_reserve_many(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_key* keys, size_t n,
+                                uint64_t bytes, cxlkv_key_reservation* out);
+/* Commits (or aborts) every open reservation of rs[0..n); all are attempted and closed; returns
+ * the first error (CXLKV_LEASE_EXPIRED: this node was paused past its lease, nothing published). */
+cxlkv_status cxlkv_commit_many(cxlkv_pool* pool, cxlkv_reservation* rs, size_t n);
+cxlkv_status cxlkv_abort_many(cxlkv_pool* pool, cxlkv_reservation* rs, size_t n);
+
+/* What the index holds for each key now, without a lock or a pin (the values of
+ * cxlkv::PeekState): 0 absent, 1 being written, 2 ready, 3 being evicted. */
+typedef struct {
+  uint32_t state;
+  uint32_t writer_node;        /* state 1: the writer */
+  uint64_t writer_incarnation; /* state 1: its life */
+  uint32_t writer_live;        /* state 1: that life is live (a dead writer's entry is reclaimed) */
+  uint32_t reserved_;
+} cxlkv_key_peek;
+cxlkv_status cxlkv_peek(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_key* keys, size_t n,
+                        cxlkv_key_peek* out);
+
 cxlkv_status cxlkv_evict(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_key* keys, size_t n,
                          uint64_t* evicted);
 cxlkv_status cxlkv_evict_all(cxlkv_pool* pool, uint64_t* evicted);

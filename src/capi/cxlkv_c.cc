@@ -2,6 +2,7 @@
 #include "cxlkv/cxlkv.h"
 
 #include <memory>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -20,6 +21,9 @@ thread_local std::string last_error;
 
 static_assert(CXLKV_INTERNAL == static_cast<int>(cxlkv::StatusCode::kInternal));
 static_assert(CXLKV_LEASE_EXPIRED == static_cast<int>(cxlkv::StatusCode::kLeaseExpired));
+static_assert(CXLKV_RESERVE_ERROR == static_cast<int>(cxlkv::ReserveOutcome::kError));
+static_assert(CXLKV_RESERVE_BUSY == static_cast<int>(cxlkv::ReserveOutcome::kBusy));
+static_assert(3 == static_cast<int>(cxlkv::PeekState::kOther));
 
 cxlkv_status Report(const cxlkv::Status& s) {
   last_error = s.ok() ? std::string() : s.ToString();
@@ -54,6 +58,16 @@ std::vector<cxlkv::BlockKey> Keys(const cxlkv_key* keys, size_t n) {
   std::vector<cxlkv::BlockKey> v(n);
   for (size_t i = 0; i < n; ++i) v[i] = Key(keys[i]);
   return v;
+}
+
+// CommitMany or AbortMany over the caller's array: every reservation goes back closed.
+cxlkv_status FinishMany(cxlkv::KvCache& cache, cxlkv::Status (cxlkv::KvCache::*op)(std::span<cxlkv::Reservation>),
+                        cxlkv_reservation* rs, size_t n) {
+  std::vector<cxlkv::Reservation> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = Res(&rs[i]);
+  cxlkv::Status s = (cache.*op)(v);
+  for (size_t i = 0; i < n; ++i) CRes(v[i], &rs[i]);
+  return Report(s);
 }
 
 // Commit or Abort: both close the reservation, which goes back to the caller's struct.
@@ -199,6 +213,44 @@ cxlkv_status cxlkv_put(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_
 cxlkv_status cxlkv_read(cxlkv_pool* pool, const cxlkv_pin* pin, uint64_t at, void* dst, uint64_t bytes) {
   CXLKV_C_REQUIRE(pool && pin && (dst || !bytes), "pool, pin or destination");
   return Report(pool->cache->Read(Pin(*pin), at, dst, bytes));
+}
+
+cxlkv_status cxlkv_reserve_many(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_key* keys, size_t n,
+                                uint64_t bytes, cxlkv_key_reservation* out) {
+  CXLKV_C_REQUIRE(pool && ns && (keys || !n) && (out || !n), "pool, namespace, keys or out");
+  auto r = pool->cache->ReserveMany(Handle(ns), Keys(keys, n), bytes);
+  if (!r.ok()) return Report(r.status());
+  for (size_t i = 0; i < n; ++i) {
+    const cxlkv::KeyReservation& k = (*r)[i];
+    out[i].outcome = static_cast<uint32_t>(k.outcome);
+    out[i].status = static_cast<uint32_t>(k.status.code());
+    out[i].writer_node = k.writer_node;
+    out[i].writer_incarnation = k.writer_incarnation;
+    CRes(k.reservation, &out[i].reservation);
+  }
+  return Report(cxlkv::Status::Ok());
+}
+
+cxlkv_status cxlkv_commit_many(cxlkv_pool* pool, cxlkv_reservation* rs, size_t n) {
+  CXLKV_C_REQUIRE(pool && (rs || !n), "pool or reservations");
+  return FinishMany(*pool->cache, &cxlkv::KvCache::CommitMany, rs, n);
+}
+
+cxlkv_status cxlkv_abort_many(cxlkv_pool* pool, cxlkv_reservation* rs, size_t n) {
+  CXLKV_C_REQUIRE(pool && (rs || !n), "pool or reservations");
+  return FinishMany(*pool->cache, &cxlkv::KvCache::AbortMany, rs, n);
+}
+
+cxlkv_status cxlkv_peek(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_key* keys, size_t n,
+                        cxlkv_key_peek* out) {
+  CXLKV_C_REQUIRE(pool && ns && (keys || !n) && (out || !n), "pool, namespace, keys or out");
+  auto r = pool->cache->Peek(Handle(ns), Keys(keys, n));
+  if (!r.ok()) return Report(r.status());
+  for (size_t i = 0; i < n; ++i) {
+    const cxlkv::KeyPeek& p = (*r)[i];
+    out[i] = {static_cast<uint32_t>(p.state), p.writer_node, p.writer_incarnation, p.writer_live ? 1u : 0u, 0};
+  }
+  return Report(cxlkv::Status::Ok());
 }
 
 cxlkv_status cxlkv_evict(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_key* keys, size_t n,

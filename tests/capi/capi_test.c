@@ -34,7 +34,15 @@ static int Run(const char* path, unsigned node, int write) {
   for (size_t i = 0; i < sizeof tokens / sizeof tokens[0]; ++i) tokens[i] = (int32_t)(i * 31 % 32000);
   cxlkv_key keys[kBlocks + 1];
   CHECK(cxlkv_chain_keys(&ns, tokens, sizeof tokens / sizeof tokens[0], keys, kBlocks + 1) == kBlocks);
+  /* A second chain, written with the batched calls. */
+  int32_t tokens2[16 * kBlocks];
+  for (size_t i = 0; i < sizeof tokens2 / sizeof tokens2[0]; ++i) tokens2[i] = (int32_t)(i * 17 % 32000 + 1);
+  cxlkv_key keys2[kBlocks];
+  CHECK(cxlkv_chain_keys(&ns, tokens2, sizeof tokens2 / sizeof tokens2[0], keys2, kBlocks) == kBlocks);
   static unsigned char buf[kBlockBytes], want[kBlockBytes];
+  cxlkv_key_reservation kr[kBlocks];
+  cxlkv_reservation rs[kBlocks];
+  cxlkv_key_peek peek[kBlocks];
   if (write) {
     for (unsigned b = 0; b < kBlocks; ++b) {
       Fill(buf, kBlockBytes, b);
@@ -46,6 +54,29 @@ static int Run(const char* path, unsigned node, int write) {
     }
     CHECK(cxlkv_put(pool, &ns, &keys[0], buf, kBlockBytes) == CXLKV_ALREADY_EXISTS);
     CHECK(strstr(cxlkv_last_error(), "already") != NULL);
+    /* Batched: reserve all, abort all (nothing left), reserve again, write, commit all. */
+    CHECK(cxlkv_reserve_many(pool, &ns, keys2, kBlocks, kBlockBytes, kr) == CXLKV_OK);
+    for (unsigned b = 0; b < kBlocks; ++b) {
+      CHECK(kr[b].outcome == CXLKV_RESERVED && kr[b].status == CXLKV_OK && kr[b].reservation.open);
+      rs[b] = kr[b].reservation;
+    }
+    CHECK(cxlkv_peek(pool, &ns, keys2, kBlocks, peek) == CXLKV_OK);
+    CHECK(peek[0].state == 1 && peek[0].writer_node == node && peek[0].writer_live == 1);
+    CHECK(cxlkv_abort_many(pool, rs, kBlocks) == CXLKV_OK && rs[0].open == 0);
+    CHECK(cxlkv_peek(pool, &ns, keys2, kBlocks, peek) == CXLKV_OK && peek[kBlocks - 1].state == 0);
+    CHECK(cxlkv_reserve_many(pool, &ns, keys2, kBlocks, kBlockBytes, kr) == CXLKV_OK);
+    for (unsigned b = 0; b < kBlocks; ++b) {
+      CHECK(kr[b].outcome == CXLKV_RESERVED);
+      rs[b] = kr[b].reservation;
+      Fill(buf, kBlockBytes, 100 + b);
+      CHECK(cxlkv_write(pool, &rs[b], 0, buf, kBlockBytes) == CXLKV_OK);
+    }
+    CHECK(cxlkv_commit_many(pool, rs, kBlocks) == CXLKV_OK);
+    CHECK(rs[0].open == 0 && rs[kBlocks - 1].open == 0);
+    CHECK(cxlkv_reserve_many(pool, &ns, keys2, kBlocks, kBlockBytes, kr) == CXLKV_OK);
+    CHECK(kr[0].outcome == CXLKV_ALREADY_CACHED && kr[0].status == CXLKV_ALREADY_EXISTS && !kr[0].reservation.open);
+    CHECK(cxlkv_reserve_many(pool, &ns, keys2, 1, 0, kr) == CXLKV_INVALID_ARGUMENT); /* a 0-byte block */
+    CHECK(cxlkv_peek(NULL, &ns, keys2, 1, peek) == CXLKV_INVALID_ARGUMENT);
   } else {
     cxlkv_pin pins[kBlocks];
     size_t hits = 0;
@@ -57,6 +88,17 @@ static int Run(const char* path, unsigned node, int write) {
       CHECK(memcmp(buf, want, kBlockBytes) == 0);
     }
     CHECK(cxlkv_read(pool, &pins[0], kBlockBytes, buf, 1) == CXLKV_INVALID_ARGUMENT);
+    /* The batch-written chain, read back by another node. */
+    CHECK(cxlkv_peek(pool, &ns, keys2, kBlocks, peek) == CXLKV_OK && peek[kBlocks - 1].state == 2);
+    cxlkv_pin pins2[kBlocks];
+    size_t hits2 = 0;
+    CHECK(cxlkv_lookup(pool, &ns, keys2, kBlocks, pins2, &hits2) == CXLKV_OK && hits2 == kBlocks);
+    for (unsigned b = 0; b < kBlocks; ++b) {
+      CHECK(cxlkv_read(pool, &pins2[b], 0, buf, kBlockBytes) == CXLKV_OK);
+      Fill(want, kBlockBytes, 100 + b);
+      CHECK(memcmp(buf, want, kBlockBytes) == 0);
+    }
+    cxlkv_release(pool, pins2, hits2);
     uint64_t evicted = 99;
     CHECK(cxlkv_evict(pool, &ns, keys, 1, &evicted) == CXLKV_OK && evicted == 0); /* pinned */
     cxlkv_release(pool, pins, hits);
