@@ -25,24 +25,54 @@ timespec RealtimeDeadline(Clock::time_point deadline) {
   return ts;
 }
 
-// Waiting for another node: spin briefly with pause, then sleep with growing intervals, so
-// several waiting processes on a 2-core machine do not starve the holder.
-class Backoff {
+// Waiting for a grant: spin briefly with pause, yield a while (two cores: the manager or the
+// holder may need this one), then sleep on this node's wake channel (host_wake.h), where the
+// manager wakes us when it grants on this host; the timeout re-polls for a manager elsewhere.
+class GrantWait {
  public:
+  GrantWait(HostWake* wake, uint32_t node) : wake_(wake), node_(node) {}
+  ~GrantWait() {
+    if (armed_) wake_->DisarmGrant(node_);
+  }
+  GrantWait(const GrantWait&) = delete;
+  GrantWait& operator=(const GrantWait&) = delete;
+
+  // Called after each look at the grant word that found nothing.
   void Pause() {
-    if (round_ < 4) {
-      for (int i = 0; i < 8; ++i) region::CpuRelax();
-    } else if (round_ < 4096) {
-      std::this_thread::yield();  // two cores: the manager or the holder may need this one
-    } else {
-      int shift = std::min(round_ - 4096, 3);  // at most 40 us: a grant is not left waiting long
-      std::this_thread::sleep_for(std::chrono::microseconds(5 << shift));
-    }
     ++round_;
+    if (round_ <= 4) {
+      for (int i = 0; i < 8; ++i) region::CpuRelax();
+      return;
+    }
+    if (round_ <= kYieldRounds) {
+      std::this_thread::yield();
+      return;
+    }
+    const int shift = std::min(round_ - kYieldRounds - 1, 4);
+    const auto timeout = std::chrono::microseconds(10 << shift);  // 10 .. 160 us
+    if (wake_ == nullptr) {
+      std::this_thread::sleep_for(timeout);
+      return;
+    }
+    if (!armed_) {
+      // Announce the sleep; the caller looks at the grant once more before we sleep on it.
+      epoch_ = wake_->ArmGrant(node_);
+      armed_ = true;
+      --round_;
+      return;
+    }
+    wake_->WaitGrant(node_, epoch_, timeout);
+    wake_->DisarmGrant(node_);
+    armed_ = false;
   }
 
  private:
+  static constexpr int kYieldRounds = 64;
+  HostWake* wake_;
+  uint32_t node_;
   int round_ = 0;
+  bool armed_ = false;
+  uint32_t epoch_ = 0;
 };
 
 }  // namespace
@@ -67,6 +97,7 @@ void Node::RingDoorbell(uint32_t lock, bool want) {
     const uint64_t lines[2] = {bell, word};
     meta().FlushEach(lines, 8);
   }
+  if (wake_ != nullptr) wake_->WakeManager();  // a manager on this host may sleep
 }
 
 Status Node::CheckHeld(uint32_t lock) const {
@@ -119,7 +150,7 @@ Result<AcquireInfo> Node::Acquire(uint32_t lock, Clock::time_point deadline) {
   if (!(info.holder_died && RequestWants(req) && RequestIncarnation(req) == static_cast<uint32_t>(inc))) {
     req = publish_request(inc);
   }
-  Backoff backoff;
+  GrantWait backoff(wake_.get(), me);
   for (;;) {
     if (meta().Fetch(layout_.grant(lock, me)) == req) {  // P2: the manager wrote it
       Status fenced = heartbeat_->Fence("lock grant", RequestIncarnation(req));

@@ -8,12 +8,13 @@
 namespace cxlkv::sync {
 
 LockManager::LockManager(region::MetaAccess& meta, LockArrayLayout layout, uint32_t me, Heartbeat& heartbeat,
-                         std::function<void(std::vector<uint32_t>&)> live)
+                         std::function<void(std::vector<uint32_t>&)> live, HostWake* wake)
     : meta_(meta),
       layout_(layout),
       me_(me),
       heartbeat_(heartbeat),
       live_fn_(std::move(live)),
+      wake_(wake),
       nodes_(layout.max_nodes()),
       locks_(layout.max_locks()),
       words_((layout.max_locks() + 63) / 64) {}
@@ -114,6 +115,7 @@ void LockManager::Decide(uint32_t k) {
       return;
     }
     meta_.Publish(layout_.grant(k, n), r);  // W→L: the grant is the request echoed (the token)
+    if (wake_ != nullptr) wake_->WakeGrant(n);  // a waiter of node n on this host may sleep
     grant(k, n) = r;
     last_granted_[k] = n;
     ++grants_;
@@ -163,9 +165,15 @@ void LockManager::Run(uint64_t incarnation) {
   const auto resync_every = heartbeat_.interval();
   auto next_resync = std::chrono::steady_clock::now() + resync_every;
   uint32_t idle = 0;
+  auto last_change = std::chrono::steady_clock::now();
+  bool armed = false;  // this manager announced that it sleeps (host wake channel)
   while (running_.load()) {
+    // Armed: the epoch before the scan. A wake-up after it makes the sleep below return at
+    // once; a doorbell rung before it is seen by the scan (host_wake.h).
+    const uint32_t epoch = armed ? wake_->ManagerEpoch() : 0;
+    const uint64_t grants_before = grants_;
     RefreshLiveness();
-    bool changed = !dirty_.empty();
+    bool changed = false;  // a doorbell rang or a lock changed hands (the resync's re-decisions are not news)
     for (uint32_t n = 0; n < nodes_; ++n) {
       if (live_[n] == 0) continue;
       uint64_t seq = meta_.Fetch(layout_.doorbell(n));  // P2: node n rang it
@@ -179,6 +187,7 @@ void LockManager::Run(uint64_t incarnation) {
       Decide(dirty_[i]);
     }
     dirty_.clear();
+    changed = changed || grants_ != grants_before;
     auto now = std::chrono::steady_clock::now();
     if (now >= next_resync) {
       next_resync = now + resync_every;
@@ -187,22 +196,41 @@ void LockManager::Run(uint64_t incarnation) {
       for (uint32_t k = 0; k < locks_; ++k) MarkDirty(k);
     }
     // Two cores: stay hot while requests come; with nothing new, yield at once (a holder or a
-    // waiter on this core needs it more than a poll does), then sleep ever longer (an idle
-    // manager costs one doorbell read per live node per wake-up, about a thousand a second).
+    // waiter on this core needs it more than a poll does). Past the hot window, sleep: on the
+    // host's wake channel when there is one (a requester here wakes us at once), with a
+    // timeout that grows to ~1 ms either way (requesters on other hosts can only be polled; an
+    // idle manager costs one doorbell read per live node per wake-up).
     if (changed) {
+      if (armed) wake_->DisarmManager();
+      armed = false;
       idle = 0;
+      last_change = now;
       region::CpuRelax();
       continue;
     }
-    ++idle;
-    if (idle < 4096) {
+    if (now - last_change < kHotWindow) {
       std::this_thread::yield();
-    } else {
-      int shift = std::min<int>((idle - 4096) / 16, 6);
-      std::this_thread::sleep_for(std::chrono::microseconds(16 << shift));  // 16 us .. ~1 ms
+      continue;
     }
+    if (wake_ != nullptr && !armed) {
+      // Announce the sleep and scan once more before the first one; stay announced while idle.
+      wake_->ArmManager();
+      armed = true;
+      continue;
+    }
+    Sleep(idle++, armed, epoch);
   }
+  if (armed) wake_->DisarmManager();
   running_.store(false);
+}
+
+void LockManager::Sleep(uint32_t rounds, bool armed, uint32_t epoch) {
+  const auto timeout = std::chrono::microseconds(16 << std::min<uint32_t>(rounds / 16, 6));  // 16 us .. ~1 ms
+  if (armed) {
+    wake_->WaitManager(epoch, timeout);  // returns at once if woken since `epoch` was read
+  } else {
+    std::this_thread::sleep_for(timeout);
+  }
 }
 
 }  // namespace cxlkv::sync

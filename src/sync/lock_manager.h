@@ -25,6 +25,7 @@
 
 #include "region/meta.h"
 #include "sync/heartbeat.h"
+#include "sync/host_wake.h"
 #include "sync/layout.h"
 
 namespace cxlkv::sync {
@@ -35,9 +36,15 @@ class LockManager {
   // than the moment between a rival's check of the line and its own claim.
   static constexpr std::chrono::milliseconds kClaimSettle{2};
 
-  // `live` fills, per node, its current incarnation if it is live, else 0.
+  // How long a manager stays hot (polling, yielding its core) after the last change it saw,
+  // before it sleeps: requests tend to come in bursts (a reserve, its commit; a handoff chain).
+  static constexpr std::chrono::microseconds kHotWindow{250};
+
+  // `live` fills, per node, its current incarnation if it is live, else 0. `wake` (may be null:
+  // then idle sleeps are plain timeouts) lets requesters on this host wake a sleeping manager
+  // and lets the manager wake this host's waiters after a grant.
   LockManager(region::MetaAccess& meta, LockArrayLayout layout, uint32_t me, Heartbeat& heartbeat,
-              std::function<void(std::vector<uint32_t>&)> live);
+              std::function<void(std::vector<uint32_t>&)> live, HostWake* wake);
 
   // Grants until Stop(), the end of life `incarnation`, or another manager taking the line.
   void Run(uint64_t incarnation);
@@ -54,6 +61,9 @@ class LockManager {
   void Decide(uint32_t lock);
   bool StillManager();
   void MarkDirty(uint32_t lock);
+  // Sleeps after `rounds` idle rounds: on the wake channel when `armed` (unless woken since
+  // `epoch` was read), else a plain timeout.
+  void Sleep(uint32_t rounds, bool armed, uint32_t epoch);
 
   uint64_t& req(uint32_t lock, uint32_t node) { return req_[size_t{lock} * nodes_ + node]; }
   uint64_t& grant(uint32_t lock, uint32_t node) { return grant_[size_t{lock} * nodes_ + node]; }
@@ -63,6 +73,7 @@ class LockManager {
   uint32_t me_;
   Heartbeat& heartbeat_;
   std::function<void(std::vector<uint32_t>&)> live_fn_;
+  HostWake* wake_;
   uint32_t nodes_;
   uint32_t locks_;
   uint32_t words_;  // bitmap words per doorbell

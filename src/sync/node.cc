@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 
 namespace cxlkv::sync {
 
@@ -26,10 +27,11 @@ NodeView ReadNodeLine(region::MetaAccess& meta, uint64_t node_table, uint32_t no
 }
 
 Node::Node(Region& region, const NodeOptions& options, std::unique_ptr<LocalNode> local,
-           LockArrayLayout layout, uint64_t node_table)
+           std::unique_ptr<HostWake> wake, LockArrayLayout layout, uint64_t node_table)
     : region_(region),
       options_(options),
       local_(std::move(local)),
+      wake_(std::move(wake)),
       layout_(layout),
       node_table_(node_table),
       max_nodes_(region.info().max_nodes),
@@ -39,7 +41,8 @@ Node::Node(Region& region, const NodeOptions& options, std::unique_ptr<LocalNode
   heartbeat_ = std::make_unique<Heartbeat>(meta(), layout_, NodeLineOffset(options.node_id), options.node_id,
                                            options.lease, *local_);
   manager_ = std::make_unique<LockManager>(meta(), layout_, options.node_id, *heartbeat_,
-                                           [this](std::vector<uint32_t>& out) { LiveIncarnations(out); });
+                                           [this](std::vector<uint32_t>& out) { LiveIncarnations(out); },
+                                           wake_.get());
 }
 
 Result<std::unique_ptr<Node>> Node::Join(Region& region, const NodeOptions& options) {
@@ -65,7 +68,15 @@ Result<std::unique_ptr<Node>> Node::Join(Region& region, const NodeOptions& opti
                                                      layout.max_locks()));
   const bool fresh_local = local->created();
   const bool first_user = local->first_user();
-  std::unique_ptr<Node> node(new Node(region, options, std::move(local), layout, nodes->offset));
+  // The host's wake file only speeds wake-ups (host_wake.h): without it the lock still works,
+  // by polling, so a failure to open it is said once and not fatal.
+  HostWake::SweepUnused(HostWake::PathFor(info.region_id));
+  auto wake = HostWake::Open(info.region_id, info.max_nodes);
+  if (!wake.ok()) {
+    std::fprintf(stderr, "cxlkv: lock wake-ups by polling only: %s\n", wake.status().ToString().c_str());
+  }
+  std::unique_ptr<Node> node(new Node(region, options, std::move(local),
+                                      wake.ok() ? std::move(wake).value() : nullptr, layout, nodes->offset));
   LocalHeader& h = node->local_->header();
 
   if (fresh_local) {

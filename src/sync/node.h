@@ -42,6 +42,7 @@
 #include "region/region_internal.h"
 #include "sync/heartbeat.h"
 #include "sync/layout.h"
+#include "sync/host_wake.h"
 #include "sync/local_node.h"
 #include "sync/lock_manager.h"
 
@@ -149,7 +150,7 @@ class Node {
 
  private:
   Node(Region& region, const NodeOptions& options, std::unique_ptr<LocalNode> local,
-       LockArrayLayout layout, uint64_t node_table);
+       std::unique_ptr<HostWake> wake, LockArrayLayout layout, uint64_t node_table);
 
   uint64_t NodeLineOffset(uint32_t node) const { return node_table_ + uint64_t{node} * 64; }
   void ObserveNodes();
@@ -167,6 +168,7 @@ class Node {
   Region& region_;
   NodeOptions options_;
   std::unique_ptr<LocalNode> local_;
+  std::unique_ptr<HostWake> wake_;  // null when the host's wake file could not be opened
   LockArrayLayout layout_;
   uint64_t node_table_;
   uint32_t max_nodes_;
