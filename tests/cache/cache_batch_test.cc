@@ -237,11 +237,12 @@ TEST(CacheBatch, PeekSeesEveryStateAndNeitherPinsNorLocks) {
 // A key WRITING by another node (another process): the batch reports it busy and names the
 // writer's node and life; Peek sees the same; the rest of the batch is reserved.
 TEST(CacheBatch, KeyWritingOnAnotherNodeIsBusyNamingTheWriter) {
-  Fixture f("batch-other");
-  auto keys = f.cache->ChainKeys(f.ns, testing::Tokens(25, 16 * 3, 0, 0));
+  const auto tokens = testing::Tokens(25, 16 * 3, 0, 0);
   int to_parent[2], to_child[2];
   ASSERT_EQ(::pipe(to_parent), 0);
   ASSERT_EQ(::pipe(to_child), 0);
+  // The writer (node 3) is forked before this process opens the pool, so no thread crosses the
+  // fork (ThreadSanitizer refuses that); it learns the region's path through the pipe.
   pid_t child = ::fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
@@ -249,10 +250,12 @@ TEST(CacheBatch, KeyWritingOnAnotherNodeIsBusyNamingTheWriter) {
     ::close(to_child[1]);
     int rc = 0;
     {
-      auto pool = OpenOrNull({f.path.path()}, 3);
+      char path[256] = {};
+      if (::read(to_child[0], path, sizeof path - 1) <= 0) ::_exit(6);
+      auto pool = OpenOrNull({std::string(path)}, 3);
       auto c = pool ? pool->Cache() : Result<KvCache*>(Internal("open"));
       auto ns = c.ok() ? (*c)->Namespace(testing::TestNamespace()) : Result<NamespaceHandle>(Internal("open"));
-      auto r = ns.ok() ? (*c)->Reserve(*ns, keys[0], 4096) : Result<Reservation>(ns.status());
+      auto r = ns.ok() ? (*c)->Reserve(*ns, KvCache::ChainKeys(*ns, tokens)[0], 4096) : Result<Reservation>(ns.status());
       uint64_t inc = r.ok() ? pool->impl().node->incarnation() : 0;
       if (::write(to_parent[1], &inc, sizeof inc) != sizeof inc) rc = 2;
       char go;
@@ -262,6 +265,10 @@ TEST(CacheBatch, KeyWritingOnAnotherNodeIsBusyNamingTheWriter) {
     }
     ::_exit(rc);
   }
+  Fixture f("batch-other");
+  auto keys = f.cache->ChainKeys(f.ns, tokens);
+  ASSERT_EQ(::write(to_child[1], f.path.path().c_str(), f.path.path().size()),
+            static_cast<ssize_t>(f.path.path().size()));
   ::close(to_parent[1]);
   ::close(to_child[0]);
   uint64_t inc = 0;

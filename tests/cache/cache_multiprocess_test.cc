@@ -319,37 +319,12 @@ TEST(CacheProcesses, BatchedStormUnderTheNonCoherentSimulator) {
   }
 }
 
-TEST(CacheProcesses, BatchedKillNineAtEveryStepIsRecovered) {
-  testing::TempRegionPath path("storm-batch-kill");
-  ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
-  auto survivor = OpenCache(path.path(), 0);
-  ASSERT_TRUE(survivor.cache);
-  auto codes = testing::RunForked(4, [&](int i) {
-    StormOptions so;
-    so.ops = 200;
-    so.batch = true;
-    if (i < 3) {
-      so.crash_after = 20 + 10 * i;
-      so.crash_mode = i + 1;
-    }
-    int rc = StormWorker(path.path(), static_cast<uint32_t>(i) + 1, so);
-    return i < 3 && rc == 0 ? 3 : rc;
-  });
-  for (int i = 0; i < 3; ++i) EXPECT_EQ(codes[i], 128 + SIGKILL) << "worker " << i << " was to die";
-  EXPECT_EQ(codes[3], 0);
-  std::this_thread::sleep_for(std::chrono::milliseconds(4 * testing::kTestLeaseMs));
-  auto problems = Problems(path.path());
-  for (const auto& p : problems) ADD_FAILURE() << p;
-  survivor.pool.reset();
-  VerifyQuiescentPool(path.path(), 7);
-  problems = Problems(path.path());
-  for (const auto& p : problems) ADD_FAILURE() << p;
-}
-
 // Four workers die by kill -9 each at a different step (in reserve holding the stripe lock,
 // mid-write, after commit, mid-eviction) while a fifth storms through; a survivor node recovers
 // them. With `sim_seed`, every process sits behind its own simulated non-coherent cache.
-void KillAtEveryStepAndRecover(uint64_t sim_seed, int ops, int first_crash, int crash_stride) {
+// `batch`: the workers insert with ReserveMany / CommitMany (a kill lands holding a stripe lock
+// for several keys, or between a batch's writes).
+void KillAtEveryStepAndRecover(uint64_t sim_seed, int ops, int first_crash, int crash_stride, bool batch = false) {
   testing::TempRegionPath path("storm-kill");
   ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
   // Node 0 lives throughout: it manages the pool and runs recovery of the dead. It is a child
@@ -373,6 +348,7 @@ void KillAtEveryStepAndRecover(uint64_t sim_seed, int ops, int first_crash, int 
   auto codes = testing::RunForked(5, [&](int i) {
     StormOptions so;
     so.ops = ops;
+    so.batch = batch;
     so.sim_seed = sim_seed ? sim_seed * 10 + static_cast<uint64_t>(i) + 1 : 0;
     if (i < 4) {
       so.crash_after = first_crash + crash_stride * i;
@@ -398,6 +374,10 @@ void KillAtEveryStepAndRecover(uint64_t sim_seed, int ops, int first_crash, int 
 }
 
 TEST(CacheProcesses, KillNineAtEveryStepIsRecovered) { KillAtEveryStepAndRecover(0, 200, 20, 10); }
+
+TEST(CacheProcesses, BatchedKillNineAtEveryStepIsRecovered) {
+  KillAtEveryStepAndRecover(0, 200, 20, 10, /*batch=*/true);
+}
 
 TEST(CacheProcesses, KillNineAtEveryStepUnderTheNonCoherentSimulator) {
   for (uint64_t seed : {3u, 17u, 29u}) {

@@ -224,6 +224,22 @@ TEST(ChunkLease, AllocAndFreeFromTheLeaseTakeNoAllocatorLock) {
   co.max_nodes = 4;
   ASSERT_TRUE(Pool::Create(paths, co).ok());
   const uint64_t total = FreeChunks(paths);
+  // Node 1 frees one of our objects later, from its own process: forked now, before this
+  // process has threads (ThreadSanitizer refuses a fork after them); it waits for the offset.
+  int offset_pipe[2];
+  ASSERT_EQ(::pipe(offset_pipe), 0);
+  pid_t freer = ::fork();
+  if (freer == 0) {
+    ::close(offset_pipe[1]);
+    uint64_t remote = 0;
+    if (::read(offset_pipe[0], &remote, sizeof remote) != sizeof remote) ::_exit(2);
+    auto q = OpenOrNull(paths, 1);
+    if (!q) ::_exit(3);
+    Status s = q->Free(remote);
+    if (!s.ok()) std::fprintf(stderr, "remote free: %s\n", s.ToString().c_str());
+    ::_exit(s.ok() ? 0 : 4);
+  }
+  ::close(offset_pipe[0]);
   auto p = OpenOrNull(paths, 0);
   ASSERT_TRUE(p);
   alloc::Allocator& a = *p->impl().allocator;
@@ -272,14 +288,11 @@ TEST(ChunkLease, AllocAndFreeFromTheLeaseTakeNoAllocatorLock) {
   // A free by another node (a real process) goes through the owner's ring back to the lease.
   const uint64_t remote = objs.back();
   objs.pop_back();
-  auto codes = testing::RunForked(1, [&](int) {
-    auto q = OpenOrNull(paths, 1);
-    CHILD_CHECK(q != nullptr, "open");
-    Status s = q->Free(remote);
-    CHILD_CHECK(s.ok(), "remote free: %s", s.ToString().c_str());
-    return 0;
-  });
-  ASSERT_EQ(codes[0], 0);
+  ASSERT_EQ(::write(offset_pipe[1], &remote, sizeof remote), static_cast<ssize_t>(sizeof remote));
+  ::close(offset_pipe[1]);
+  int status = 0;
+  ASSERT_EQ(::waitpid(freer, &status, 0), freer);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "node 1's remote free failed";
   std::this_thread::sleep_for(std::chrono::milliseconds(2 * testing::kTestLeaseMs));  // drained on a beat
   u = Usage(paths);
   EXPECT_EQ(u.allocated_bytes, objs.size() * chunk);
@@ -331,12 +344,15 @@ void KillLesseeAndRecover(uint64_t sim_seed) {
   co.max_nodes = 4;
   ASSERT_TRUE(Pool::Create(paths, co).ok());
   const uint64_t total = FreeChunks(paths);
-  int ready[2];
+  int ready[2], go[2];
   ASSERT_EQ(::pipe(ready), 0);
-  auto survivor = OpenOrNull(paths, 0, sim_seed);  // hosts the manager: runs the recovery
-  ASSERT_TRUE(survivor);
+  ASSERT_EQ(::pipe(go), 0);
+  // Fork before this process has threads (a pool runs several; ThreadSanitizer refuses a fork
+  // after them), and let the victim join once the survivor has.
   pid_t victim = ::fork();
   if (victim == 0) {
+    char g;
+    if (::read(go[0], &g, 1) != 1) ::_exit(1);
     auto p = OpenOrNull(paths, 2, sim_seed ? sim_seed + 1 : 0);
     if (!p) ::_exit(1);
     const uint64_t chunk = p->impl().allocator->chunk_bytes();
@@ -353,8 +369,15 @@ void KillLesseeAndRecover(uint64_t sim_seed) {
       if (off.ok()) (void)p->Free(*off);
     }
   }
+  ::close(ready[1]);  // a victim that dies early reads as end-of-file, not a hang
+  auto survivor = OpenOrNull(paths, 0, sim_seed);  // hosts the manager: runs the recovery
+  ASSERT_TRUE(survivor);
+  ASSERT_EQ(::write(go[1], "g", 1), 1);
   char c;
-  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  ASSERT_EQ(::read(ready[0], &c, 1), 1) << "the victim failed before it was ready";
+  ::close(ready[0]);
+  ::close(go[0]);
+  ::close(go[1]);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   auto mid = Usage(paths);
   EXPECT_GT(mid.leased, 0u) << "the victim should hold a lease";
