@@ -62,6 +62,22 @@ Status CreateFile(const std::string& path, size_t size, uint32_t max_nodes) {
   return Status::Ok();
 }
 
+}  // namespace
+
+int SharedLockBounded(int fd) {
+  // Exclusive holders (the last user removing the file, a sweeper) hold it for microseconds;
+  // a stopped or forked holder could hold it for ever. Never block on it: retry for a while,
+  // then let the caller open the file by name again.
+  for (int i = 0; i < 200; ++i) {
+    if (::flock(fd, LOCK_SH | LOCK_NB) == 0) return 1;
+    if (errno != EWOULDBLOCK && errno != EINTR) return -errno;
+    ::usleep(250);
+  }
+  return 0;
+}
+
+namespace {
+
 long Futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
   // Not FUTEX_PRIVATE_FLAG: the waiters are other processes mapping the same file.
   return ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0);
@@ -84,9 +100,15 @@ Result<std::unique_ptr<HostWake>> HostWake::Open(const std::string& region_id, u
       continue;
     }
     if (fd < 0) break;
-    if (::flock(fd, LOCK_SH) != 0) {
+    int locked = SharedLockBounded(fd);
+    if (locked < 0) {
       ::close(fd);
-      return IoError("cannot lock wake file " + w->path_ + ": " + std::strerror(errno));
+      return IoError("cannot lock wake file " + w->path_ + ": " + std::strerror(-locked));
+    }
+    if (locked == 0) {  // held exclusively too long (by a remover or a sweeper): open it anew
+      ::close(fd);
+      fd = -1;
+      continue;
     }
     // The last user may have removed it between our open and our lock: use the current one.
     struct stat held, named;

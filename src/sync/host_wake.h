@@ -35,6 +35,10 @@
 
 namespace cxlkv::sync {
 
+// Takes a shared flock on `fd` without blocking for long: 1 = locked, 0 = still exclusively
+// held by someone after ~50 ms (re-open the file by name), < 0 = -errno.
+int SharedLockBounded(int fd);
+
 class HostWake {
  public:
   // Opens (creating on first use) the wake file of region `region_id`, sized for `max_nodes`.

@@ -13,6 +13,7 @@
 #include <new>
 
 #include "region/platform.h"
+#include "sync/host_wake.h"
 
 namespace cxlkv::sync {
 namespace {
@@ -113,9 +114,16 @@ Result<std::unique_ptr<LocalNode>> LocalNode::Open(const std::string& region_id,
     if (fd < 0) break;
     // Alone on the file? Then every earlier process of this node is gone (left or killed).
     local->first_user_ = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
-    if (::flock(fd, LOCK_SH) != 0) {
+    int locked = SharedLockBounded(fd);
+    if (locked < 0) {
       ::close(fd);
-      return IoError("cannot lock node-local file " + local->path_ + ": " + std::strerror(errno));
+      return IoError("cannot lock node-local file " + local->path_ + ": " + std::strerror(-locked));
+    }
+    if (locked == 0) {  // held exclusively too long (by a remover or a sweeper): open it anew
+      ::close(fd);
+      fd = -1;
+      local->created_ = false;
+      continue;
     }
     struct stat held, named;
     if (::fstat(fd, &held) != 0 || ::stat(local->path_.c_str(), &named) != 0 || held.st_ino != named.st_ino ||
