@@ -13,12 +13,12 @@ void MetaAccess::AttachSimulator(const SimOptions& options) {
   audit_ = SimSiteAudit::FromEnvironment();
 }
 
-void MetaAccess::SimFlush(uint64_t off, size_t n, const std::source_location& site) {
+void MetaAccess::SimFlush(uint64_t off, size_t n, const CallSite& site) {
   if (audit_ && audit_->Observe(SimSiteKind::kFlush, site)) return;
   sim_->Flush(off, n);
 }
 
-void MetaAccess::SimInvalidate(uint64_t off, size_t n, const std::source_location& site) {
+void MetaAccess::SimInvalidate(uint64_t off, size_t n, const CallSite& site) {
   if (audit_ && audit_->Observe(SimSiteKind::kInvalidate, site)) return;
   sim_->Invalidate(off, n);
 }

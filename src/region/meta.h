@@ -25,7 +25,6 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
-#include <source_location>
 
 #include "cxlkv/region.h"
 #include "region/coherence.h"
@@ -64,20 +63,21 @@ class MetaAccess {
     std::memcpy(base_ + off, src, n);
     std::atomic_thread_fence(std::memory_order_release);
   }
-  // `site` costs nothing in hardware mode; under the simulator it names the call site for the
-  // flush audit (sim_audit.h).
-  void Flush(uint64_t off, size_t n, std::source_location site = std::source_location::current()) {
+  // `file`/`line` (the caller's, by default) cost nothing in hardware mode; under the simulator
+  // they name the call site for the flush audit (sim_audit.h). __builtin_FILE/__builtin_LINE
+  // rather than std::source_location: clang 14 with libstdc++ (the fuzz build) lacks the latter.
+  void Flush(uint64_t off, size_t n, const char* file = __builtin_FILE(), unsigned line = __builtin_LINE()) {
     CheckSpan(off, n);
-    if (sim_) [[unlikely]] return SimFlush(off, n, site);
+    if (sim_) [[unlikely]] return SimFlush(off, n, {file, line});
     if (mode_ == CoherenceMode::kSoftware) {
       FlushLines(base_ + off, n);
     } else {
       std::atomic_thread_fence(std::memory_order_seq_cst);
     }
   }
-  void Invalidate(uint64_t off, size_t n, std::source_location site = std::source_location::current()) {
+  void Invalidate(uint64_t off, size_t n, const char* file = __builtin_FILE(), unsigned line = __builtin_LINE()) {
     CheckSpan(off, n);
-    if (sim_) [[unlikely]] return SimInvalidate(off, n, site);
+    if (sim_) [[unlikely]] return SimInvalidate(off, n, {file, line});
     if (mode_ == CoherenceMode::kSoftware) {
       InvalidateLinesOpt(base_ + off, n);
     } else {
@@ -88,11 +88,11 @@ class MetaAccess {
   // Batched forms: flush / invalidate `n` bytes at each offset, with one fence for all (the
   // misses and write-backs overlap instead of queueing one fence each).
   template <typename Offsets>
-  void FlushEach(const Offsets& offs, size_t n, std::source_location site = std::source_location::current()) {
+  void FlushEach(const Offsets& offs, size_t n, const char* file = __builtin_FILE(), unsigned line = __builtin_LINE()) {
     if (sim_) [[unlikely]] {
       for (uint64_t off : offs) {
         CheckSpan(off, n);
-        SimFlush(off, n, site);
+        SimFlush(off, n, {file, line});
       }
       return;
     }
@@ -106,11 +106,11 @@ class MetaAccess {
     if (mode_ == CoherenceMode::kSoftware) FullFence();
   }
   template <typename Offsets>
-  void InvalidateEach(const Offsets& offs, size_t n, std::source_location site = std::source_location::current()) {
+  void InvalidateEach(const Offsets& offs, size_t n, const char* file = __builtin_FILE(), unsigned line = __builtin_LINE()) {
     if (sim_) [[unlikely]] {
       for (uint64_t off : offs) {
         CheckSpan(off, n);
-        SimInvalidate(off, n, site);
+        SimInvalidate(off, n, {file, line});
       }
       return;
     }
@@ -124,12 +124,12 @@ class MetaAccess {
     std::atomic_thread_fence(std::memory_order_seq_cst);
   }
 
-  void Publish(uint64_t off, uint64_t value, std::source_location site = std::source_location::current()) {
+  void Publish(uint64_t off, uint64_t value, const char* file = __builtin_FILE(), unsigned line = __builtin_LINE()) {
     Store(off, value);
-    Flush(off, sizeof(uint64_t), site);
+    Flush(off, sizeof(uint64_t), file, line);
   }
-  uint64_t Fetch(uint64_t off, std::source_location site = std::source_location::current()) {
-    Invalidate(off, sizeof(uint64_t), site);
+  uint64_t Fetch(uint64_t off, const char* file = __builtin_FILE(), unsigned line = __builtin_LINE()) {
+    Invalidate(off, sizeof(uint64_t), file, line);
     return Load(off);
   }
 
@@ -191,8 +191,8 @@ class MetaAccess {
     if (off > size_ || n > size_ - off) [[unlikely]] OutOfBounds(off, n);
   }
   [[noreturn, gnu::noinline, gnu::cold]] void OutOfBounds(uint64_t off, size_t n) const;
-  void SimFlush(uint64_t off, size_t n, const std::source_location& site);
-  void SimInvalidate(uint64_t off, size_t n, const std::source_location& site);
+  void SimFlush(uint64_t off, size_t n, const CallSite& site);
+  void SimInvalidate(uint64_t off, size_t n, const CallSite& site);
 
   uint8_t* base_;
   uint64_t size_;

@@ -27,15 +27,15 @@ std::unique_ptr<SimSiteAudit> SimSiteAudit::FromEnvironment() {
   return audit;
 }
 
-std::string SimSiteAudit::SiteName(const std::source_location& site) {
-  std::string file = site.file_name();
+std::string SimSiteAudit::SiteName(const CallSite& site) {
+  std::string file = site.file;
   // The last "src/" component: sources are compiled by absolute path from any checkout.
   size_t at = file.rfind("/src/");
   if (at != std::string::npos) file = file.substr(at + 1);
-  return file + ":" + std::to_string(site.line());
+  return file + ":" + std::to_string(site.line);
 }
 
-bool SimSiteAudit::Observe(SimSiteKind kind, const std::source_location& site) {
+bool SimSiteAudit::Observe(SimSiteKind kind, const CallSite& site) {
   std::string name = SiteName(site);
   bool skip = drop_.count(name) != 0;
   if (!sites_path_.empty()) {

@@ -15,7 +15,6 @@
 
 #include <memory>
 #include <mutex>
-#include <source_location>
 #include <string>
 #include <unordered_set>
 
@@ -23,17 +22,23 @@ namespace cxlkv::region {
 
 enum class SimSiteKind { kFlush, kInvalidate };
 
+// Where a flush or invalidate was called: the caller's __builtin_FILE / __builtin_LINE.
+struct CallSite {
+  const char* file;
+  unsigned line;
+};
+
 class SimSiteAudit {
  public:
   // Null when neither variable is set (the common case: nothing to record or drop).
   static std::unique_ptr<SimSiteAudit> FromEnvironment();
 
   // Records the site; returns true when the caller must skip the flush or invalidate.
-  bool Observe(SimSiteKind kind, const std::source_location& site);
+  bool Observe(SimSiteKind kind, const CallSite& site);
 
   // "src/alloc/allocator.cc:87" for a site: the path from its last "src/" on (stable across
   // checkouts and build directories).
-  static std::string SiteName(const std::source_location& site);
+  static std::string SiteName(const CallSite& site);
 
  private:
   SimSiteAudit() = default;
