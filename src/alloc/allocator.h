@@ -36,6 +36,7 @@
 #include <atomic>
 #include <functional>
 #include <mutex>
+#include <unordered_set>
 #include <vector>
 
 #include "alloc/chunk_table.h"
@@ -66,7 +67,7 @@ class Allocator {
   Result<ObjectOffset> Alloc(uint64_t bytes);
   // Errors: kInvalidArgument (not an allocated object: a double free or a foreign offset; the
   // pool is left untouched), kBusy (the owner's remote-free ring stayed full; retry).
-  Status Free(ObjectOffset off);
+  Status Free(ObjectOffset off) { return Free(off, 0); }
   // Payload pointer of `bytes` at `off`; nullptr when that range is not inside a data area of
   // this pool (checked in every build: offsets are read from the region).
   uint8_t* Ptr(ObjectOffset off, uint64_t bytes) const;
@@ -90,14 +91,27 @@ class Allocator {
   // departed node's lease would otherwise wait for its recovery). Takes the allocator lock
   // only when there is a line to give back.
   void ReturnLease();
+  // Test hook: runs after a remote free is decided (announced, its owner surely live) and
+  // before it is published, so a test can end the owner's life in that window.
+  void TestHookBeforePush(std::function<void()> hook) { test_before_push_ = std::move(hook); }
   // Allocator-lock acquisitions by this process (tests count lock round trips).
   uint64_t lock_acquisitions() const { return lock_acquisitions_.load(std::memory_order_relaxed); }
   // Reachability for recovery: a provider appends the raw offsets of every published object.
   void AddReachability(std::function<void(std::vector<uint64_t>&)> provider);
   // Reclaims what `node`'s life `incarnation` held (see above). Idempotent.
   void Recover(uint32_t node, uint64_t incarnation);
+  // For a free that may or may not have happened (an eviction cut short by its evictor's
+  // death): frees `off` when an ended life still holds it and nothing reaches it — no
+  // published root, no index entry, no remote free on its way. True when it freed.
+  Result<bool> ReclaimIfUnreachable(ObjectOffset off);
 
   static uint64_t ClassBytes(uint32_t c) { return uint64_t{64} << c; }
+  // The smallest size class that holds `bytes` (<= kMaxHeapObject).
+  static uint32_t ClassFor(uint64_t bytes) {
+    uint32_t c = 0;
+    while (ClassBytes(c) < bytes) ++c;
+    return c;
+  }
   uint64_t chunk_bytes() const { return tables_[0].chunk_bytes(); }
   size_t region_count() const { return regions_.size(); }
   // Bytes of all data areas (every chunk of every region).
@@ -123,7 +137,7 @@ class Allocator {
   Status LockAllocator();
   void UnlockAllocator(std::span<const sync::Range> written = {});
   Status RedoIntentLocked();
-  void CommitLocked(uint32_t region, uint64_t op, uint64_t first, uint64_t count, uint64_t owner);
+  void CommitLocked(uint32_t region, IntentOp op, uint64_t first, uint64_t count, uint64_t owner);
   Result<ChunkRef> TakeRunLocked(uint64_t count, OwnerWord head);
   bool FindRunLocked(uint32_t r, uint64_t count, uint64_t* first);
 
@@ -146,7 +160,22 @@ class Allocator {
   bool TrySlotIn(ChunkRef chunk, uint32_t c, ObjectOffset* out);
   bool FindPartialChunk(uint32_t c, ChunkRef* out);
   Status FreeSlot(ChunkRef chunk, uint64_t within, bool orphan);
-  Status PushRemoteFree(uint32_t owner, ObjectOffset off);
+  Status Free(ObjectOffset off, int reroutes);
+  // Pushes `off` into the ring of the life `owner` names while that life surely beats: true
+  // once pushed; false once the life is over (the caller frees in place under the lock);
+  // kBusy when it stays neither for two leases.
+  Result<bool> PushWhileOwnerLives(OwnerWord owner, ObjectOffset off);
+  // One attempt: false (nothing pushed) when the owner's life is not surely live.
+  Result<bool> PushRemoteFree(OwnerWord owner, ObjectOffset off);
+  // REQUIRES: the allocator lock; `w` is the chunk's kLeasedObject word of an ended life.
+  void FreeEndedLifeLeasedLocked(ChunkRef chunk, OwnerWord w);
+
+  // Recovery helpers (recovery.cc).
+  // Waits (bounded) until no node is between deciding to push into `dead`'s ring for life
+  // `inc` and publishing that push.
+  void WaitForPushesInFlight(uint32_t dead, uint32_t inc);
+  // Offsets in every ring not consumed yet: their frees are on their way.
+  std::unordered_set<uint64_t> PendingRemoteFreesLocked();
 
   std::vector<Region*> regions_;
   std::vector<ChunkTableLayout> tables_;
@@ -160,6 +189,7 @@ class Allocator {
   // verified against the owner words under heap_mu. Guarded by the node's heap_mu.
   std::vector<ChunkRef> lease_hint_;
   std::atomic<uint64_t> lock_acquisitions_{0};
+  std::function<void()> test_before_push_;
   std::mutex providers_mu_;
   std::vector<std::function<void(std::vector<uint64_t>&)>> providers_;
 };

@@ -61,8 +61,8 @@ bool HeapHeaderValid(const HeapHeader& h, uint64_t chunk_bytes) {
 }
 
 bool IntentValid(const ChunkTableLayout& table, const Intent& intent) {
-  return (intent.op >= 1 && intent.op <= 4) && table.RunInRange(intent.first, intent.count) &&
-         (intent.op != 3 || intent.count == 1);
+  return (intent.op >= IntentOp::kAllocate && intent.op <= IntentOp::kLease) && table.RunInRange(intent.first, intent.count) &&
+         (intent.op != IntentOp::kSetWord || intent.count == 1);
 }
 
 HeapGeometry GeometryFor(uint64_t chunk_bytes, uint64_t class_bytes) {
@@ -88,9 +88,9 @@ void ApplyIntent(region::MetaAccess& meta, const ChunkTableLayout& table, const 
   for (uint64_t i = 0; i < intent.count; ++i) {
     uint64_t c = intent.first + i;
     uint64_t word = 0;
-    if (intent.op == 4) {
+    if (intent.op == IntentOp::kLease) {
       word = intent.owner;
-    } else if (intent.op == 1 || intent.op == 3) {
+    } else if (intent.op == IntentOp::kAllocate || intent.op == IntentOp::kSetWord) {
       OwnerWord head = OwnerWord::Decode(intent.owner);
       if (i == 0) {
         word = intent.owner;
@@ -164,7 +164,7 @@ void CheckChunks(Region& region, uint32_t region_index, uint32_t max_nodes,
   if (t.has_inboxes()) {
     for (uint32_t o = 0; o < max_nodes; ++o) {
       for (uint32_t f = 0; f < max_nodes; ++f) {
-        uint64_t ring = t.inbox(o, f), tail = meta.Fetch(ring), head = meta.Fetch(ring + 64);
+        uint64_t ring = t.inbox(o, f), tail = meta.Fetch(ring), head = meta.Fetch(ring + kInboxHeadOffset);
         if (!RingSane(head, tail)) {
           problems.push_back(where + "remote-free ring of node " + std::to_string(o) + " from node " +
                              std::to_string(f) + " is corrupt (head " + std::to_string(head) + ", tail " +

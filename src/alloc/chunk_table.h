@@ -52,17 +52,38 @@ struct OwnerWord {
 };
 inline uint32_t Inc20(uint64_t incarnation) { return static_cast<uint32_t>(incarnation & 0xfffff); }
 
-// Remote-free ring (owner node o, freeing node f): single producer f, single consumer o.
+// Remote-free ring (owner node o, freeing node f): single producer f, single consumer o (or,
+// once o's life has ended, its recovery under the allocator lock). Line 0, written by f: the
+// tail and the pushing word; line 1, written by the consumer: the head; then the entries.
 inline constexpr uint64_t kInboxEntries = 256;
-inline constexpr uint64_t kInboxBytes = 128 + kInboxEntries * 8;
+inline constexpr uint64_t kInboxHeadOffset = 64;
+inline constexpr uint64_t kInboxPushingOffset = 8;
+inline constexpr uint64_t kInboxEntriesOffset = 128;
+inline constexpr uint64_t kInboxBytes = kInboxEntriesOffset + kInboxEntries * 8;
+// The pushing word: nonzero while f has decided to push for owner life `owner_inc` and has not
+// published yet. Recovery of that life waits for it (see Allocator::PushRemoteFree).
+inline uint64_t PushingWord(uint32_t owner_inc, uint32_t pusher_inc) {
+  return (uint64_t{1} << 63) | (uint64_t{owner_inc & 0xfffff} << 32) | (pusher_inc & 0xfffff);
+}
+inline bool PushingFor(uint64_t word, uint32_t owner_inc) {
+  return (word >> 63) != 0 && ((word >> 32) & 0xfffff) == (owner_inc & 0xfffff);
+}
+inline uint32_t PushingPusherInc(uint64_t word) { return static_cast<uint32_t>(word & 0xfffff); }
 // A ring's head and tail are read from the region: a consumer walks [head, tail) only when it
 // holds at most kInboxEntries messages (a corrupted tail would otherwise loop for 2^64 steps).
 inline bool RingSane(uint64_t head, uint64_t tail) { return head <= tail && tail - head <= kInboxEntries; }
 
+// What an intent record does to its run of owner words.
+enum IntentOp : uint64_t {
+  kAllocate = 1,  // the head word is `owner`, the rest continuation words; bits set
+  kFree = 2,      // every word and bit cleared
+  kSetWord = 3,   // one word set to `owner`; its bit set unless `owner` is 0
+  kLease = 4,     // every word set to `owner`; bits set
+};
+
 struct Intent {
   uint64_t valid;     // commit word: 1 while the intent must be (re)applied
-  uint64_t op;        // 1: set a run's owner words (allocate), 2: clear a run (free), 3: set one word,
-                      // 4: set every word of the run to `owner` (lease a line)
+  uint64_t op;        // an IntentOp (read from the region: checked by IntentValid)
   uint64_t region;
   uint64_t first;
   uint64_t count;

@@ -1,5 +1,6 @@
 // Index: eviction (LRU over every node's access stamps), tombstones, repair and recovery.
 #include <algorithm>
+#include <cstdio>
 #include <map>
 
 #include "cache/index.h"
@@ -93,11 +94,21 @@ uint64_t Index::RepairStripeLocked(uint32_t stripe, int64_t dead_node, uint64_t 
     bool dead_writer = s == kWriting && dead_node >= 0 &&
                        e.writer == WriterWord(static_cast<uint32_t>(dead_node), dead_inc);
     if (!leftover_eviction && !dead_writer) continue;
-    // The dead writer's payload is unreachable, so the allocator's recovery frees it; a
-    // leftover eviction may have freed its payload already. Either way: never free here.
+    // The dead writer's payload is unreachable, so the allocator's recovery frees it.
     TombstoneLocked(slot, GenOf(e.state));
     Add(kBytesReleased, e.bytes);
     ++repaired;
+    // A leftover eviction may or may not have freed its payload. While the payload's owner
+    // lives, the owner's recovery frees it if it is still allocated (the entry is gone now).
+    // If that recovery ran first, it kept the payload, which the entry still reached, in an
+    // orphan chunk: only the allocator can tell whether it is garbage now, and free it.
+    if (leftover_eviction) {
+      auto reclaimed = allocator_.ReclaimIfUnreachable(alloc::ObjectOffset(e.payload));
+      if (!reclaimed.ok()) {
+        std::fprintf(stderr, "cxlkv: cache: the payload %#llx of an eviction cut short: %s\n",
+                     static_cast<unsigned long long>(e.payload), reclaimed.status().ToString().c_str());
+      }
+    }
   }
   if (repaired) Add(kReclaimed, repaired);
   return repaired;

@@ -76,6 +76,26 @@ inline std::vector<cache::Entry> LiveEntries(Pool& pool) {
   return out;
 }
 
+// A pool opened as `node` with its cache and the test namespace; empty (null cache) on error.
+struct Opened {
+  std::unique_ptr<Pool> pool;
+  KvCache* cache = nullptr;
+  NamespaceHandle ns;
+};
+
+inline Opened OpenCache(const std::string& path, uint32_t node, uint64_t sim_seed = 0) {
+  Opened o;
+  o.pool = OpenOrNull({path}, node, sim_seed);
+  if (!o.pool) return o;
+  auto c = o.pool->Cache();
+  if (!c.ok()) return Opened{};
+  o.cache = *c;
+  auto ns = o.cache->Namespace(TestNamespace());
+  if (!ns.ok()) return Opened{};
+  o.ns = *ns;
+  return o;
+}
+
 }  // namespace cxlkv::testing
 
 #endif  // CXLKV_TESTS_CACHE_CACHE_TEST_UTIL_H_

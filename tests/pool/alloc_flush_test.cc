@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include "child.h"
 #include "pool_test_util.h"
 #include "region/coherence.h"
 
@@ -18,39 +19,9 @@ using testing::OpenOrNull;
 
 constexpr uint64_t kRegionBytes = 48 << 20;
 
-// A child process driven by one-byte commands over pipes: forked before the parent has threads.
-struct Child {
-  pid_t pid = -1;
-  int to_child[2] = {-1, -1};
-  int to_parent[2] = {-1, -1};
-
-  template <typename Body>
-  static Child Fork(Body body) {
-    Child c;
-    if (::pipe(c.to_child) != 0 || ::pipe(c.to_parent) != 0) return c;
-    c.pid = ::fork();
-    if (c.pid == 0) {
-      ::close(c.to_child[1]);
-      ::close(c.to_parent[0]);
-      ::_exit(body(c.to_child[0], c.to_parent[1]));
-    }
-    ::close(c.to_child[0]);
-    ::close(c.to_parent[1]);
-    return c;
-  }
-  bool Send(uint64_t v) { return ::write(to_child[1], &v, sizeof v) == sizeof v; }
-  bool Receive(uint64_t* v) { return ::read(to_parent[0], v, sizeof *v) == sizeof *v; }
-  int Wait() {
-    ::close(to_child[1]);  // end-of-file: a child waiting for a command exits
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    ::close(to_parent[0]);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  }
-};
-
-bool Get(int fd, uint64_t* v) { return ::read(fd, v, sizeof *v) == sizeof *v; }
-bool Put(int fd, uint64_t v) { return ::write(fd, &v, sizeof v) == sizeof v; }
+using testing::Child;
+using testing::Get;
+using testing::Put;
 
 std::unique_ptr<Pool> OpenQuiet(const std::vector<std::string>& paths, uint32_t node, uint64_t seed) {
   auto p = OpenOrNull(paths, node, seed);

@@ -1,0 +1,224 @@
+// Allocator: frees — in place by the owner, through the owner's remote-free ring from other
+// nodes, under the allocator lock for whole-chunk objects and for chunks of ended lives.
+#include "alloc/allocator.h"
+
+namespace cxlkv::alloc {
+
+// ---- frees -----------------------------------------------------------------------------
+
+Status Allocator::FreeSlot(ChunkRef chunk, uint64_t within, bool orphan) {
+  auto& m = meta(chunk.region);
+  uint64_t base = ChunkBase(chunk);
+  if (orphan) m.Invalidate(base, 64);
+  auto h = m.ReadStruct<HeapHeader>(base);
+  if (h.magic == kHeapMagic && !HeapHeaderValid(h, chunk_bytes())) {
+    return Corrupted("heap chunk " + std::to_string(chunk.chunk) + " of region " + std::to_string(chunk.region) +
+                     " has a corrupt header (class " + std::to_string(h.class_bytes) + " bytes, " +
+                     std::to_string(h.slots) + " slots): run 'cxlkv check'");
+  }
+  if (h.magic != kHeapMagic || within < h.first_slot || (within - h.first_slot) % h.class_bytes != 0 ||
+      (within - h.first_slot) / h.class_bytes >= h.slots) {
+    return InvalidArgument("offset is not the start of an object (corrupted or foreign offset)");
+  }
+  uint64_t slot = (within - h.first_slot) / h.class_bytes;
+  uint64_t off = base + 64 + (slot / 64) * 8;
+  if (orphan) m.Invalidate(off, 8);
+  uint64_t bits = m.Load(off);
+  uint64_t bit = uint64_t{1} << (slot % 64);
+  if (!(bits & bit)) return InvalidArgument("object is not allocated (double free?)");
+  m.Store(off, bits & ~bit);
+  m.Store(base + offsetof(HeapHeader, used), h.used - 1);
+  m.Flush(off, 8);
+  m.Flush(base, 64);
+  if (h.used - 1 == 0) {
+    uint32_t c = ClassFor(h.class_bytes);
+    uint64_t id = ((uint64_t{chunk.region} << 40) | chunk.chunk) + 1;
+    if (!orphan && node_.local().header().heap[c].current_chunk.load() == id) return Status::Ok();
+    if (!orphan) CXLKV_RETURN_IF_ERROR(LockAllocator());
+    CommitLocked(chunk.region, IntentOp::kFree, chunk.chunk, 1, 0);
+    if (!orphan) UnlockAllocator();
+  }
+  return Status::Ok();
+}
+
+Status Allocator::Free(ObjectOffset off, int reroutes) {
+  ChunkRef chunk;
+  uint64_t within;
+  if (!Locate(off, &chunk, &within)) {
+    return InvalidArgument("offset 0x" + std::to_string(off.raw()) + " is not inside this pool's data area");
+  }
+  const ChunkTableLayout& t = tables_[chunk.region];
+  OwnerWord w = OwnerWord::Decode(meta(chunk.region).Fetch(t.owner(chunk.chunk)));
+  switch (w.kind) {
+    case ChunkKind::kLargeHead: {
+      if (within != 0) return InvalidArgument("offset points inside a large object, not at its start");
+      if (!t.RunInRange(chunk.chunk, w.detail)) {
+        return Corrupted("chunk " + std::to_string(chunk.chunk) + " of region " + std::to_string(chunk.region) +
+                         " heads a run of " + std::to_string(w.detail) + " chunks past the table's " +
+                         std::to_string(t.chunks()) + ": run 'cxlkv check'");
+      }
+      CXLKV_RETURN_IF_ERROR(LockAllocator());
+      // Re-read under the lock: another node may have freed it meanwhile.
+      uint64_t again = meta(chunk.region).Fetch(t.owner(chunk.chunk));
+      if (again != w.Encode()) {
+        UnlockAllocator();
+        return InvalidArgument("large object is not allocated (double free?)");
+      }
+      CommitLocked(chunk.region, IntentOp::kFree, chunk.chunk, w.detail, 0);
+      UnlockAllocator();
+      return Status::Ok();
+    }
+    case ChunkKind::kHeap:
+    case ChunkKind::kLeasedObject: {
+      const bool leased = w.kind == ChunkKind::kLeasedObject;
+      if (leased && within != 0) return InvalidArgument("offset points inside a whole-chunk object, not at its start");
+      if (w.node == node_.id() && w.incarnation == Inc20(node_.incarnation())) {
+        sync::LockRobust(&node_.local().header().heap_mu);
+        Status s = leased ? FreeLeasedLocked(chunk, w) : FreeSlot(chunk, within, /*orphan=*/false);
+        pthread_mutex_unlock(&node_.local().header().heap_mu);
+        return s;
+      }
+      // The owner is the only writer of its heap chunk or leased line: while its life goes on
+      // the free goes through its ring; once over, in place under the allocator lock.
+      CXLKV_ASSIGN_OR_RETURN(bool pushed, PushWhileOwnerLives(w, off));
+      if (pushed) return Status::Ok();
+      CXLKV_RETURN_IF_ERROR(LockAllocator());
+      Status s = Status::Ok();
+      if (meta(chunk.region).Fetch(t.owner(chunk.chunk)) != w.Encode()) {
+        // Recovery changed the chunk meanwhile: orphaned the heap chunk, or kept the leased
+        // object as an ordinary one-chunk object. Route again (at most once more: recovery
+        // never turns a chunk back into a live life's).
+        UnlockAllocator();
+        return ++reroutes > 1 ? Internal("the owner word of chunk " + std::to_string(chunk.chunk) +
+                                         " kept changing during a free; retry") : Free(off, reroutes);
+      }
+      if (leased) {
+        FreeEndedLifeLeasedLocked(chunk, w);
+      } else {
+        s = FreeSlot(chunk, within, /*orphan=*/true);
+      }
+      UnlockAllocator();
+      return s;
+    }
+    case ChunkKind::kOrphanHeap: {
+      CXLKV_RETURN_IF_ERROR(LockAllocator());
+      Status s = FreeSlot(chunk, within, /*orphan=*/true);
+      UnlockAllocator();
+      return s;
+    }
+    default:
+      return InvalidArgument("offset is not in an allocated chunk (double free?)");
+  }
+}
+
+void Allocator::FreeEndedLifeLeasedLocked(ChunkRef chunk, OwnerWord w) {
+  // A line is leased whole or not at all (P5): the chunk goes back to the ended life's lease,
+  // and the line to the pool once every chunk of it is free in that lease.
+  const ChunkTableLayout& t = tables_[chunk.region];
+  const uint64_t dead_free = OwnerWord{ChunkKind::kLeased, w.node, w.incarnation, 0}.Encode();
+  const uint64_t first = chunk.chunk / kLeaseLineChunks * kLeaseLineChunks;
+  auto& m = meta(chunk.region);
+  m.Invalidate(t.owner(first), kLeaseLineChunks * 8);
+  bool line_free = first + kLeaseLineChunks <= t.chunks();
+  for (uint64_t k = first; line_free && k < first + kLeaseLineChunks; ++k) {
+    line_free = k == chunk.chunk || m.Load(t.owner(k)) == dead_free;
+  }
+  if (line_free) {
+    CommitLocked(chunk.region, IntentOp::kFree, first, kLeaseLineChunks, 0);
+  } else {
+    CommitLocked(chunk.region, IntentOp::kSetWord, chunk.chunk, 1, dead_free);
+  }
+}
+
+Result<bool> Allocator::PushWhileOwnerLives(OwnerWord w, ObjectOffset off) {
+  // Neither beating nor declared dead yet (silent for less than a lease): wait — never touch
+  // a heap whose owner may still write it.
+  for (auto deadline = sync::Clock::now() + node_.lease() * 2;;) {
+    if (node_.LifeOver(w.node, w.incarnation, 0xfffff)) return false;
+    CXLKV_ASSIGN_OR_RETURN(bool pushed, PushRemoteFree(w, off));
+    if (pushed) return true;
+    if (sync::Clock::now() > deadline || node_.leaving()) {
+      return Busy("node " + std::to_string(w.node) + " is neither beating nor declared dead; retry the free");
+    }
+    std::this_thread::sleep_for(node_.lease() / 8);
+  }
+}
+
+Result<bool> Allocator::PushRemoteFree(OwnerWord owner, ObjectOffset off) {
+  if (owner.node >= max_nodes_ || !tables_[0].has_inboxes()) return Internal("no remote-free ring");
+  auto& m = meta(0);
+  const uint64_t ring = tables_[0].inbox(owner.node, node_.id());
+  auto& mu = node_.local().header().inbox_mu;
+  sync::LockRobust(&mu);  // one producer per ring: the processes of this node take turns
+  const uint64_t tail = m.Load(ring);
+  auto deadline = sync::Clock::now() + node_.lease() * 2;
+  while (tail - m.Fetch(ring + kInboxHeadOffset) >= kInboxEntries) {  // P2: the consumer advances the head
+    if (node_.LifeOver(owner.node, owner.incarnation, 0xfffff)) {
+      pthread_mutex_unlock(&mu);
+      return false;  // no one drains it for that life any more: the caller frees in place
+    }
+    if (sync::Clock::now() > deadline) {
+      pthread_mutex_unlock(&mu);
+      return Busy("node " + std::to_string(owner.node) + " has not drained its remote frees for two "
+                  "leases; the object stays allocated; retry later");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  // Announce the push before deciding it (a Dekker pair with recovery): the owner's recovery
+  // reads this word after it saw the life end, and waits while it names that life. So either
+  // the liveness check below sees the life over, or recovery sees the push in flight and
+  // consumes the ring only after it is published. Without it, a push decided just before a
+  // clean leave lands after recovery consumed the ring, and the object is never freed.
+  m.Publish(ring + kInboxPushingOffset, PushingWord(owner.incarnation, Inc20(node_.incarnation())));
+  if (!node_.SurelyLive(owner.node, owner.incarnation, 0xfffff)) {
+    m.Publish(ring + kInboxPushingOffset, 0);
+    pthread_mutex_unlock(&mu);
+    return false;
+  }
+  if (test_before_push_) [[unlikely]] test_before_push_();
+  const uint64_t entry = ring + kInboxEntriesOffset + (tail % kInboxEntries) * 8;
+  m.Store(entry, off.raw());
+  m.Flush(entry, 8);  // payload of the message first (P4)...
+  // ...then the tail that makes it visible, and the announcement retired, in one line.
+  m.Store(ring, tail + 1);
+  m.Store(ring + kInboxPushingOffset, 0);
+  m.Flush(ring, 16);
+  pthread_mutex_unlock(&mu);
+  return true;
+}
+
+void Allocator::DrainRemoteFrees() {
+  if (!tables_[0].has_inboxes()) return;
+  auto& m = meta(0);
+  for (uint32_t f = 0; f < max_nodes_; ++f) {
+    uint64_t ring = tables_[0].inbox(node_.id(), f);
+    uint64_t tail = m.Fetch(ring);
+    uint64_t head = m.Fetch(ring + kInboxHeadOffset);
+    if (head == tail) continue;
+    if (!RingSane(head, tail)) continue;  // corrupted: left for `cxlkv check` (never looped over)
+    for (; head < tail; ++head) {
+      ObjectOffset off(m.Fetch(ring + kInboxEntriesOffset + (head % kInboxEntries) * 8));
+      ChunkRef chunk;
+      uint64_t within;
+      if (!Locate(off, &chunk, &within)) continue;
+      OwnerWord w = OwnerWord::Decode(meta(chunk.region).Fetch(tables_[chunk.region].owner(chunk.chunk)));
+      const bool node_owned = w.kind == ChunkKind::kHeap || w.kind == ChunkKind::kLeasedObject;
+      bool mine = node_owned && w.node == node_.id() && w.incarnation == Inc20(node_.incarnation());
+      // Not ours any more (an old life's chunk, since recovered): route it like any free.
+      if (!mine) {
+        if (!node_owned || w.node != node_.id()) (void)Free(off);
+        continue;
+      }
+      sync::LockRobust(&node_.local().header().heap_mu);
+      if (w.kind == ChunkKind::kHeap) {
+        (void)FreeSlot(chunk, within, false);
+      } else if (within == 0) {
+        (void)FreeLeasedLocked(chunk, w);
+      }
+      pthread_mutex_unlock(&node_.local().header().heap_mu);
+    }
+    m.Publish(ring + kInboxHeadOffset, head);
+  }
+}
+
+}  // namespace cxlkv::alloc

@@ -1,0 +1,198 @@
+// Allocator: reclaiming what an ended life of a node held.
+#include "alloc/allocator.h"
+
+#include <algorithm>
+#include <bit>
+#include <cstdio>
+#include <thread>
+#include <unordered_set>
+
+namespace cxlkv::alloc {
+
+// ---- recovery of a dead node -----------------------------------------------------------
+
+void Allocator::WaitForPushesInFlight(uint32_t dead, uint32_t inc) {
+  if (!tables_[0].has_inboxes()) return;
+  auto& m = meta(0);
+  const auto deadline = sync::Clock::now() + node_.lease() * 2;
+  for (uint32_t f = 0; f < max_nodes_; ++f) {
+    const uint64_t ring = tables_[0].inbox(dead, f);
+    for (;;) {
+      const uint64_t word = m.Fetch(ring + kInboxPushingOffset);  // P2: node f writes it
+      if (!PushingFor(word, inc) || node_.LifeOver(f, PushingPusherInc(word), 0xfffff)) break;
+      if (sync::Clock::now() > deadline || node_.leaving()) {
+        // A process of a live node stopped between deciding and publishing a push (paused or
+        // killed alone): its push, if it ever lands, waits in the ring for the node's next life.
+        std::fprintf(stderr, "cxlkv: allocator: node %u still announces a free into node %u's ring after two "
+                     "leases; recovering node %u's life %u without it\n", f, dead, dead, inc);
+        break;
+      }
+      std::this_thread::sleep_for(node_.lease() / 32);
+    }
+  }
+}
+
+void Allocator::Recover(uint32_t dead, uint64_t incarnation) {
+  if (dead >= max_nodes_) return;
+  const uint32_t inc = Inc20(incarnation);
+  // Pushes decided while the life still beat are published before its rings are consumed.
+  WaitForPushesInFlight(dead, inc);
+  // The manager queues each dead life once: giving up here would leak what it held for good.
+  // Keep trying (the lock can be slow to get under contention) until this node leaves.
+  Status locked = LockAllocator();
+  while (!locked.ok() && locked.code() != StatusCode::kCorrupted && !node_.leaving()) {
+    std::this_thread::sleep_for(node_.lease() / 8);
+    locked = LockAllocator();
+  }
+  if (!locked.ok()) return;  // leaving: the next manager recovers this life again
+
+  std::vector<uint64_t> roots;
+  {
+    std::lock_guard<std::mutex> lock(providers_mu_);
+    for (auto& p : providers_) p(roots);
+  }
+  std::unordered_set<uint64_t> reachable(roots.begin(), roots.end());
+  // Frees other nodes sent to the dead node: those objects are no longer wanted. We consume
+  // its rings for it (it never will). A free of something that is not the dead life's (an
+  // older life's chunk since recovered) is routed like any free once the lock is released.
+  std::unordered_set<uint64_t> freed;
+  std::vector<ObjectOffset> elsewhere;
+  if (tables_[0].has_inboxes()) {
+    auto& m = meta(0);
+    for (uint32_t f = 0; f < max_nodes_; ++f) {
+      const uint64_t ring = tables_[0].inbox(dead, f);
+      const uint64_t tail = m.Fetch(ring);
+      if (!RingSane(m.Fetch(ring + kInboxHeadOffset), tail)) continue;  // corrupted: left for `cxlkv check`
+      for (uint64_t head = m.Fetch(ring + kInboxHeadOffset); head < tail; ++head) {
+        const ObjectOffset off(m.Fetch(ring + kInboxEntriesOffset + (head % kInboxEntries) * 8));
+        ChunkRef chunk;
+        uint64_t within;
+        if (!Locate(off, &chunk, &within)) continue;
+        const OwnerWord w = OwnerWord::Decode(meta(chunk.region).Fetch(tables_[chunk.region].owner(chunk.chunk)));
+        if (w.node == dead && w.incarnation == inc) {
+          freed.insert(off.raw());
+        } else {
+          elsewhere.push_back(off);
+        }
+      }
+      m.Publish(ring + kInboxHeadOffset, tail);
+    }
+  }
+  auto published = [&](uint64_t raw) { return reachable.count(raw) && !freed.count(raw); };
+
+  for (uint32_t r = 0; r < regions_.size(); ++r) {
+    const ChunkTableLayout& t = tables_[r];
+    auto& m = meta(r);
+    for (uint64_t ch = 0; ch < t.chunks(); ++ch) {
+      OwnerWord w = OwnerWord::Decode(m.Fetch(t.owner(ch)));
+      if (w.node != dead || w.incarnation != inc) continue;
+      ChunkRef ref{r, ch};
+      if (w.kind == ChunkKind::kLargeHead) {
+        if (!t.RunInRange(ch, w.detail)) continue;  // corrupted run length: left for `cxlkv check`
+        // A published whole-chunk object stays (anyone may free it later); the rest goes.
+        if (!published(OffsetOf(ref, 0).raw())) CommitLocked(r, IntentOp::kFree, ch, w.detail, 0);
+        ch += w.detail - 1;
+      } else if (w.kind == ChunkKind::kLeased) {
+        CommitLocked(r, IntentOp::kFree, ch, 1, 0);  // the dead life's lease: free again
+      } else if (w.kind == ChunkKind::kLeasedObject) {
+        // Published: kept as an ordinary one-chunk object (anyone frees it under the lock).
+        if (published(OffsetOf(ref, 0).raw())) {
+          CommitLocked(r, IntentOp::kSetWord, ch, 1, OwnerWord{ChunkKind::kLargeHead, dead, w.incarnation, 1}.Encode());
+        } else {
+          CommitLocked(r, IntentOp::kFree, ch, 1, 0);
+        }
+      } else if (w.kind == ChunkKind::kHeap) {
+        uint64_t base = ChunkBase(ref);
+        m.Invalidate(base, 64);
+        auto h = m.ReadStruct<HeapHeader>(base);
+        if (h.magic != kHeapMagic) {  // died before formatting it
+          CommitLocked(r, IntentOp::kFree, ch, 1, 0);
+          continue;
+        }
+        if (!HeapHeaderValid(h, chunk_bytes())) continue;  // corrupted: left for `cxlkv check`
+        uint64_t kept = 0;
+        uint64_t words = (h.slots + 63) / 64;
+        m.Invalidate(base + 64, words * 8);
+        for (uint64_t wd = 0; wd < words; ++wd) {
+          uint64_t bits = m.Load(base + 64 + wd * 8), keep = 0;
+          for (uint64_t b = bits; b != 0; b &= b - 1) {
+            uint64_t slot = wd * 64 + std::countr_zero(b);
+            if (published(OffsetOf(ref, h.first_slot + slot * h.class_bytes).raw())) {
+              keep |= uint64_t{1} << (slot % 64);
+            }
+          }
+          m.Store(base + 64 + wd * 8, keep);
+          kept += std::popcount(keep);
+        }
+        m.Flush(base + 64, words * 8);
+        m.Store(base + offsetof(HeapHeader, used), kept);
+        m.Flush(base, 64);
+        if (kept == 0) {
+          CommitLocked(r, IntentOp::kFree, ch, 1, 0);
+        } else {
+          OwnerWord orphan{ChunkKind::kOrphanHeap, dead, w.incarnation, w.detail};
+          CommitLocked(r, IntentOp::kSetWord, ch, 1, orphan.Encode());
+        }
+      }
+    }
+  }
+  UnlockAllocator();
+  for (ObjectOffset off : elsewhere) {
+    if (Status st = Free(off); !st.ok()) {
+      std::fprintf(stderr, "cxlkv: allocator: a free sent to node %u's life %u: %s\n", dead, inc, st.ToString().c_str());
+    }
+  }
+}
+
+std::unordered_set<uint64_t> Allocator::PendingRemoteFreesLocked() {
+  std::unordered_set<uint64_t> pending;
+  if (!tables_[0].has_inboxes()) return pending;
+  auto& m = meta(0);
+  for (uint32_t o = 0; o < max_nodes_; ++o) {
+    for (uint32_t f = 0; f < max_nodes_; ++f) {
+      const uint64_t ring = tables_[0].inbox(o, f);
+      const uint64_t tail = m.Fetch(ring), head = m.Fetch(ring + kInboxHeadOffset);
+      if (head == tail || !RingSane(head, tail)) continue;
+      for (uint64_t i = head; i < tail; ++i) pending.insert(m.Fetch(ring + kInboxEntriesOffset + (i % kInboxEntries) * 8));
+    }
+  }
+  return pending;
+}
+
+Result<bool> Allocator::ReclaimIfUnreachable(ObjectOffset off) {
+  ChunkRef chunk;
+  uint64_t within;
+  if (!Locate(off, &chunk, &within)) return false;
+  CXLKV_RETURN_IF_ERROR(LockAllocator());
+  const ChunkTableLayout& t = tables_[chunk.region];
+  const uint64_t word = meta(chunk.region).Fetch(t.owner(chunk.chunk));
+  const OwnerWord w = OwnerWord::Decode(word);
+  // Only what an ended life holds: no one allocates from it any more, so an allocated object
+  // at `off` that nothing reaches is garbage whatever happened to the object once there.
+  const bool ended_large = w.kind == ChunkKind::kLargeHead && within == 0 && t.RunInRange(chunk.chunk, w.detail) &&
+                           node_.LifeOver(w.node, w.incarnation, 0xfffff);
+  if (w.kind != ChunkKind::kOrphanHeap && !ended_large) {
+    UnlockAllocator();
+    return false;
+  }
+  std::vector<uint64_t> roots;
+  {
+    std::lock_guard<std::mutex> lock(providers_mu_);
+    for (auto& p : providers_) p(roots);
+  }
+  const bool reachable = std::find(roots.begin(), roots.end(), off.raw()) != roots.end() ||
+                         PendingRemoteFreesLocked().count(off.raw()) != 0;
+  bool freed = false;
+  if (!reachable) {
+    if (ended_large) {
+      CommitLocked(chunk.region, IntentOp::kFree, chunk.chunk, w.detail, 0);
+      freed = true;
+    } else {
+      freed = FreeSlot(chunk, within, /*orphan=*/true).ok();  // not allocated: freed already
+    }
+  }
+  UnlockAllocator();
+  return freed;
+}
+
+}  // namespace cxlkv::alloc

@@ -1,0 +1,169 @@
+// Frees that cross a node's life: a remote free decided just before its owner leaves, and a
+// payload an ended life still holds that nothing reaches any more. Real processes on one
+// region, also under the non-coherent simulator.
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "child.h"
+#include "pool_test_util.h"
+
+namespace cxlkv {
+namespace {
+
+using testing::Child;
+using testing::Get;
+using testing::OpenOrNull;
+using testing::Put;
+
+constexpr uint64_t kRegionBytes = 48 << 20;
+
+std::vector<std::string> CreatePool(const std::string& path) {
+  PoolCreateOptions co;
+  co.size = kRegionBytes;
+  co.max_nodes = 4;
+  EXPECT_TRUE(Pool::Create({path}, co).ok());
+  return {path};
+}
+
+uint64_t FreeChunks(const std::vector<std::string>& paths) {
+  auto regions = pool::AttachAll(paths);
+  EXPECT_TRUE(regions.ok());
+  return alloc::InspectChunks(*(*regions)[0], 4).free;
+}
+
+bool Allocated(const std::vector<std::string>& paths, uint64_t off) {
+  auto regions = pool::AttachAll(paths);
+  EXPECT_TRUE(regions.ok());
+  return alloc::IsAllocated(*(*regions)[0], region::Offset<void>(off).byte_offset(), 4);
+}
+
+void ExpectNoProblems(const std::vector<std::string>& paths) {
+  auto regions = pool::AttachAll(paths);
+  ASSERT_TRUE(regions.ok());
+  for (const auto& p : pool::Check(*regions)) ADD_FAILURE() << p;
+}
+
+void Sleep(double leases) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(leases * testing::kTestLeaseMs)));
+}
+
+// Node 1 decides to free node 2's object through node 2's ring (node 2 surely beats), and
+// stops right there; node 2 leaves cleanly; node 0 sees the leave at once and recovers node
+// 2's life. The object is published under a root until the free returns (the consumer's
+// order: free, then drop the name), so recovery keeps it unless it sees the free. Recovery
+// must wait for the announced push and apply it: the object ends up freed, nothing leaks.
+void PushDecidedAsTheOwnerLeaves(uint64_t sim_seed) {
+  testing::TempRegionPath path("rf-leave");
+  auto paths = CreatePool(path.path());
+  const uint64_t total = FreeChunks(paths);
+  Child owner = Child::Fork([&](int in, int out) {
+    auto p = OpenOrNull(paths, 2, sim_seed ? sim_seed + 2 : 0);
+    if (!p) return 1;
+    auto off = p->Alloc(4096);
+    if (!off.ok() || !p->Put("x", *off, 4096).ok() || !Put(out, *off)) return 2;
+    uint64_t go;
+    (void)Get(in, &go);  // leave when told
+    return 0;
+  });
+  Child pusher = Child::Fork([&](int in, int out) {
+    auto p = OpenOrNull(paths, 1, sim_seed ? sim_seed + 1 : 0);
+    uint64_t off;
+    if (!p || !Get(in, &off)) return 1;
+    bool paused = false;
+    p->impl().allocator->TestHookBeforePush([&] {
+      uint64_t go;
+      paused = Put(out, 1) && Get(in, &go);
+    });
+    Status freed = p->Free(off);
+    CHILD_CHECK(paused, "the free never reached the push");
+    CHILD_CHECK(freed.ok(), "free: %s", freed.ToString().c_str());
+    CHILD_CHECK(p->Destroy("x").ok(), "destroy");
+    return 0;
+  });
+  auto survivor = OpenOrNull(paths, 0, sim_seed);  // manages the pool, recovers node 2
+  ASSERT_TRUE(survivor);
+  uint64_t off, ack;
+  ASSERT_TRUE(owner.Receive(&off));
+  ASSERT_TRUE(pusher.Send(off));
+  ASSERT_TRUE(pusher.Receive(&ack)) << "the pusher never decided to push";
+  ASSERT_TRUE(owner.Send(1));
+  EXPECT_EQ(owner.Wait(), 0);  // node 2 leaves, the push decided but not yet in its ring
+  Sleep(1);                    // node 0 has seen the leave: its recovery of node 2 is under way
+  ASSERT_TRUE(pusher.Send(1));
+  EXPECT_EQ(pusher.Wait(), 0);
+  Sleep(2);
+  survivor->impl().allocator->Trim();
+  survivor.reset();
+  EXPECT_FALSE(Allocated(paths, off)) << "the free pushed as its owner left was never applied";
+  EXPECT_EQ(FreeChunks(paths), total) << "chunks leaked";
+  ExpectNoProblems(paths);
+}
+
+TEST(RemoteFree, APushDecidedAsTheOwnerLeavesIsApplied) { PushDecidedAsTheOwnerLeaves(0); }
+
+TEST(RemoteFree, APushDecidedAsTheOwnerLeavesIsAppliedUnderTheNonCoherentSimulator) {
+  for (uint64_t seed : {11u, 101u}) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    PushDecidedAsTheOwnerLeaves(seed);
+  }
+}
+
+// After its owner left, a published object sits in an orphan heap chunk (or stays a whole-
+// chunk object of the ended life). Once nothing reaches it, ReclaimIfUnreachable frees it —
+// and refuses everything else: a reachable object, a live node's object, a freed one.
+TEST(Allocator, ReclaimIfUnreachableFreesOnlyWhatAnEndedLifeHoldsAndNothingReaches) {
+  testing::TempRegionPath path("rf-reclaim");
+  auto paths = CreatePool(path.path());
+  const uint64_t total = FreeChunks(paths);
+  Child owner = Child::Fork([&](int, int out) {
+    auto p = OpenOrNull(paths, 2);
+    if (!p) return 1;
+    const char* names[] = {"x", "y", "z"};
+    const uint64_t sizes[] = {4096, uint64_t{3} << 20, 4096};
+    for (int i = 0; i < 3; ++i) {
+      auto off = p->Alloc(sizes[i]);
+      if (!off.ok() || !p->Put(names[i], *off, sizes[i]).ok() || !Put(out, *off)) return 2;
+    }
+    return 0;  // leaves: its life ends with three published objects
+  });
+  uint64_t x, y, z;
+  ASSERT_TRUE(owner.Receive(&x) && owner.Receive(&y) && owner.Receive(&z));
+  ASSERT_EQ(owner.Wait(), 0);
+  auto p = OpenOrNull(paths, 0);
+  ASSERT_TRUE(p);
+  Sleep(2);  // node 0 recovered node 2: all three were reachable, all three kept
+  auto& a = *p->impl().allocator;
+  for (uint64_t off : {x, y, z}) ASSERT_TRUE(Allocated(paths, off));
+
+  auto reclaim = [&](uint64_t off) {
+    auto r = a.ReclaimIfUnreachable(alloc::ObjectOffset(off));
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return r.ok() && *r;
+  };
+  EXPECT_FALSE(reclaim(x)) << "a root still names it";
+  EXPECT_TRUE(Allocated(paths, x));
+  ASSERT_TRUE(p->Destroy("x").ok());
+  EXPECT_TRUE(reclaim(x));
+  EXPECT_FALSE(Allocated(paths, x));
+  EXPECT_FALSE(reclaim(x)) << "freed already";
+  ASSERT_TRUE(p->Destroy("y").ok());
+  EXPECT_TRUE(reclaim(y)) << "a whole-chunk object of an ended life";
+  EXPECT_FALSE(Allocated(paths, y));
+  // A live life's object is never touched, reachable or not: its owner may be writing it.
+  auto mine = p->Alloc(4096);
+  ASSERT_TRUE(mine.ok());
+  EXPECT_FALSE(reclaim(*mine));
+  EXPECT_TRUE(Allocated(paths, *mine));
+  ASSERT_TRUE(p->Free(*mine).ok());
+  // The last object of the orphan chunk: the chunk goes back to the pool with it.
+  ASSERT_TRUE(p->Destroy("z").ok());
+  EXPECT_TRUE(reclaim(z));
+  a.Trim();
+  p.reset();
+  EXPECT_EQ(FreeChunks(paths), total) << "chunks leaked";
+  ExpectNoProblems(paths);
+}
+
+}  // namespace
+}  // namespace cxlkv
