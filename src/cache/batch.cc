@@ -129,7 +129,8 @@ bool Index::ClaimLocked(const NamespaceHandle& ns, const BlockKey& key, uint64_t
   e.bytes = static_cast<uint32_t>(bytes);
   e.tier = 0;
   e.ns = static_cast<uint16_t>(ns.id);
-  e.writer = WriterWord(node_.id(), node_.incarnation());
+  e.writer = MyWriterWord();
+  reserved_any_.store(true, std::memory_order_relaxed);
   e.stamp_us = NowStamp();
   meta_.WriteStruct(off, e);  // flushed with the rest of the stripe's claims before the release
   Add(kBytesClaimed, bytes);
@@ -259,7 +260,7 @@ Result<std::vector<KeyReservation>> Index::ReserveMany(const NamespaceHandle& ns
       Add(kBusy, 1);
       o.outcome = ReserveOutcome::kBusy;
       o.writer_node = node_.id();
-      o.writer_incarnation = WriterInc(WriterWord(node_.id(), node_.incarnation()));
+      o.writer_incarnation = WriterInc(MyWriterWord());
       o.status = Busy("block is being written by node " + std::to_string(o.writer_node) +
                       " (repeated within the batch)");
     } else {
@@ -327,7 +328,7 @@ Status Index::CommitMany(std::span<Reservation> rs) {
     }
     // The life that holds the lock, checked just now: only its own reservations commit (taken
     // before the lock, a paused writer's old life would still match its old entries).
-    const uint64_t writer = WriterWord(node_.id(), node_.incarnation());
+    const uint64_t writer = MyWriterWord();
     offs.clear();
     mine.clear();
     for (size_t k = g; k < end; ++k) offs.push_back(layout_.entry(live[order[k]]->slot));
@@ -339,6 +340,13 @@ Status Index::CommitMany(std::span<Reservation> rs) {
       if (meta_.Load(off) != StateWord(r.generation, kWriting)) {
         r.open = false;
         fail(NotFound("reservation was reclaimed: this node was presumed dead (its lease expired)"));
+        continue;
+      }
+      if (entry_writer != writer && WriterInc(entry_writer) == WriterInc(writer)) {
+        r.open = false;
+        fail(InvalidArgument("commit refused: the block was reserved by another process of node " +
+                             std::to_string(node_.id()) + " (slot " + std::to_string(WriterSlot(entry_writer)) +
+                             "); a reservation commits in the process that made it"));
         continue;
       }
       if (entry_writer != writer) {  // reserved by an earlier life of this node: that life is over

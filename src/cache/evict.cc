@@ -84,18 +84,19 @@ bool Index::TryEvictLocked(uint64_t slot, uint64_t gen, uint64_t* payload, uint6
   return true;
 }
 
-uint64_t Index::RepairStripeLocked(uint32_t stripe, int64_t dead_node, uint64_t dead_inc) {
+uint64_t Index::RepairStripeLocked(uint32_t stripe, const DeadWriter* dead, std::vector<uint64_t>* dead_payloads) {
   uint64_t repaired = 0;
   for (uint32_t i = 0; i < layout_.h.slots_per_stripe; ++i) {
     const uint64_t slot = SlotAt(stripe, i);
     Entry e = ReadEntry(slot);
     EntryState s = StateOf(e.state);
     bool leftover_eviction = s == kEvicting;  // only a dead lock holder leaves one
-    bool dead_writer = s == kWriting && dead_node >= 0 &&
-                       e.writer == WriterWord(static_cast<uint32_t>(dead_node), dead_inc);
+    bool dead_writer = s == kWriting && dead != nullptr && dead->Matches(e.writer);
     if (!leftover_eviction && !dead_writer) continue;
-    // The dead writer's payload is unreachable, so the allocator's recovery frees it.
+    // The dead writer's payload is unreachable: the allocator's recovery of its life frees it,
+    // or, for one dead process of a live node, the caller.
     TombstoneLocked(slot, GenOf(e.state));
+    if (dead_writer && dead_payloads != nullptr) dead_payloads->push_back(e.payload);
     Add(kBytesReleased, e.bytes);
     ++repaired;
     // A leftover eviction may or may not have freed its payload. While the payload's owner
@@ -202,10 +203,11 @@ uint64_t Index::UsedBytes() {
 }
 
 void Index::Recover(uint32_t node, uint64_t inc) {
+  const DeadWriter dead{node, inc};
   for (uint32_t stripe = 0; stripe < layout_.h.stripes; ++stripe) {
     if (node_.leaving()) return;  // the next manager recovers the node again (idempotent)
-    if (!LockStripe(stripe).ok()) continue;  // the manager retries recovery on a later beat
-    RepairStripeLocked(stripe, node, inc);
+    if (!LockStripe(stripe).ok()) continue;  // a Reserve that meets a dead writer's entry reclaims it
+    RepairStripeLocked(stripe, &dead);
     UnlockStripe(stripe);
   }
   // The dead node's pins: it writes its row no more; recovery takes the row over (P5).
@@ -220,6 +222,29 @@ void Index::AppendReachable(std::vector<uint64_t>& out) {
     EntryState s = StateOf(e.state);
     if (s == kReady || s == kEvicting) out.push_back(e.payload);
   });
+}
+
+bool Index::RecoverProcess(uint32_t slot, uint64_t inc) {
+  const DeadWriter dead{node_.id(), inc, slot};
+  std::vector<uint64_t> payloads;
+  bool complete = true;
+  for (uint32_t stripe = 0; stripe < layout_.h.stripes; ++stripe) {
+    // Taking the stripe also repairs it when the dead process held its lock (EOWNERDEAD).
+    if (!LockStripe(stripe).ok()) {
+      complete = false;
+      continue;
+    }
+    RepairStripeLocked(stripe, &dead, &payloads);
+    UnlockStripe(stripe);
+  }
+  // The payloads are this node's own objects: no one else frees them while the node lives.
+  for (uint64_t p : payloads) FreePayload(p, 0);
+  if (!payloads.empty()) PublishCounters();
+  return complete;
+}
+
+void Index::AbandonOpenReservations() {
+  if (reserved_any_.load()) (void)RecoverProcess(node_.process_slot(), node_.incarnation());
 }
 
 }  // namespace cxlkv::cache

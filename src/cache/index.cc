@@ -279,7 +279,7 @@ void Index::Release(std::span<const BlockPin> pins) {
 Status Index::LockStripe(uint32_t stripe) {
   CXLKV_ASSIGN_OR_RETURN(auto held, node_.AcquireFor(layout_.stripe_lock(stripe), node_.lease() * 4));
   stripe_locks_taken_.fetch_add(1, std::memory_order_relaxed);
-  if (held.holder_died) RepairStripeLocked(stripe, -1, 0);
+  if (held.holder_died) RepairStripeLocked(stripe, nullptr);
   return Status::Ok();
 }
 

@@ -96,6 +96,13 @@ class Index final : public IndexApi {
   // Recovery handler (the manager's process): reclaims `node`'s WRITING entries of life `inc`,
   // finishes any eviction left half done, and drops the node's pins.
   void Recover(uint32_t node, uint64_t inc);
+  // Process-recovery handler (a surviving process of this node, on the death of process `slot`
+  // of it): tombstones the WRITING entries that process reserved in life `inc` and frees their
+  // payloads (the node lives on: its own recovery will not). False when a stripe lock was not
+  // granted: the node calls it again later.
+  bool RecoverProcess(uint32_t slot, uint64_t inc);
+  // At close: what this process reserved and never committed or aborted goes, as if it died.
+  void AbandonOpenReservations();
   // Reachability for the allocator's recovery: payloads of READY and EVICTING entries.
   void AppendReachable(std::vector<uint64_t>& out);
   // Publishes this node's counters (the membership thread calls it every beat).
@@ -139,9 +146,23 @@ class Index final : public IndexApi {
   // Stripe lock helpers. On taking a lock whose holder died, repairs the stripe first.
   Status LockStripe(uint32_t stripe);
   void UnlockStripe(uint32_t stripe, std::span<const sync::Range> written = {});
-  // REQUIRES: stripe lock held. EVICTING leftovers become TOMBSTONE (their payload may be freed
-  // already: never free it again); WRITING entries of `dead` (node, inc) too. Returns count.
-  uint64_t RepairStripeLocked(uint32_t stripe, int64_t dead_node, uint64_t dead_inc);
+  // The writers whose WRITING entries a repair drops: a node's life (any process), or one
+  // process of it.
+  struct DeadWriter {
+    uint32_t node;
+    uint64_t inc;
+    int64_t process_slot = -1;  // -1: every process of that life
+    bool Matches(uint64_t writer) const {
+      return WriterNode(writer) == node && WriterInc(writer) == WriterInc(inc) &&
+             (process_slot < 0 || WriterSlot(writer) == static_cast<uint32_t>(process_slot));
+    }
+  };
+  // REQUIRES: stripe lock held. EVICTING leftovers become TOMBSTONE (their payload is reclaimed
+  // only if nothing reaches it: see evict.cc); WRITING entries of `dead` (when given) too, their
+  // payloads appended to `dead_payloads` when given (else the allocator's recovery frees them).
+  // Returns the count.
+  uint64_t RepairStripeLocked(uint32_t stripe, const DeadWriter* dead, std::vector<uint64_t>* dead_payloads = nullptr);
+  uint64_t MyWriterWord() const { return WriterWord(node_.id(), node_.incarnation(), node_.process_slot()); }
   // REQUIRES: stripe lock held. Publishes TOMBSTONE (and turns a tombstone run that ends at an
   // EMPTY slot back to EMPTY so probe sequences stay short).
   void TombstoneLocked(uint64_t slot, uint64_t gen);
@@ -174,6 +195,7 @@ class Index final : public IndexApi {
   std::atomic<CrashPoint> crash_at_{CrashPoint::kNone};
   std::atomic<bool> test_skip_pin_flush_{false};
   std::atomic<uint64_t> stripe_locks_taken_{0};
+  std::atomic<bool> reserved_any_{false};  // this process made a reservation (close cleans up)
   struct VerifiedSeed {
     std::atomic<uint64_t> lo{0}, hi{0};
   };

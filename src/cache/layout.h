@@ -21,7 +21,7 @@
 namespace cxlkv::cache {
 
 inline constexpr uint64_t kIndexMagic = 0x5844494b564c5843ull;  // "CXLKVIDX"
-inline constexpr uint32_t kIndexVersion = 1;
+inline constexpr uint32_t kIndexVersion = 2;  // 2: writer words name the process slot
 inline constexpr uint32_t kMaxNamespaces = 64;
 inline constexpr uint64_t kIndexHeaderBytes = 4096;
 inline constexpr uint64_t kMaxBlockBytes = 0xffffffffull;
@@ -80,16 +80,21 @@ struct Entry {
   uint32_t bytes;             // payload length (a block is < 4 GiB)
   uint16_t tier;              // 0: this pool's regions (later: pooled DRAM, SSD)
   uint16_t ns;                // namespace slot
-  uint64_t writer;            // node << 48 | incarnation of the reserving life
+  uint64_t writer;            // WriterWord: node, process slot and life of the reserver
   uint64_t checksum;
   uint64_t stamp_us;          // commit time (the access stamp before any pin)
 };
 static_assert(sizeof(Entry) == 64);
 static_assert(offsetof(Entry, state) == 0);
 
-inline uint64_t WriterWord(uint32_t node, uint64_t inc) { return (uint64_t{node} << 48) | (inc & 0xffffffffffffull); }
+// node (16 bits) | process slot of the node (16) | life (32): the life ends with the node, the
+// slot names the process, so what one dead process of a live node left is found too.
+inline uint64_t WriterWord(uint32_t node, uint64_t inc, uint32_t process_slot) {
+  return (uint64_t{node & 0xffff} << 48) | (uint64_t{process_slot & 0xffff} << 32) | (inc & 0xffffffffull);
+}
 inline uint32_t WriterNode(uint64_t w) { return static_cast<uint32_t>(w >> 48); }
-inline uint64_t WriterInc(uint64_t w) { return w & 0xffffffffffffull; }
+inline uint32_t WriterSlot(uint64_t w) { return static_cast<uint32_t>((w >> 32) & 0xffff); }
+inline uint64_t WriterInc(uint64_t w) { return w & 0xffffffffull; }
 
 // A pin word: pins held by one node on one slot (low 16 bits) and that node's last access
 // stamp in µs since the epoch (high 48 bits).

@@ -174,6 +174,7 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::vector<std::string>& paths,
     cache::Index* index = impl->index.get();
     allocator->AddReachability([index](std::vector<uint64_t>& out) { index->AppendReachable(out); });
     impl->node->AddRecoveryHandler([index](uint32_t node, uint64_t inc) { index->Recover(node, inc); });
+    impl->node->AddProcessRecoveryHandler([index](uint32_t slot, uint64_t inc) { return index->RecoverProcess(slot, inc); });
     impl->node->AddPeriodicTask([index] { index->PublishCounters(); });
   }
   // After the index's handler: the index first drops a dead node's half-done entries, so the
@@ -189,7 +190,10 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::vector<std::string>& paths,
 Pool::Pool(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Pool::~Pool() {
-  if (impl_->index) impl_->index->PublishCounters();
+  if (impl_->index) {
+    impl_->index->AbandonOpenReservations();  // the slot goes free: no entry may name it after
+    impl_->index->PublishCounters();
+  }
   impl_->allocator->ReturnLease();
   // Stop the node's threads (they call into the allocator and index) before those go.
   impl_->node.reset();

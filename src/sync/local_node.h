@@ -27,6 +27,18 @@ struct alignas(64) LocalLock {
   std::atomic<uint32_t> seq;    // last request sequence this node published for lock k
 };
 
+// One attached process of the node. Its index (the process slot) names it in writer words of
+// the cache layer, so that what a dead process left half-done is found while its node lives on.
+// The slot's robust mutex is held by the process's beat thread while it is attached: when the
+// process dies, the mutex turns owner-dead, which a surviving process's scan detects.
+inline constexpr uint32_t kLocalProcessSlots = 64;
+enum ProcessSlotState : uint32_t { kSlotFree = 0, kSlotUsed = 1, kSlotRecovering = 2 };
+struct alignas(64) LocalProcess {
+  pthread_mutex_t mu;
+  std::atomic<uint32_t> state;  // a ProcessSlotState
+  std::atomic<int64_t> pid;     // diagnostics
+};
+
 // Heap state of the node's allocator (alloc layer), kept here so every process of the node
 // allocates from the same per-node heap.
 struct LocalHeapClass {
@@ -47,6 +59,7 @@ struct LocalHeader {
   alignas(64) pthread_mutex_t heap_mu;     // guards the node heap (alloc layer)
   alignas(64) pthread_mutex_t inbox_mu;    // guards this node's outgoing remote-free rings
   LocalHeapClass heap[kLocalSizeClasses];
+  LocalProcess processes[kLocalProcessSlots];
 };
 
 // Locks `mu`; returns true when the previous owner died holding it (state may need repair;

@@ -116,7 +116,12 @@ Result<std::unique_ptr<Node>> Node::Join(Region& region, const NodeOptions& opti
                    "of it is stuck inside a heartbeat; stop it and retry");
   }
   node->ObserveNodes();
+  auto claimed = node->slot_claimed_.get_future();
   node->beat_thread_ = std::thread([n = node.get()] { n->BeatLoop(); });
+  if (claimed.get() < 0) {
+    return NoSpace("node " + std::to_string(options.node_id) + " already has " + std::to_string(kLocalProcessSlots) +
+                   " processes attached on this host: close some (or use another node id) and retry");
+  }
   node->tasks_thread_ = std::thread([n = node.get()] { n->TasksLoop(); });
   node->recovery_thread_ = std::thread([n = node.get()] { n->RecoveryLoop(); });
   return node;
@@ -217,6 +222,10 @@ void Node::WaitOrStop(std::chrono::nanoseconds d) {
 // The beat thread: beat, observe, elect. Nothing here waits on a lock, I/O or another node
 // (stopping the manager joins a thread that polls its stop flag at least every millisecond).
 void Node::BeatLoop() {
+  // This thread holds the process slot's mutex for the whole attachment (see process_slots.cc).
+  const int slot = ClaimProcessSlot();
+  slot_claimed_.set_value(slot);
+  if (slot < 0) return;
   const auto interval = heartbeat_->interval();
   while (!stop_.load()) {
     heartbeat_->Tick();
@@ -229,6 +238,7 @@ void Node::BeatLoop() {
     pthread_mutex_unlock(&local_->header().manager_mu);  // by the thread that locked it
     manager_candidate_ = false;
   }
+  ReleaseProcessSlot();
 }
 
 void Node::Elect() {
@@ -320,6 +330,7 @@ void Node::TasksLoop() {
       tasks = periodic_tasks_;
     }
     for (auto& t : tasks) t();
+    RecoverDeadProcesses();
     WaitOrStop(interval);
   }
 }

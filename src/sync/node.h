@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -93,6 +94,8 @@ class Node {
   Node& operator=(const Node&) = delete;
 
   uint32_t id() const { return options_.node_id; }
+  // This process's slot among the node's processes (< kLocalProcessSlots), fixed while joined.
+  uint32_t process_slot() const { return process_slot_; }
   uint64_t incarnation() const { return heartbeat_->incarnation(); }
   region::MetaAccess& meta() { return region_.impl().meta(); }
   Region& region() { return region_; }
@@ -135,6 +138,12 @@ class Node {
   // or replaced by a new incarnation), with that incarnation; the layers reclaim what it held.
   // May be called again for the same life: handlers must be idempotent.
   void AddRecoveryHandler(std::function<void(uint32_t node, uint64_t incarnation)> handler);
+  // Called on the tasks thread of a surviving process of this node for every process of the
+  // node that died (kill -9, a crash) while the node lives on, with its slot and the node's
+  // life: the layers reclaim what that process left half-done. Returns false when it could not
+  // finish (a lock timed out): the scan calls it again later. Must be idempotent. After the
+  // handlers, locks that process held are withdrawn (their local tier was owner-dead).
+  void AddProcessRecoveryHandler(std::function<bool(uint32_t slot, uint64_t incarnation)> handler);
   // Recovery jobs queue until this is called: a joiner registers every handler first, so no
   // node is ever "recovered" by only some of them (or none) — this node may be elected manager
   // on its first beat, before its owner has added them. Idempotent.
@@ -164,6 +173,12 @@ class Node {
   void LiveIncarnations(std::vector<uint32_t>& out);
   void WaitOrStop(std::chrono::nanoseconds d);
   void RingDoorbell(uint32_t lock, bool want);
+  // Process slots (process_slots.cc). Claim/Release run on the beat thread, which holds the
+  // slot's mutex for the process's whole attachment; the scan runs on the tasks thread.
+  int ClaimProcessSlot();
+  void ReleaseProcessSlot();
+  void RecoverDeadProcesses();
+  void WithdrawDeadHolds();
 
   Region& region_;
   NodeOptions options_;
@@ -196,12 +211,15 @@ class Node {
   std::mutex hooks_mu_;
   std::vector<std::function<void(uint32_t, uint64_t)>> recovery_handlers_;
   std::vector<std::function<void()>> periodic_tasks_;
+  std::vector<std::function<bool(uint32_t, uint64_t)>> process_handlers_;
   std::deque<std::pair<uint32_t, uint64_t>> recovery_queue_;
   std::condition_variable recovery_cv_;
   bool recovery_started_ = false;                // guarded by hooks_mu_
   std::vector<uint64_t> recovered_incarnation_;  // beat thread only: per node, last life queued
 
   std::vector<uint64_t> held_request_;  // per lock: the request word this process holds
+  uint32_t process_slot_ = 0;
+  std::promise<int> slot_claimed_;       // the beat thread's claim, for Join
 
   std::thread beat_thread_;
   std::thread tasks_thread_;

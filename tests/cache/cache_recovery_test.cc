@@ -1,5 +1,6 @@
-// Recovery orders the cache cannot choose: an evictor that dies mid-eviction of a payload whose
-// owner's life ended (and was recovered) before it. Real processes on one region.
+// Recovery the cache cannot order or see coming: an evictor that dies mid-eviction of a payload
+// whose owner's life ended (and was recovered) before it; one process of a live node killed
+// mid-write. Real processes on one region, also under the non-coherent simulator.
 #include <signal.h>
 
 #include <thread>
@@ -78,6 +79,113 @@ TEST(CacheRecovery, AnEvictionCutShortOnAnOrphanedPayloadIsReclaimed) {
   auto regions = pool::AttachAll({path.path()});
   ASSERT_TRUE(regions.ok());
   for (const auto& p : pool::Check(*regions)) ADD_FAILURE() << p;
+}
+
+// Node 1 runs two processes. One reserves a block, writes half of it, and is killed while
+// reserving a second — holding that block's stripe lock. Node 1 lives on (its other process
+// beats), so no recovery of its life comes; the surviving process of node 1 finds the dead
+// one's slot and reclaims what it left: both WRITING entries go, their payloads are freed, the
+// stripe lock is released. Another node then writes both blocks. Before, the first block stayed
+// WRITING (Busy to everyone) and the stripe locked for as long as node 1 lived.
+void DeadProcessOfALiveNode(uint64_t sim_seed) {
+  testing::TempRegionPath path("dead-process");
+  ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
+  const auto tokens = testing::Tokens(9, 16 * 2, 0, 0);
+  auto seed = [&](uint64_t k) { return sim_seed ? sim_seed * 10 + k : 0; };
+  Child survivor = Child::Fork([&](int in, int out) {
+    auto o = OpenCache(path.path(), 0, seed(1));
+    if (!o.cache || !testing::Put(out, 1)) return 1;
+    uint64_t done;
+    (void)testing::Get(in, &done);
+    return 0;
+  });
+  uint64_t reply;
+  ASSERT_TRUE(survivor.Receive(&reply));
+  // Node 1's long-lived process: reports its node's life when asked, then leaves when told.
+  Child keeper = Child::Fork([&](int in, int out) {
+    auto o = OpenCache(path.path(), 1, seed(2));
+    if (!o.cache) return 1;
+    uint64_t cmd;
+    while (testing::Put(out, o.pool->impl().node->incarnation()) && testing::Get(in, &cmd) && cmd == 1) {
+    }
+    return 0;
+  });
+  uint64_t life_before, life_after;
+  ASSERT_TRUE(keeper.Receive(&life_before));
+  auto dead = testing::RunForked(1, [&](int) {
+    auto o = OpenCache(path.path(), 1, seed(3));  // a second process of node 1
+    CHILD_CHECK(o.cache, "open");
+    auto keys = o.cache->ChainKeys(o.ns, tokens);
+    auto r = o.cache->Reserve(o.ns, keys[0], 4096);
+    CHILD_CHECK(r.ok(), "%s", r.status().ToString().c_str());
+    std::vector<uint8_t> half(2048, 0xab);
+    CHILD_CHECK(o.cache->Write(*r, 0, half.data(), half.size()).ok(), "write");
+    o.pool->impl().index->TestCrashAt(cache::Index::CrashPoint::kReserveHoldingLock);
+    (void)o.cache->Reserve(o.ns, keys[1], 4096);  // killed holding the second block's stripe lock
+    return 3;
+  });
+  ASSERT_EQ(dead[0], 128 + SIGKILL);
+  Sleep(2);  // node 1's surviving process finds the dead slot and reclaims it
+  auto writer = testing::RunForked(1, [&](int) {
+    auto o = OpenCache(path.path(), 2, seed(4));
+    CHILD_CHECK(o.cache, "open");
+    auto keys = o.cache->ChainKeys(o.ns, tokens);
+    std::vector<uint8_t> data(4096), back(4096);
+    for (const auto& k : keys) {
+      testing::FillForKey(k, data.data(), data.size());
+      auto r = o.cache->Reserve(o.ns, k, data.size());
+      CHILD_CHECK(r.ok(), "reserve after the dead process: %s", r.status().ToString().c_str());
+      CHILD_CHECK(o.cache->Write(*r, 0, data.data(), data.size()).ok(), "write");
+      CHILD_CHECK(o.cache->Commit(*r).ok(), "commit");
+    }
+    auto hit = o.cache->Lookup(o.ns, keys);
+    CHILD_CHECK(hit.ok() && hit->hit_blocks == keys.size(), "lookup");
+    for (size_t i = 0; i < keys.size(); ++i) {
+      CHILD_CHECK(o.cache->Read(hit->pins[i], 0, back.data(), back.size()).ok(), "read");
+      CHILD_CHECK(testing::MatchesKey(keys[i], back.data(), back.size()), "block %zu has wrong bytes", i);
+    }
+    o.cache->Release(hit->pins);
+    return 0;
+  });
+  ASSERT_EQ(writer[0], 0);
+  ASSERT_TRUE(keeper.Send(1));
+  ASSERT_TRUE(keeper.Receive(&life_after));
+  EXPECT_EQ(life_after, life_before) << "node 1's life ended: its own recovery, not the process's, did the work";
+  // Every allocated byte is a READY block's: the dead process's two payloads were freed.
+  {
+    auto o = OpenCache(path.path(), 3, seed(5));
+    ASSERT_TRUE(o.cache);
+    uint64_t bytes = 0;
+    for (const auto& e : testing::LiveEntries(*o.pool)) {
+      EXPECT_EQ(cache::StateOf(e.state), cache::kReady) << "an entry of the dead process outlived it";
+      bytes += e.bytes;
+    }
+    EXPECT_EQ(bytes, 2u * 4096);
+    // The simulator gives each process its own cache, stricter than one host is: the second
+    // claim, killed before its flush, never reached memory, so no entry names its payload,
+    // which stays allocated until node 1's life ends (the window of a process that dies
+    // between allocating and claiming; docs/protocol.md). On real memory the claim is seen.
+    const uint64_t unseen_claim = sim_seed ? 4096 : 0;
+    const uint64_t allocated = Usage(path.path()).allocated_bytes;
+    EXPECT_GE(allocated, bytes);
+    EXPECT_LE(allocated, bytes + unseen_claim) << "the dead process's payloads leaked";
+  }
+  ASSERT_TRUE(keeper.Send(0));
+  EXPECT_EQ(keeper.Wait(), 0);
+  ASSERT_TRUE(survivor.Send(1));
+  EXPECT_EQ(survivor.Wait(), 0);
+  auto regions = pool::AttachAll({path.path()});
+  ASSERT_TRUE(regions.ok());
+  for (const auto& p : pool::Check(*regions)) ADD_FAILURE() << p;
+}
+
+TEST(CacheRecovery, ADeadProcessOfALiveNodeLeavesNoWritingEntryAndNoLock) { DeadProcessOfALiveNode(0); }
+
+TEST(CacheRecovery, ADeadProcessOfALiveNodeIsReclaimedUnderTheNonCoherentSimulator) {
+  for (uint64_t seed : {4u, 44u}) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    DeadProcessOfALiveNode(seed);
+  }
 }
 
 }  // namespace
