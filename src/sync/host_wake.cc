@@ -1,12 +1,8 @@
 #include "sync/host_wake.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/futex.h>
-#include <sys/file.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -64,18 +60,6 @@ Status CreateFile(const std::string& path, size_t size, uint32_t max_nodes) {
 
 }  // namespace
 
-int SharedLockBounded(int fd) {
-  // Exclusive holders (the last user removing the file, a sweeper) hold it for microseconds;
-  // a stopped or forked holder could hold it for ever. Never block on it: retry for a while,
-  // then let the caller open the file by name again.
-  for (int i = 0; i < 200; ++i) {
-    if (::flock(fd, LOCK_SH | LOCK_NB) == 0) return 1;
-    if (errno != EWOULDBLOCK && errno != EINTR) return -errno;
-    ::usleep(250);
-  }
-  return 0;
-}
-
 namespace {
 
 long Futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
@@ -88,67 +72,25 @@ long Futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* 
 std::string HostWake::PathFor(const std::string& region_id) { return kPrefix + region_id; }
 
 Result<std::unique_ptr<HostWake>> HostWake::Open(const std::string& region_id, uint32_t max_nodes) {
-  std::unique_ptr<HostWake> w(new HostWake());
-  w->path_ = PathFor(region_id);
-  w->size_ = FileBytes(max_nodes);
-  w->max_nodes_ = max_nodes;
-  int fd = -1;
-  for (int attempt = 0; attempt < 100 && fd < 0; ++attempt) {
-    fd = ::open(w->path_.c_str(), O_RDWR | O_CLOEXEC);
-    if (fd < 0 && errno == ENOENT) {
-      CXLKV_RETURN_IF_ERROR(CreateFile(w->path_, w->size_, max_nodes));
-      continue;
-    }
-    if (fd < 0) break;
-    int locked = SharedLockBounded(fd);
-    if (locked < 0) {
-      ::close(fd);
-      return IoError("cannot lock wake file " + w->path_ + ": " + std::strerror(-locked));
-    }
-    if (locked == 0) {  // held exclusively too long (by a remover or a sweeper): open it anew
-      ::close(fd);
-      fd = -1;
-      continue;
-    }
-    // The last user may have removed it between our open and our lock: use the current one.
-    struct stat held, named;
-    if (::fstat(fd, &held) != 0 || ::stat(w->path_.c_str(), &named) != 0 || held.st_ino != named.st_ino ||
-        held.st_dev != named.st_dev) {
-      ::close(fd);
-      fd = -1;
-    }
-  }
-  if (fd < 0) return IoError("cannot open wake file " + w->path_ + ": " + std::strerror(errno));
-  w->fd_ = fd;  // closed (dropping the flock) by the destructor
-  struct stat st;
-  if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) < w->size_) {
-    return Corrupted("wake file " + w->path_ + " is too small; remove it and retry");
-  }
-  void* p = ::mmap(nullptr, w->size_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) return IoError("cannot map wake file " + w->path_ + ": " + std::strerror(errno));
-  w->base_ = p;
-  const auto* h = static_cast<const Header*>(p);
+  const size_t size = FileBytes(max_nodes);
+  auto create = [&](const std::string& path, bool* made) {
+    *made = false;
+    return CreateFile(path, size, max_nodes);
+  };
+  CXLKV_ASSIGN_OR_RETURN(HostFile file, HostFile::Open(PathFor(region_id), size, create, "wake file"));
+  const auto* h = static_cast<const Header*>(file.base());
   if (h->magic != kWakeMagic || h->version != kWakeVersion || h->max_nodes != max_nodes) {
-    return Corrupted("wake file " + w->path_ + " does not match this region (other version or node "
+    return Corrupted("wake file " + file.path() + " does not match this region (other version or node "
                      "count); remove it while no process uses the region");
   }
-  return w;
+  return std::unique_ptr<HostWake>(new HostWake(std::move(file), max_nodes));
 }
 
-HostWake::~HostWake() {
-  if (base_ != nullptr) ::munmap(base_, size_);
-  if (fd_ >= 0) {
-    // Exclusive only if no other process holds it: then we are the last, and remove it.
-    if (::flock(fd_, LOCK_EX | LOCK_NB) == 0) ::unlink(path_.c_str());
-    ::close(fd_);
-  }
-}
-
-HostWake::Channel& HostWake::manager() { return *reinterpret_cast<Channel*>(static_cast<uint8_t*>(base_) + 64); }
+HostWake::Channel& HostWake::manager() { return *reinterpret_cast<Channel*>(static_cast<uint8_t*>(file_.base()) + 64); }
 
 HostWake::Channel& HostWake::grant(uint32_t node) {
   // Callers pass this node's own id or one from the lock layout, both below max_nodes.
-  return reinterpret_cast<Channel*>(static_cast<uint8_t*>(base_) + 128)[node < max_nodes_ ? node : 0];
+  return reinterpret_cast<Channel*>(static_cast<uint8_t*>(file_.base()) + 128)[node < max_nodes_ ? node : 0];
 }
 
 void HostWake::Wake(Channel& c) {
@@ -185,28 +127,6 @@ void HostWake::WaitGrant(uint32_t node, uint32_t armed, std::chrono::microsecond
 void HostWake::DisarmGrant(uint32_t node) { grant(node).sleepers.fetch_sub(1, std::memory_order_seq_cst); }
 void HostWake::WakeGrant(uint32_t node) { Wake(grant(node)); }
 
-void HostWake::SweepUnused(const std::string& except) {
-  DIR* dir = ::opendir("/dev/shm");
-  if (dir == nullptr) return;
-  const std::string prefix = std::string(kPrefix).substr(std::strlen("/dev/shm/"));
-  while (dirent* e = ::readdir(dir)) {
-    std::string name = e->d_name;
-    if (name.compare(0, prefix.size(), prefix) != 0) continue;
-    std::string path = "/dev/shm/" + name;
-    if (path == except) continue;
-    int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-    if (fd < 0) continue;
-    struct stat held, named;
-    // Nobody holds it, it is still the file of that name, and it is not a creator's staging
-    // file still being written (those are young).
-    if (::flock(fd, LOCK_EX | LOCK_NB) == 0 && ::fstat(fd, &held) == 0 && ::stat(path.c_str(), &named) == 0 &&
-        held.st_ino == named.st_ino &&
-        (name.find(".init-") == std::string::npos || ::time(nullptr) - held.st_mtime > 60)) {
-      ::unlink(path.c_str());
-    }
-    ::close(fd);
-  }
-  ::closedir(dir);
-}
+void HostWake::SweepUnused(const std::string& except) { HostFile::SweepUnused(kPrefix, except); }
 
 }  // namespace cxlkv::sync

@@ -32,18 +32,15 @@
 #include <string>
 
 #include "cxlkv/status.h"
+#include "sync/host_file.h"
 
 namespace cxlkv::sync {
-
-// Takes a shared flock on `fd` without blocking for long: 1 = locked, 0 = still exclusively
-// held by someone after ~50 ms (re-open the file by name), < 0 = -errno.
-int SharedLockBounded(int fd);
 
 class HostWake {
  public:
   // Opens (creating on first use) the wake file of region `region_id`, sized for `max_nodes`.
   static Result<std::unique_ptr<HostWake>> Open(const std::string& region_id, uint32_t max_nodes);
-  ~HostWake();
+  ~HostWake() = default;  // the last process of the host removes the file
   HostWake(const HostWake&) = delete;
   HostWake& operator=(const HostWake&) = delete;
 
@@ -64,7 +61,7 @@ class HostWake {
   // Removes wake files of any region that no process uses any more. Safe against joiners.
   static void SweepUnused(const std::string& except);
   static std::string PathFor(const std::string& region_id);
-  const std::string& path() const { return path_; }
+  const std::string& path() const { return file_.path(); }
 
   uint64_t wakes_sent() const { return wakes_sent_.load(std::memory_order_relaxed); }
 
@@ -76,17 +73,14 @@ class HostWake {
   };
   struct Header;
 
-  HostWake() = default;
+  HostWake(HostFile file, uint32_t max_nodes) : file_(std::move(file)), max_nodes_(max_nodes) {}
   Channel& manager();
   Channel& grant(uint32_t node);
   void Wake(Channel& c);
   static void Wait(Channel& c, uint32_t armed, std::chrono::microseconds timeout);
 
-  std::string path_;
-  void* base_ = nullptr;
-  size_t size_ = 0;
+  HostFile file_;
   uint32_t max_nodes_ = 0;
-  int fd_ = -1;
   std::atomic<uint64_t> wakes_sent_{0};
 };
 

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "cxlkv/status.h"
+#include "sync/host_file.h"
 
 namespace cxlkv::sync {
 
@@ -74,8 +75,8 @@ class LocalNode {
   // a shared flock on it for as long as this object lives.
   static Result<std::unique_ptr<LocalNode>> Open(const std::string& region_id, uint32_t node,
                                                  uint32_t max_locks);
-  // Drops this process's claim; the last process of the node removes the file (returns true).
-  ~LocalNode();
+  // Drops this process's claim; the last process of the node removes the file.
+  ~LocalNode() = default;
   // True when this process was the last one of the node: nobody else holds the file. Call
   // before destruction to publish "left"; the file is removed by the destructor then.
   bool LastUser();
@@ -87,23 +88,17 @@ class LocalNode {
 
   LocalHeader& header() { return *header_; }
   LocalLock& lock(uint32_t k) { return locks_[k]; }
-  bool created() const { return created_; }  // this process made the file
-  bool first_user() const { return first_user_; }  // no other process held it when we opened it
-  const std::string& path() const { return path_; }
+  bool created() const { return file_.created(); }        // this process made the file
+  bool first_user() const { return file_.first_user(); }  // no other process held it when we opened it
+  const std::string& path() const { return file_.path(); }
 
   static std::string PathFor(const std::string& region_id, uint32_t node);
 
  private:
-  LocalNode() = default;
-  std::string path_;
-  void* base_ = nullptr;
-  size_t size_ = 0;
+  explicit LocalNode(HostFile file);
+  HostFile file_;  // the last holder removes it at destruction
   LocalHeader* header_ = nullptr;
   LocalLock* locks_ = nullptr;
-  int fd_ = -1;          // holds the flock
-  bool created_ = false;
-  bool last_ = false;    // LastUser() said so: the destructor unlinks
-  bool first_user_ = false;
 };
 
 }  // namespace cxlkv::sync

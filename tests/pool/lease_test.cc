@@ -318,7 +318,8 @@ TEST(Heartbeat, AKilledNodesLocalFileIsSweptOnlyOnceNoProcessHoldsIt) {
   }
   ::kill(second, SIGKILL);
   ::waitpid(second, &status, 0);
-  EXPECT_TRUE(std::filesystem::exists(local)) << "kill -9 cannot remove it: the sweep must";
+  // kill -9 cannot remove it; any joiner's sweep may from now on — another test's, in parallel,
+  // as well as the one below — so its existence here is not asserted.
   {
     auto joiner = OpenOrNull({path.path()}, 2);
     ASSERT_TRUE(joiner);
