@@ -22,6 +22,18 @@ alloc::RegionUsage Usage(const std::string& path) {
   return alloc::InspectChunks(*(*regions)[0], 8);
 }
 
+// Node 0, alive until told (any command): it manages the pool and recovers the others. Says
+// 1 once joined.
+Child ForkSurvivor(const std::string& path, uint64_t sim_seed) {
+  return Child::Fork([&](int in, int out) {
+    auto o = OpenCache(path, 0, sim_seed);
+    if (!o.cache || !testing::Put(out, 1)) return 1;
+    uint64_t done;
+    (void)testing::Get(in, &done);
+    return 0;
+  });
+}
+
 void Sleep(double leases) {
   std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(leases * testing::kTestLeaseMs)));
 }
@@ -36,13 +48,7 @@ TEST(CacheRecovery, AnEvictionCutShortOnAnOrphanedPayloadIsReclaimed) {
   ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
   const auto tokens = testing::Tokens(5, 16, 0, 0);
   // Node 0 lives throughout: it manages the pool and recovers nodes 2 and 1.
-  Child survivor = Child::Fork([&](int in, int out) {
-    auto o = OpenCache(path.path(), 0);
-    if (!o.cache || !testing::Put(out, 1)) return 1;
-    uint64_t done;
-    (void)testing::Get(in, &done);
-    return 0;
-  });
+  Child survivor = ForkSurvivor(path.path(), 0);
   uint64_t ready;
   ASSERT_TRUE(survivor.Receive(&ready));
   auto put = testing::RunForked(1, [&](int) {
@@ -92,13 +98,7 @@ void DeadProcessOfALiveNode(uint64_t sim_seed) {
   ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
   const auto tokens = testing::Tokens(9, 16 * 2, 0, 0);
   auto seed = [&](uint64_t k) { return sim_seed ? sim_seed * 10 + k : 0; };
-  Child survivor = Child::Fork([&](int in, int out) {
-    auto o = OpenCache(path.path(), 0, seed(1));
-    if (!o.cache || !testing::Put(out, 1)) return 1;
-    uint64_t done;
-    (void)testing::Get(in, &done);
-    return 0;
-  });
+  Child survivor = ForkSurvivor(path.path(), seed(1));
   uint64_t reply;
   ASSERT_TRUE(survivor.Receive(&reply));
   // Node 1's long-lived process: reports its node's life when asked, then leaves when told.

@@ -13,12 +13,14 @@
 #include <fstream>
 #include <thread>
 
+#include "child.h"
 #include "lock_test_util.h"
 #include "sync/local_node.h"
 
 namespace cxlkv {
 namespace {
 
+using testing::Child;
 using testing::LockSetup;
 using testing::OpenOrNull;
 using testing::Prepare;
@@ -74,59 +76,48 @@ void PausedHolder(uint64_t seed) {
   testing::TempRegionPath path("pausedholder");
   LockSetup s = Prepare(path.path(), 3);
   Board* b = NewBoard();
-  int ready[2], go[2];
-  ASSERT_EQ(::pipe(ready), 0);
-  ASSERT_EQ(::pipe(go), 0);
   std::fflush(stdout);
-  pid_t victim = ::fork();
-  if (victim == 0) {
-    auto body = [&]() -> int {
-      auto p = OpenOrNull({s.path}, 2, seed ? seed * 10 + 2 : 0);
-      CHILD_CHECK(p != nullptr, "open");
-      auto& n = *p->impl().node;
-      auto held = n.AcquireFor(s.lock, 30s);
-      CHILD_CHECK(held.ok(), "%s", held.status().ToString().c_str());
-      char c = 'r';
-      CHILD_CHECK(::write(ready[1], &c, 1) == 1, "pipe");
-      CHILD_CHECK(::read(go[0], &c, 1) == 1, "pipe");
-      // Resumed: the hold belongs to a life that was declared dead. The fence must refuse it.
-      Status st = n.CheckHeld(s.lock);
-      if (st.ok()) {  // what an unfenced holder does: write under a hold that is no longer its
-        uint64_t off = region::Offset<void>(s.counter).byte_offset();
-        n.meta().Store(off, n.meta().Fetch(off) + 1);
-        sync::Range r{off, 8};
-        n.Release(s.lock, {&r, 1});
-      }
-      CHILD_CHECK(!st.ok(), "a paused holder was allowed to write under its old hold");
-      CHILD_CHECK(st.code() == StatusCode::kLeaseExpired, "%s", st.ToString().c_str());
-      n.Release(s.lock);
-      // The node comes back as a new life and can take the lock again, properly.
-      auto deadline = std::chrono::steady_clock::now() + 10s;
-      while (n.new_lives() < 2 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(10ms);
-      CHILD_CHECK(n.new_lives() >= 2, "no new life after the pause");
-      return 0;
-    };
-    ::_exit(body());
-  }
-  char c;
-  ASSERT_EQ(::read(ready[0], &c, 1), 1);
-  ::kill(victim, SIGSTOP);
+  Child victim = Child::Fork([&](int in, int out) -> int {
+    auto p = OpenOrNull({s.path}, 2, seed ? seed * 10 + 2 : 0);
+    CHILD_CHECK(p != nullptr, "open");
+    auto& n = *p->impl().node;
+    auto held = n.AcquireFor(s.lock, 30s);
+    CHILD_CHECK(held.ok(), "%s", held.status().ToString().c_str());
+    uint64_t go;
+    CHILD_CHECK(testing::Put(out, 1) && testing::Get(in, &go), "pipe");
+    // Resumed: the hold belongs to a life that was declared dead. The fence must refuse it.
+    Status st = n.CheckHeld(s.lock);
+    if (st.ok()) {  // what an unfenced holder does: write under a hold that is no longer its
+      uint64_t off = region::Offset<void>(s.counter).byte_offset();
+      n.meta().Store(off, n.meta().Fetch(off) + 1);
+      sync::Range r{off, 8};
+      n.Release(s.lock, {&r, 1});
+    }
+    CHILD_CHECK(!st.ok(), "a paused holder was allowed to write under its old hold");
+    CHILD_CHECK(st.code() == StatusCode::kLeaseExpired, "%s", st.ToString().c_str());
+    n.Release(s.lock);
+    // The node comes back as a new life and can take the lock again, properly.
+    auto deadline = std::chrono::steady_clock::now() + 10s;
+    while (n.new_lives() < 2 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(10ms);
+    CHILD_CHECK(n.new_lives() >= 2, "no new life after the pause");
+    return 0;
+  });
+  uint64_t ready;
+  ASSERT_TRUE(victim.Receive(&ready));
+  ::kill(victim.pid, SIGSTOP);
   auto codes = testing::RunForked(3, [&](int i) {
     if (i == 2) {
       ::usleep(4 * testing::kTestLeaseMs * 1000);  // survivors take over the lock meanwhile
-      ::kill(victim, SIGCONT);
-      char g = 'g';
-      if (::write(go[1], &g, 1) != 1) return 1;
+      ::kill(victim.pid, SIGCONT);
+      if (!victim.Send(1)) return 1;
       ::usleep(2 * testing::kTestLeaseMs * 1000);  // the survivors keep counting while it resumes
       b->stop.store(1);
       return 0;
     }
     return IncrementUntilStopped(s, static_cast<uint32_t>(i), seed ? seed * 10 + i : 0, b, i);
   });
-  int status = 0;
-  ::waitpid(victim, &status, 0);
+  EXPECT_EQ(victim.Wait(), 0) << "victim, seed " << seed;
   for (int code : codes) EXPECT_EQ(code, 0) << "seed " << seed;
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "victim, seed " << seed;
   uint64_t counted = b->counted[0].load() + b->counted[1].load();
   EXPECT_GT(counted, 0u) << "the survivors never got the lock from the paused holder";
   EXPECT_EQ(ReadCounter(s), counted) << "seed " << seed;
@@ -145,49 +136,38 @@ void PausedManager(uint64_t seed) {
   testing::TempRegionPath path("pausedmgr");
   LockSetup s = Prepare(path.path(), 3);
   Board* b = NewBoard();
-  int ready[2], go[2];
-  ASSERT_EQ(::pipe(ready), 0);
-  ASSERT_EQ(::pipe(go), 0);
   std::fflush(stdout);
-  pid_t victim = ::fork();
-  if (victim == 0) {
-    auto body = [&]() -> int {
-      auto p = OpenOrNull({s.path}, 0, seed ? seed * 10 : 0);
-      CHILD_CHECK(p != nullptr, "open");
-      auto& n = *p->impl().node;
-      auto deadline = std::chrono::steady_clock::now() + 10s;
-      while (!n.is_manager() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(5ms);
-      CHILD_CHECK(n.is_manager(), "node 0 never became manager");
-      char c = 'r';
-      CHILD_CHECK(::write(ready[1], &c, 1) == 1, "pipe");
-      CHILD_CHECK(::read(go[0], &c, 1) == 1, "pipe");
-      deadline = std::chrono::steady_clock::now() + 10s;
-      while (n.new_lives() < 2 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(10ms);
-      CHILD_CHECK(n.new_lives() >= 2, "no new life after the pause");
-      return 0;
-    };
-    ::_exit(body());
-  }
-  char c;
-  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  Child victim = Child::Fork([&](int in, int out) -> int {
+    auto p = OpenOrNull({s.path}, 0, seed ? seed * 10 : 0);
+    CHILD_CHECK(p != nullptr, "open");
+    auto& n = *p->impl().node;
+    auto deadline = std::chrono::steady_clock::now() + 10s;
+    while (!n.is_manager() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(5ms);
+    CHILD_CHECK(n.is_manager(), "node 0 never became manager");
+    uint64_t go;
+    CHILD_CHECK(testing::Put(out, 1) && testing::Get(in, &go), "pipe");
+    deadline = std::chrono::steady_clock::now() + 10s;
+    while (n.new_lives() < 2 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(10ms);
+    CHILD_CHECK(n.new_lives() >= 2, "no new life after the pause");
+    return 0;
+  });
+  uint64_t ready;
+  ASSERT_TRUE(victim.Receive(&ready));
   auto codes = testing::RunForked(3, [&](int i) {
     if (i == 2) {
       ::usleep(300 * 1000);  // counting under node 0's management
-      ::kill(victim, SIGSTOP);
+      ::kill(victim.pid, SIGSTOP);
       ::usleep(4 * testing::kTestLeaseMs * 1000);
-      ::kill(victim, SIGCONT);
-      char g = 'g';
-      if (::write(go[1], &g, 1) != 1) return 1;
+      ::kill(victim.pid, SIGCONT);
+      if (!victim.Send(1)) return 1;
       ::usleep(3 * testing::kTestLeaseMs * 1000);  // node 0 resumes, rejoins, manages again
       b->stop.store(1);
       return 0;
     }
     return IncrementUntilStopped(s, static_cast<uint32_t>(i + 1), seed ? seed * 10 + i + 1 : 0, b, i);
   });
-  int status = 0;
-  ::waitpid(victim, &status, 0);
+  EXPECT_EQ(victim.Wait(), 0) << "victim, seed " << seed;
   for (int code : codes) EXPECT_EQ(code, 0) << "seed " << seed;
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "victim, seed " << seed;
   uint64_t counted = b->counted[0].load() + b->counted[1].load();
   EXPECT_GT(counted, 0u);
   EXPECT_EQ(ReadCounter(s), counted) << "seed " << seed;
