@@ -204,9 +204,13 @@ void Allocator::DrainRemoteFrees() {
       OwnerWord w = OwnerWord::Decode(meta(chunk.region).Fetch(tables_[chunk.region].owner(chunk.chunk)));
       const bool node_owned = w.kind == ChunkKind::kHeap || w.kind == ChunkKind::kLeasedObject;
       bool mine = node_owned && w.node == node_.id() && w.incarnation == Inc20(node_.incarnation());
-      // Not ours any more (an old life's chunk, since recovered): route it like any free.
       if (!mine) {
-        if (!node_owned || w.node != node_.id()) (void)Free(off);
+        // Pushed for an earlier life of this node. If that life's recovery kept the object (an
+        // orphan slot, a whole-chunk object: never allocated from again), the free still names
+        // it: route it like any free. Otherwise the chunk may be someone else's by now: drop it.
+        const bool kept = w.node == node_.id() && w.incarnation != Inc20(node_.incarnation()) &&
+                          (w.kind == ChunkKind::kOrphanHeap || w.kind == ChunkKind::kLargeHead);
+        if (kept) (void)Free(off);
         continue;
       }
       sync::LockRobust(&node_.local().header().heap_mu);

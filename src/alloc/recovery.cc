@@ -53,8 +53,8 @@ void Allocator::Recover(uint32_t dead, uint64_t incarnation) {
   }
   std::unordered_set<uint64_t> reachable(roots.begin(), roots.end());
   // Frees other nodes sent to the dead node: those objects are no longer wanted. We consume
-  // its rings for it (it never will). A free of something that is not the dead life's (an
-  // older life's chunk since recovered) is routed like any free once the lock is released.
+  // its rings for it (it never will). A free of an object an older life of the node left (kept
+  // by that life's recovery) is routed like any free once the lock is released.
   std::unordered_set<uint64_t> freed;
   std::vector<ObjectOffset> elsewhere;
   if (tables_[0].has_inboxes()) {
@@ -71,7 +71,10 @@ void Allocator::Recover(uint32_t dead, uint64_t incarnation) {
         const OwnerWord w = OwnerWord::Decode(meta(chunk.region).Fetch(tables_[chunk.region].owner(chunk.chunk)));
         if (w.node == dead && w.incarnation == inc) {
           freed.insert(off.raw());
-        } else {
+        } else if (w.node == dead && (w.kind == ChunkKind::kOrphanHeap || w.kind == ChunkKind::kLargeHead)) {
+          // An earlier life's object that its recovery kept: such chunks are never allocated
+          // from again, so the free still names that object. Anything else may have been
+          // reallocated since the push (to someone live): dropped, never applied to it.
           elsewhere.push_back(off);
         }
       }
