@@ -188,5 +188,48 @@ TEST(CacheRecovery, ADeadProcessOfALiveNodeIsReclaimedUnderTheNonCoherentSimulat
   }
 }
 
+// A process that closes its pool with a reservation still open (an early return, an exception
+// in the serving code) drops it as if it had died: the entry goes at once — not when the node's
+// life ends — and its payload is freed. Node 1 lives on in another process throughout.
+TEST(CacheRecovery, ClosingWithAnOpenReservationDropsIt) {
+  testing::TempRegionPath path("close-open");
+  ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
+  const auto tokens = testing::Tokens(13, 16, 0, 0);
+  Child keeper = ForkSurvivor(path.path(), 0);  // node 0 stays
+  uint64_t ready;
+  ASSERT_TRUE(keeper.Receive(&ready));
+  Child other = Child::Fork([&](int in, int out) {  // a process of node 1 that stays
+    auto o = OpenCache(path.path(), 1);
+    if (!o.cache || !testing::Put(out, 1)) return 1;
+    uint64_t done;
+    (void)testing::Get(in, &done);
+    return 0;
+  });
+  ASSERT_TRUE(other.Receive(&ready));
+  auto closer = testing::RunForked(1, [&](int) {
+    auto o = OpenCache(path.path(), 1);
+    CHILD_CHECK(o.cache, "open");
+    auto k = o.cache->ChainKeys(o.ns, tokens)[0];
+    auto r = o.cache->Reserve(o.ns, k, 4096);
+    CHILD_CHECK(r.ok(), "%s", r.status().ToString().c_str());
+    return 0;  // closes the pool with the reservation open
+  });
+  ASSERT_EQ(closer[0], 0);
+  auto o = OpenCache(path.path(), 2);
+  ASSERT_TRUE(o.cache);
+  auto k = o.cache->ChainKeys(o.ns, tokens)[0];
+  auto r = o.cache->Reserve(o.ns, k, 4096);
+  ASSERT_TRUE(r.ok()) << "the closed process's reservation outlived it: " << r.status().ToString();
+  ASSERT_TRUE(o.cache->Abort(*r).ok());
+  o.pool->impl().allocator->Trim();
+  EXPECT_TRUE(testing::LiveEntries(*o.pool).empty());
+  EXPECT_EQ(Usage(path.path()).allocated_bytes, 0u) << "the dropped reservation's payload leaked";
+  o.pool.reset();
+  ASSERT_TRUE(other.Send(1));
+  EXPECT_EQ(other.Wait(), 0);
+  ASSERT_TRUE(keeper.Send(1));
+  EXPECT_EQ(keeper.Wait(), 0);
+}
+
 }  // namespace
 }  // namespace cxlkv
