@@ -242,7 +242,7 @@ void Index::AppendReachable(std::vector<uint64_t>& out) {
   });
 }
 
-bool Index::RecoverProcess(uint32_t slot, uint64_t inc) {
+bool Index::RecoverProcess(uint32_t slot, uint64_t inc, bool stop_at_first_miss) {
   const DeadWriter dead{node_.id(), inc, slot};
   std::vector<uint64_t> payloads;
   bool complete = true;
@@ -250,6 +250,7 @@ bool Index::RecoverProcess(uint32_t slot, uint64_t inc) {
     // Taking the stripe also repairs it when the dead process held its lock (EOWNERDEAD).
     if (!LockStripe(stripe).ok()) {
       complete = false;
+      if (stop_at_first_miss) break;
       continue;
     }
     RepairStripeLocked(stripe, &dead, &payloads);
@@ -262,7 +263,15 @@ bool Index::RecoverProcess(uint32_t slot, uint64_t inc) {
 }
 
 void Index::AbandonOpenReservations() {
-  if (reserved_any_.load()) (void)RecoverProcess(node_.process_slot(), node_.incarnation());
+  if (!reserved_any_.load()) return;
+  // At close, a lock that is not granted (no manager any more) must not hold the exit for four
+  // leases per stripe: give up and leave the slot to another process of the node, which drops
+  // the rest as for a dead process (or the node's life recovery, when this is its last).
+  if (!RecoverProcess(node_.process_slot(), node_.incarnation(), /*stop_at_first_miss=*/true)) {
+    node_.LeaveProcessSlotForRecovery();
+    std::fprintf(stderr, "cxlkv: cache: closing with reservations open: a stripe lock was not granted; "
+                 "node %u's other processes (or its life's recovery) drop them\n", node_.id());
+  }
 }
 
 }  // namespace cxlkv::cache

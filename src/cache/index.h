@@ -100,7 +100,7 @@ class Index final : public IndexApi {
   // of it): tombstones the WRITING entries that process reserved in life `inc` and frees their
   // payloads (the node lives on: its own recovery will not). False when a stripe lock was not
   // granted: the node calls it again later.
-  bool RecoverProcess(uint32_t slot, uint64_t inc);
+  bool RecoverProcess(uint32_t slot, uint64_t inc, bool stop_at_first_miss = false);
   // At close: what this process reserved and never committed or aborted goes, as if it died.
   void AbandonOpenReservations();
   // Reachability for the allocator's recovery: payloads of READY and EVICTING entries.

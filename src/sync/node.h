@@ -96,6 +96,9 @@ class Node {
   uint32_t id() const { return options_.node_id; }
   // This process's slot among the node's processes (< kLocalProcessSlots), fixed while joined.
   uint32_t process_slot() const { return process_slot_; }
+  // At close, when this process could not drop everything it left half-done: its slot is left
+  // for another process of the node to recover, as if this one had died.
+  void LeaveProcessSlotForRecovery() { slot_needs_recovery_.store(true); }
   uint64_t incarnation() const { return heartbeat_->incarnation(); }
   region::MetaAccess& meta() { return region_.impl().meta(); }
   Region& region() { return region_; }
@@ -219,6 +222,7 @@ class Node {
 
   std::vector<uint64_t> held_request_;  // per lock: the request word this process holds
   uint32_t process_slot_ = 0;
+  std::atomic<bool> slot_needs_recovery_{false};
   std::promise<int> slot_claimed_;       // the beat thread's claim, for Join
 
   std::thread beat_thread_;

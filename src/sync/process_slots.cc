@@ -32,8 +32,10 @@ int Node::ClaimProcessSlot() {
 
 void Node::ReleaseProcessSlot() {
   LocalProcess& p = local_->header().processes[process_slot_];
-  p.pid.store(0);
-  p.state.store(kSlotFree);  // before the unlock: a scanner never takes a clean exit for a death
+  // Before the unlock: a scanner never takes a clean exit for a death, and recovers a slot
+  // left recovering (the scan takes it like an unfinished recovery).
+  p.state.store(slot_needs_recovery_.load() ? kSlotRecovering : kSlotFree);
+  if (!slot_needs_recovery_.load()) p.pid.store(0);
   pthread_mutex_unlock(&p.mu);
 }
 
