@@ -205,15 +205,15 @@ uint64_t Index::UsedBytes() {
 
 void Index::Recover(uint32_t node, uint64_t inc) {
   const DeadWriter dead{node, inc};
-  std::vector<uint32_t> todo(layout_.h.stripes);
-  for (uint32_t stripe = 0; stripe < layout_.h.stripes; ++stripe) todo[stripe] = stripe;
+  std::vector<uint32_t> unrepaired(layout_.h.stripes);
+  for (uint32_t stripe = 0; stripe < layout_.h.stripes; ++stripe) unrepaired[stripe] = stripe;
   // A stripe whose lock is not granted (each try waits up to four leases) is tried again a few
   // rounds later; after that a Reserve that meets the dead writer's entry still reclaims it on
   // the spot, and an EVICTING leftover is repaired by the next taker of the lock.
-  for (int round = 0; !todo.empty() && round < 4; ++round) {
+  for (int round = 0; !unrepaired.empty() && round < 4; ++round) {
     if (round > 0) std::this_thread::sleep_for(node_.lease());
     std::vector<uint32_t> missed;
-    for (uint32_t stripe : todo) {
+    for (uint32_t stripe : unrepaired) {
       if (node_.leaving()) return;  // the next manager recovers the node again (idempotent)
       if (!LockStripe(stripe).ok()) {
         missed.push_back(stripe);
@@ -222,11 +222,11 @@ void Index::Recover(uint32_t node, uint64_t inc) {
       RepairStripeLocked(stripe, &dead);
       UnlockStripe(stripe);
     }
-    todo.swap(missed);
+    unrepaired.swap(missed);
   }
-  if (!todo.empty()) {
+  if (!unrepaired.empty()) {
     std::fprintf(stderr, "cxlkv: cache: recovering node %u's life %llu: %zu stripe(s) stayed locked; their entries "
-                 "of that life are reclaimed when met\n", node, static_cast<unsigned long long>(inc), todo.size());
+                 "of that life are reclaimed when met\n", node, static_cast<unsigned long long>(inc), unrepaired.size());
   }
   // The dead node's pins: it writes its row no more; recovery takes the row over (P5).
   ScanPinRow(node, [&](uint64_t slot, uint64_t word) {

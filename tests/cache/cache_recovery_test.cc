@@ -231,5 +231,88 @@ TEST(CacheRecovery, ClosingWithAnOpenReservationDropsIt) {
   EXPECT_EQ(keeper.Wait(), 0);
 }
 
+// A process of a live node stopped (SIGSTOP) for several leases with a block half written is
+// not dead: its slot's mutex stays held, so no process of its node reclaims the entry (its
+// node beats on through another process, so no life recovery either). Others see the block
+// Busy meanwhile; resumed, the writer finishes and commits, and the block reads back right.
+void PausedProcessOfALiveNode(uint64_t sim_seed) {
+  testing::TempRegionPath path("paused-process");
+  ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
+  const auto tokens = testing::Tokens(17, 16, 0, 0);
+  auto seed = [&](uint64_t k) { return sim_seed ? sim_seed * 10 + k : 0; };
+  Child survivor = ForkSurvivor(path.path(), seed(1));
+  uint64_t reply;
+  ASSERT_TRUE(survivor.Receive(&reply));
+  Child keeper = Child::Fork([&](int in, int out) {  // node 1's other process: it keeps beating
+    auto o = OpenCache(path.path(), 1, seed(2));
+    if (!o.cache || !testing::Put(out, 1)) return 1;
+    uint64_t done;
+    (void)testing::Get(in, &done);
+    return 0;
+  });
+  ASSERT_TRUE(keeper.Receive(&reply));
+  Child writer = Child::Fork([&](int in, int out) {
+    auto o = OpenCache(path.path(), 1, seed(3));
+    CHILD_CHECK(o.cache, "open");
+    auto k = o.cache->ChainKeys(o.ns, tokens)[0];
+    std::vector<uint8_t> data(4096);
+    testing::FillForKey(k, data.data(), data.size());
+    auto r = o.cache->Reserve(o.ns, k, data.size());
+    CHILD_CHECK(r.ok(), "%s", r.status().ToString().c_str());
+    CHILD_CHECK(o.cache->Write(*r, 0, data.data(), 2048).ok(), "write");
+    uint64_t go;
+    CHILD_CHECK(testing::Put(out, 1) && testing::Get(in, &go), "pipe");  // stopped around here
+    CHILD_CHECK(o.cache->Write(*r, 2048, data.data() + 2048, 2048).ok(), "write");
+    Status committed = o.cache->Commit(*r);
+    CHILD_CHECK(committed.ok(), "commit after the pause: %s", committed.ToString().c_str());
+    return 0;
+  });
+  ASSERT_TRUE(writer.Receive(&reply));
+  ::kill(writer.pid, SIGSTOP);
+  Sleep(4);  // several leases: node 1 beats through the keeper; the writer's slot stays held
+  auto busy = testing::RunForked(1, [&](int) {
+    auto o = OpenCache(path.path(), 2, seed(4));
+    CHILD_CHECK(o.cache, "open");
+    auto k = o.cache->ChainKeys(o.ns, tokens)[0];
+    auto r = o.cache->Reserve(o.ns, k, 4096);
+    CHILD_CHECK(!r.ok() && r.status().code() == StatusCode::kBusy,
+                "a paused process's entry was taken for a dead one's: %s", r.ok() ? "reserved" : r.status().ToString().c_str());
+    return 0;
+  });
+  EXPECT_EQ(busy[0], 0);
+  ::kill(writer.pid, SIGCONT);
+  ASSERT_TRUE(writer.Send(1));
+  EXPECT_EQ(writer.Wait(), 0);
+  auto read = testing::RunForked(1, [&](int) {
+    auto o = OpenCache(path.path(), 2, seed(5));
+    CHILD_CHECK(o.cache, "open");
+    auto k = o.cache->ChainKeys(o.ns, tokens)[0];
+    auto hit = o.cache->Lookup(o.ns, {&k, 1});
+    CHILD_CHECK(hit.ok() && hit->hit_blocks == 1, "the resumed writer's block is not there");
+    std::vector<uint8_t> back(4096);
+    CHILD_CHECK(o.cache->Read(hit->pins[0], 0, back.data(), back.size()).ok(), "read");
+    CHILD_CHECK(testing::MatchesKey(k, back.data(), back.size()), "wrong bytes");
+    o.cache->Release(hit->pins);
+    return 0;
+  });
+  EXPECT_EQ(read[0], 0);
+  ASSERT_TRUE(keeper.Send(1));
+  EXPECT_EQ(keeper.Wait(), 0);
+  ASSERT_TRUE(survivor.Send(1));
+  EXPECT_EQ(survivor.Wait(), 0);
+  auto regions = pool::AttachAll({path.path()});
+  ASSERT_TRUE(regions.ok());
+  for (const auto& p : pool::Check(*regions)) ADD_FAILURE() << p;
+}
+
+TEST(CacheRecovery, APausedProcessOfALiveNodeIsNotTakenForDead) { PausedProcessOfALiveNode(0); }
+
+TEST(CacheRecovery, APausedProcessOfALiveNodeIsNotTakenForDeadUnderTheSimulator) {
+  for (uint64_t seed : {6u, 66u}) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    PausedProcessOfALiveNode(seed);
+  }
+}
+
 }  // namespace
 }  // namespace cxlkv

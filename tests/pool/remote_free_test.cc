@@ -1,6 +1,8 @@
 // Frees that cross a node's life: a remote free decided just before its owner leaves, and a
 // payload an ended life still holds that nothing reaches any more. Real processes on one
 // region, also under the non-coherent simulator.
+#include <signal.h>
+
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -107,6 +109,57 @@ TEST(RemoteFree, APushDecidedAsTheOwnerLeavesIsAppliedUnderTheNonCoherentSimulat
     SCOPED_TRACE("seed " + std::to_string(seed));
     PushDecidedAsTheOwnerLeaves(seed);
   }
+}
+
+// The freer (node 1, its only process) is killed with -9 right after announcing its push, and
+// the owner (node 2) leaves. Recovery of node 2 sees the announcement, waits only until node 1's
+// life is over (not for ever), then recovers node 2: the object, still named by its root, is
+// kept in an orphan chunk; everything else node 2 held goes back. Nothing hangs, check is clean.
+TEST(RemoteFree, AFreerKilledAfterAnnouncingDoesNotStallRecovery) {
+  testing::TempRegionPath path("rf-killed");
+  auto paths = CreatePool(path.path());
+  const uint64_t total = FreeChunks(paths);
+  Child owner = Child::Fork([&](int in, int out) {
+    auto p = OpenOrNull(paths, 2);
+    if (!p) return 1;
+    auto off = p->Alloc(4096);
+    auto spare = p->Alloc(uint64_t{3} << 20);  // unpublished: recovery must free it
+    if (!off.ok() || !spare.ok() || !p->Put("x", *off, 4096).ok() || !Put(out, *off)) return 2;
+    uint64_t go;
+    (void)Get(in, &go);
+    return 0;
+  });
+  Child freer = Child::Fork([&](int in, int out) {
+    auto p = OpenOrNull(paths, 1);
+    uint64_t off;
+    if (!p || !Get(in, &off)) return 1;
+    p->impl().allocator->TestHookBeforePush([&] {
+      uint64_t go;
+      if (Put(out, 1)) (void)Get(in, &go);
+      ::raise(SIGKILL);  // announced, never published
+    });
+    (void)p->Free(off);
+    return 3;
+  });
+  auto survivor = OpenOrNull(paths, 0);
+  ASSERT_TRUE(survivor);
+  uint64_t off, ack;
+  ASSERT_TRUE(owner.Receive(&off));
+  ASSERT_TRUE(freer.Send(off));
+  ASSERT_TRUE(freer.Receive(&ack));
+  ASSERT_TRUE(freer.Send(1));
+  EXPECT_EQ(freer.Wait(), 128 + SIGKILL);
+  ASSERT_TRUE(owner.Send(1));
+  EXPECT_EQ(owner.Wait(), 0);
+  const auto start = std::chrono::steady_clock::now();
+  // Recovery of node 2 waits for node 1's life to end (a lease), not for the announcement.
+  while (FreeChunks(paths) != total - 1 && std::chrono::steady_clock::now() - start < std::chrono::seconds(30)) {
+    Sleep(0.25);
+  }
+  EXPECT_EQ(FreeChunks(paths), total - 1) << "node 2 was not recovered: the 3 MiB object or the heap chunk is still held";
+  EXPECT_TRUE(Allocated(paths, off)) << "a root still names it";
+  survivor.reset();
+  ExpectNoProblems(paths);
 }
 
 // After its owner left, a published object sits in an orphan heap chunk (or stays a whole-
