@@ -40,7 +40,8 @@ typedef enum {
   CXLKV_TIMEOUT = 10,
   CXLKV_NOT_SUPPORTED = 11,
   CXLKV_INTERNAL = 12,
-  CXLKV_LEASE_EXPIRED = 13  /* this node was paused past its lease; nothing was published: retry */
+  CXLKV_LEASE_EXPIRED = 13, /* this node was paused past its lease; nothing was published: retry */
+  CXLKV_UNAVAILABLE = 14    /* no server answered (cxlkvd down or failing over): retry, or start it */
 } cxlkv_status;
 
 typedef struct cxlkv_pool cxlkv_pool;

@@ -34,6 +34,8 @@ enum class StatusCode : uint8_t {
   kInternal,          // an invariant broke; a bug in cxlkv
   kLeaseExpired,      // this node's lease lapsed (paused or silent too long): the act was refused
                       // and nothing was published; the node rejoins as a new life, retry then
+  kUnavailable,       // no server answers a request (it died, was paused or never started): retry
+                      // once one serves again, or start it (cxlkvd)
 };
 
 // Returns a stable lower-case name for `code`, e.g. "version-mismatch".
@@ -72,6 +74,7 @@ inline Status Timeout(std::string m) { return {StatusCode::kTimeout, std::move(m
 inline Status NotSupported(std::string m) { return {StatusCode::kNotSupported, std::move(m)}; }
 inline Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
 inline Status LeaseExpired(std::string m) { return {StatusCode::kLeaseExpired, std::move(m)}; }
+inline Status Unavailable(std::string m) { return {StatusCode::kUnavailable, std::move(m)}; }
 
 // A value of type T, or the Status that explains why there is none.
 template <typename T>

@@ -21,6 +21,7 @@ thread_local std::string last_error;
 
 static_assert(CXLKV_INTERNAL == static_cast<int>(cxlkv::StatusCode::kInternal));
 static_assert(CXLKV_LEASE_EXPIRED == static_cast<int>(cxlkv::StatusCode::kLeaseExpired));
+static_assert(CXLKV_UNAVAILABLE == static_cast<int>(cxlkv::StatusCode::kUnavailable));
 static_assert(CXLKV_RESERVE_ERROR == static_cast<int>(cxlkv::ReserveOutcome::kError));
 static_assert(CXLKV_RESERVE_BUSY == static_cast<int>(cxlkv::ReserveOutcome::kBusy));
 static_assert(3 == static_cast<int>(cxlkv::PeekState::kOther));

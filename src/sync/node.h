@@ -104,6 +104,8 @@ class Node {
   Region& region() { return region_; }
   LocalNode& local() { return *local_; }
   std::chrono::milliseconds lease() const { return options_.lease; }
+  uint32_t max_locks() const { return layout_.max_locks(); }
+  uint32_t max_nodes() const { return max_nodes_; }
 
   // Ok iff this node's lease is surely valid and `incarnation` (0: any) is still its life; else
   // kLeaseExpired naming `act`. Call before every act others rely on (a publish, a commit, a

@@ -18,6 +18,7 @@ std::string_view StatusCodeName(StatusCode code) {
     case StatusCode::kNotSupported: return "not-supported";
     case StatusCode::kInternal: return "internal";
     case StatusCode::kLeaseExpired: return "lease-expired";
+    case StatusCode::kUnavailable: return "unavailable";
   }
   return "unknown";
 }
