@@ -77,9 +77,18 @@ void WaitGo(Shared* s) {
   while (!s->go.load()) std::this_thread::yield();
 }
 
+// CPU time of every thread of this process, in ns resolution (getrusage counts scheduler ticks).
+double CpuSeconds() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+}  // namespace
+
 // Two processes bounce a counter through two cache lines, each publishing with store + clflush
 // (+ mfence) and observing with invalidate + load: the round trip every grant costs at least.
-double PingPongNs(int rounds) {
+double LinePingPongNs(int rounds) {
   auto* lines = static_cast<volatile uint64_t*>(mmap(nullptr, 4096, PROT_READ | PROT_WRITE,
                                                       MAP_SHARED | MAP_ANONYMOUS, -1, 0));
   volatile uint64_t* ping = lines;
@@ -115,15 +124,6 @@ double PingPongNs(int rounds) {
   return ns;
 }
 
-// CPU time of every thread of this process, in ns resolution (getrusage counts scheduler ticks).
-double CpuSeconds() {
-  timespec ts{};
-  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return ts.tv_sec + ts.tv_nsec / 1e9;
-}
-
-}  // namespace
-
 Result<nlohmann::json> RunLockBench(const BenchOptions& options) {
   const int reps = options.quick ? 2 : options.repetitions;
   const int ops = options.quick ? 500 : 5000;
@@ -148,7 +148,7 @@ Result<nlohmann::json> RunLockBench(const BenchOptions& options) {
 
   nlohmann::json results = nlohmann::json::array();
   std::vector<double> pingpong;
-  for (int rep = 0; rep < reps; ++rep) pingpong.push_back(PingPongNs(options.quick ? 2000 : 20000));
+  for (int rep = 0; rep < reps; ++rep) pingpong.push_back(LinePingPongNs(options.quick ? 2000 : 20000));
   results.push_back(FigureJson({"line_pingpong/2proc", "ns/round trip", false, pingpong, "", {},
                                 "two processes, store+clflush then invalidate+load each way: the limit"}));
   for (int procs : {1, 2, 4}) {

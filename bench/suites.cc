@@ -23,6 +23,10 @@ const std::vector<Suite>& Suites() {
        "end-to-end serving of a repeated-document workload: the cxlkv shared pool's TTFT and throughput vs "
        "no reuse, a private DRAM cache, and a TCP handoff, in the same run",
        &RunE2eBench},
+      {"rpc",
+       "shared-memory RPC: 64-byte round trip at queue depth 1 vs a cache-line ping-pong and vs TCP loopback; "
+       "single-server-thread throughput at queue depth 128",
+       &RunRpcBench},
   };
   return suites;
 }

@@ -177,6 +177,22 @@ TEST(Cli, BenchCacheQuickReportsRatiosAndThePeer) {
   }
 }
 
+TEST(Cli, BenchRpcQuickReportsTheRoundTripNextToItsLimits) {
+  auto r = Cli("bench rpc --json --quick");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.stdout_only);
+  EXPECT_EQ(j["suite"], "rpc");
+  std::set<std::string> names;
+  for (const auto& fig : j["results"]) {
+    names.insert(fig["name"].get<std::string>());
+    EXPECT_GT(fig["median"].get<double>(), 0) << fig.dump();
+  }
+  for (const char* want : {"line_pingpong/2proc", "rpc_64B_qd1", "tcp_loopback_64B_qd1", "rpc_vs_tcp_latency",
+                           "rpc_64B_qd128"}) {
+    EXPECT_TRUE(names.count(want)) << want;
+  }
+}
+
 TEST(Cli, DemoComparesFourConfigurationsWithIdenticalTokens) {
   cxlkv::testing::TempRegionPath path("cli-demo");
   const std::string out = path.path() + "-out";
