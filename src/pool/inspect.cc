@@ -42,21 +42,23 @@ std::vector<Region*> Raw(std::vector<std::unique_ptr<Region>>& regions) {
 }  // namespace
 
 nlohmann::json Stat(std::vector<std::unique_ptr<Region>>& regions, uint32_t watch_ms) {
+  auto before = ReadNodeLines(*regions[0]);
+  std::this_thread::sleep_for(std::chrono::milliseconds(watch_ms));
+  return Stat(regions, Statuses(before, ReadNodeLines(*regions[0])));
+}
+
+nlohmann::json Stat(std::vector<std::unique_ptr<Region>>& regions, const std::vector<cache::NodeStatus>& statuses) {
   Region& first = *regions[0];
   uint32_t max_nodes = first.info().max_nodes;
-  auto before = ReadNodeLines(first);
-  std::this_thread::sleep_for(std::chrono::milliseconds(watch_ms));
   auto after = ReadNodeLines(first);
   nlohmann::json j;
   j["nodes"] = nlohmann::json::array();
+  static const char* const kState[] = {"never", "live", "silent", "left"};
   for (uint32_t n = 0; n < max_nodes; ++n) {
     const auto& l = after[n];
     if (l.incarnation == 0) continue;
-    const char* state = l.state == sync::NodeState::kLeft ? "left"
-                        : l.heartbeat != before[n].heartbeat || l.incarnation != before[n].incarnation
-                            ? "live"
-                            : "silent";
-    j["nodes"].push_back({{"id", n}, {"state", state}, {"incarnation", l.incarnation},
+    const cache::NodeStatus st = n < statuses.size() ? statuses[n] : cache::NodeStatus::kSilent;
+    j["nodes"].push_back({{"id", n}, {"state", kState[static_cast<int>(st)]}, {"incarnation", l.incarnation},
                           {"heartbeat", l.heartbeat}, {"pid", l.pid}, {"may_host_manager", l.may_host}});
   }
   const auto* locks = first.impl().find_area(region::AreaKind::kLockArray);
@@ -91,7 +93,7 @@ nlohmann::json Stat(std::vector<std::unique_ptr<Region>>& regions, uint32_t watc
     j["roots"].push_back({{"name", util::PrintableName(r.name.data(), r.name.size())},
                           {"offset", r.offset}, {"size", r.size}});
   }
-  j["cache"] = cache::Stat(first, Statuses(before, after));
+  j["cache"] = cache::Stat(first, statuses);
   uint64_t allocated_bytes = 0;
   for (const auto& r : j["regions"]) allocated_bytes += r["allocated_bytes"].get<uint64_t>();
   j["allocated_bytes"] = allocated_bytes;

@@ -10,6 +10,7 @@
 
 #include "alloc/allocator.h"
 #include "cache/index.h"
+#include "cache/inspect.h"
 #include "cxlkv/pool.h"
 #include "objstore/object_store.h"
 #include "sync/node.h"
@@ -33,6 +34,8 @@ Result<std::vector<std::unique_ptr<Region>>> AttachAll(const std::vector<std::st
 // `cxlkv stat`: nodes (as the node table says; live = heartbeat moved within `watch_ms`),
 // lock manager, chunks per region and node, roots.
 nlohmann::json Stat(std::vector<std::unique_ptr<Region>>& regions, uint32_t watch_ms);
+// The same with liveness as an observer already knows it (a daemon's node view), without a watch.
+nlohmann::json Stat(std::vector<std::unique_ptr<Region>>& regions, const std::vector<cache::NodeStatus>& statuses);
 // `cxlkv check`: one line per violated invariant; empty when healthy. Watches heartbeats for
 // `watch_ms` to tell live nodes (whose in-flight entries and pins are legitimate) from dead.
 std::vector<std::string> Check(std::vector<std::unique_ptr<Region>>& regions, uint32_t watch_ms = 300);

@@ -169,7 +169,9 @@ Status RpcServer::Serve() {
     batch.clear();
     Collect(batch);
     if (!batch.empty()) {
+      const auto found = Clock::now();
       CXLKV_RETURN_IF_ERROR(Answer(batch));
+      service_time_.Record(Clock::now() - found, batch.size());
       last_work = Clock::now();
       idle_rounds = 0;
       continue;

@@ -37,6 +37,7 @@
 #include "cxlkv/pool.h"
 #include "cxlkv/status.h"
 #include "rpc/area.h"
+#include "util/histogram.h"
 
 namespace cxlkv::sync {
 class Node;
@@ -99,6 +100,8 @@ class RpcServer {
   // calls it right before each write others rely on (as the server does before publishing).
   Status Fence() const;
   const RpcArea& area() const { return *area_; }
+  // Per request: from the poll that found it to the publish of its answer.
+  const util::LatencyHistogram& service_time() const { return service_time_; }
   // Blocks until this process serves or `timeout` passes; true when it serves.
   bool WaitServing(std::chrono::milliseconds timeout) const;
 
@@ -134,6 +137,7 @@ class RpcServer {
 
   std::atomic<uint64_t> requests_{0}, batches_{0}, errors_{0}, takeovers_{0}, unknown_{0};
   std::atomic<bool> serving_{false};
+  util::LatencyHistogram service_time_;
 };
 
 }  // namespace cxlkv::rpc

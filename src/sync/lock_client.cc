@@ -128,6 +128,7 @@ Result<AcquireInfo> Node::Acquire(uint32_t lock, Clock::time_point deadline) {
   }
   LocalLock& ll = local_->lock(lock);
   AcquireInfo info;
+  const auto started = Clock::now();
   // Local tier: one process per node competes for the global lock.
   timespec ts = RealtimeDeadline(deadline);
   int rc = pthread_mutex_timedlock(&ll.mu, &ts);
@@ -180,6 +181,7 @@ Result<AcquireInfo> Node::Acquire(uint32_t lock, Clock::time_point deadline) {
       }
       held_request_[lock] = req;
       info.token = req;
+      lock_wait_.Record(Clock::now() - started);
       return info;
     }
     // The node started a new life while we waited: the manager ignores the old one's request.

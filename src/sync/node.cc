@@ -348,6 +348,7 @@ void Node::RecoveryLoop() {
       handlers = recovery_handlers_;
     }
     for (auto& h : handlers) h(job.first, job.second);
+    lives_recovered_.fetch_add(1, std::memory_order_relaxed);
   }
 }
 

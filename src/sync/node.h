@@ -46,6 +46,7 @@
 #include "sync/host_wake.h"
 #include "sync/local_node.h"
 #include "sync/lock_manager.h"
+#include "util/histogram.h"
 
 namespace cxlkv::sync {
 
@@ -162,6 +163,11 @@ class Node {
   void TestSkipReleaseFlush(bool skip) { test_skip_release_flush_.store(skip); }
   uint64_t new_lives() const { return heartbeat_->new_lives(); }
 
+  // For metrics: how long this process's lock acquisitions waited (granted ones), and how many
+  // ended lives of other nodes this process's recovery thread ran the handlers for.
+  const util::LatencyHistogram& lock_wait() const { return lock_wait_; }
+  uint64_t lives_recovered() const { return lives_recovered_.load(std::memory_order_relaxed); }
+
  private:
   Node(Region& region, const NodeOptions& options, std::unique_ptr<LocalNode> local,
        std::unique_ptr<HostWake> wake, LockArrayLayout layout, uint64_t node_table);
@@ -226,6 +232,9 @@ class Node {
   uint32_t process_slot_ = 0;
   std::atomic<bool> slot_needs_recovery_{false};
   std::promise<int> slot_claimed_;       // the beat thread's claim, for Join
+
+  util::LatencyHistogram lock_wait_;
+  std::atomic<uint64_t> lives_recovered_{0};
 
   std::thread beat_thread_;
   std::thread tasks_thread_;

@@ -13,13 +13,6 @@
 #include "sync/node.h"
 
 namespace cxlkv::cli {
-namespace {
-
-struct CacheArgs {
-  std::string path, key, data, out;
-  int node = -1;
-  bool all = false;
-};
 
 // Joins as `node`, or (node < 0) as a node id nobody uses: never-used or departed ids first
 // (highest first), silent ones (a killed process's) only after them — joining a silent id means
@@ -53,6 +46,14 @@ Result<std::unique_ptr<Pool>> OpenAsNode(const std::string& paths, int node) {
   }
   return Status(last.code(), "every node id is in use (" + last.message() + "); pass --node");
 }
+
+namespace {
+
+struct CacheArgs {
+  std::string path, key, data, out;
+  int node = -1;
+  bool all = false;
+};
 
 KeyNamespace CliNamespace() {
   KeyNamespace ns;

@@ -25,6 +25,12 @@ void AddPoolCommands(CLI::App& app, CommandResult& result);    // stat, check
 void AddCacheCommands(CLI::App& app, CommandResult& result);   // put, get, evict
 void AddServeCommands(CLI::App& app, CommandResult& result);   // serve, serve-worker
 
+void AddDaemonCommands(CLI::App& app, CommandResult& result);  // ping
+
+// Joins the pool as a short-lived client (no recovery, no prefault): as `node`, or (node < 0)
+// as a node id nobody uses (cmd_cache.cc).
+Result<std::unique_ptr<Pool>> OpenAsNode(const std::string& paths, int node);
+
 // "a,b,c" → {"a", "b", "c"}: a pool of several regions.
 std::vector<std::string> SplitPaths(const std::string& list);
 

@@ -1,0 +1,185 @@
+#include "daemon/daemon.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+
+#include "daemon/admin.h"
+#include "pool/pool_internal.h"
+
+namespace cxlkv::daemon {
+namespace {
+
+std::vector<cache::NodeStatus> Statuses(sync::Node& node) {
+  std::vector<cache::NodeStatus> out;
+  for (const sync::NodeView& v : node.Nodes()) {
+    out.push_back(v.incarnation == 0                  ? cache::NodeStatus::kNever
+                  : v.state == sync::NodeState::kLeft ? cache::NodeStatus::kLeft
+                  : v.live                            ? cache::NodeStatus::kLive
+                                                      : cache::NodeStatus::kSilent);
+  }
+  return out;
+}
+
+Result<size_t> Reply(const nlohmann::json& j, std::span<uint8_t> out) {
+  const std::string s = j.dump();
+  if (s.size() > out.size()) return NoSpace("admin answer of " + std::to_string(s.size()) + " bytes exceeds its slot");
+  std::memcpy(out.data(), s.data(), s.size());
+  return s.size();
+}
+
+std::map<uint32_t, rpc::Handler> AdminOps(Daemon& d) {
+  std::map<uint32_t, rpc::Handler> ops;
+  ops[kAdminPing] = {[&d](const rpc::Request&, std::span<uint8_t> out) -> Result<size_t> {
+    const auto up = std::chrono::steady_clock::now() - d.started();
+    return Reply({{"node", d.options().node_id},
+                  {"pid", ::getpid()},
+                  {"uptime_s", std::chrono::duration<double>(up).count()}},
+                 out);
+  }};
+  ops[kAdminStat] = {[&d](const rpc::Request&, std::span<uint8_t> out) -> Result<size_t> {
+    auto& impl = d.pool().impl();
+    const auto statuses = Statuses(*impl.node);
+    auto stat = pool::Stat(impl.regions, statuses);
+    nlohmann::json j;
+    uint32_t live = 0, silent = 0;
+    for (auto s : statuses) {
+      live += s == cache::NodeStatus::kLive;
+      silent += s == cache::NodeStatus::kSilent;
+    }
+    j["nodes"] = {{"live", live}, {"silent", silent}};
+    j["lock_manager"] = stat["lock_manager"];
+    j["allocated_bytes"] = stat["allocated_bytes"];
+    if (!stat["cache"].is_null()) {
+      j["cache"] = {{"used_bytes", stat["cache"]["used_bytes"]},
+                    {"capacity_bytes", stat["cache"]["capacity_bytes"]},
+                    {"totals", stat["cache"]["totals"]},
+                    {"hit_rate", stat["cache"]["hit_rate"]}};
+    }
+    return Reply(j, out);
+  }};
+  return ops;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options) {
+  if (options.paths.empty()) return InvalidArgument("cxlkvd needs the pool's region paths (--path)");
+  if (options.lease_ms < 50) return InvalidArgument("a lease under 50 ms cannot be kept: use --lease-ms 50 or more");
+  auto d = std::unique_ptr<Daemon>(new Daemon(options));
+  {
+    // Read the pool's identity (and validate it) before joining: the lock file is per pool and node.
+    CXLKV_ASSIGN_OR_RETURN(auto regions, pool::AttachAll(options.paths));
+    const RegionInfo& info = regions[0]->info();
+    if (options.node_id >= info.max_nodes) {
+      return InvalidArgument("node " + std::to_string(options.node_id) + " is outside this pool's " +
+                             std::to_string(info.max_nodes) + " nodes");
+    }
+    CXLKV_RETURN_IF_ERROR(d->TakeNodeLock(info.pool_id));
+  }
+  PoolOpenOptions po;
+  po.node_id = options.node_id;
+  po.lease_ms = options.lease_ms;
+  po.may_host_manager = options.may_host_manager;
+  po.recovers = true;
+  po.prefault = true;
+  CXLKV_ASSIGN_OR_RETURN(d->pool_, Pool::Open(options.paths, po));
+  if (options.serve_admin) {
+    rpc::RpcServerOptions so;
+    so.geometry = AdminGeometry();
+    so.hot_window = std::chrono::microseconds(50);  // admin calls are rare: sleep soon
+    CXLKV_ASSIGN_OR_RETURN(d->admin_, rpc::RpcServer::Start(*d->pool_, kAdminService, AdminOps(*d), so));
+  }
+  if (!options.metrics_address.empty()) CXLKV_RETURN_IF_ERROR(d->StartMetrics());
+  return d;
+}
+
+Daemon::Daemon(const DaemonOptions& options) : options_(options) {}
+
+Daemon::~Daemon() {
+  if (http_) {
+    http_->stop();
+    if (http_thread_.joinable()) http_thread_.join();
+  }
+  admin_.reset();
+  pool_.reset();
+  if (lock_fd_ >= 0) {
+    ::unlink(lock_path_.c_str());
+    ::close(lock_fd_);  // releases the flock
+  }
+}
+
+// One daemon per node and host: an exclusive flock on a file named after the pool and node.
+// The kernel drops it when the holder dies, however it dies. The inode check closes the race
+// with a holder that unlinks the file between our open and our flock.
+Status Daemon::TakeNodeLock(const std::string& pool_id) {
+  lock_path_ = options_.lock_dir + "/cxlkvd-" + pool_id + "-node" + std::to_string(options_.node_id) + ".lock";
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    int fd = ::open(lock_path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) return IoError("cannot open " + lock_path_ + ": " + std::strerror(errno));
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      char pid[32] = {};
+      ssize_t n = ::pread(fd, pid, sizeof pid - 1, 0);
+      ::close(fd);
+      if (err != EWOULDBLOCK) return IoError("cannot lock " + lock_path_ + ": " + std::strerror(err));
+      std::string holder = n > 0 ? std::string(pid, static_cast<size_t>(n)) : std::string("unknown");
+      while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+      return AlreadyExists("a cxlkvd already runs for node " + std::to_string(options_.node_id) + " of pool " +
+                           pool_id + " on this host (pid " + holder + "): stop it first (kill -TERM " + holder +
+                           "), or start this one for another node");
+    }
+    struct stat held{}, named{};
+    if (::fstat(fd, &held) == 0 && ::stat(lock_path_.c_str(), &named) == 0 && held.st_ino == named.st_ino) {
+      const std::string pid = std::to_string(::getpid()) + "\n";
+      if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
+        ::close(fd);
+        return IoError("cannot write " + lock_path_ + ": " + std::strerror(errno));
+      }
+      lock_fd_ = fd;
+      return Status::Ok();
+    }
+    ::close(fd);  // the file we locked was unlinked by its previous holder: take the new one
+  }
+  return IoError("could not take " + lock_path_ + " (it keeps being replaced)");
+}
+
+Status Daemon::StartMetrics() {
+  const std::string& a = options_.metrics_address;
+  const size_t colon = a.rfind(':');
+  if (colon == std::string::npos || colon == 0) {
+    return InvalidArgument("metrics address '" + a + "' is not HOST:PORT (for example 127.0.0.1:9464)");
+  }
+  const std::string host = a.substr(0, colon);
+  int port = -1;
+  try {
+    size_t used = 0;
+    port = std::stoi(a.substr(colon + 1), &used);
+    if (used != a.size() - colon - 1) port = -1;
+  } catch (...) {
+    port = -1;
+  }
+  if (port < 0 || port > 65535) return InvalidArgument("metrics port in '" + a + "' must be 0..65535");
+  http_ = std::make_unique<httplib::Server>();
+  http_->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(RenderMetrics(), "text/plain; version=0.0.4; charset=utf-8");
+  });
+  if (port == 0) {
+    port = http_->bind_to_any_port(host);
+    if (port < 0) return IoError("cannot bind the metrics endpoint to " + host);
+  } else if (!http_->bind_to_port(host, port)) {
+    return IoError("cannot bind the metrics endpoint to " + a + " (in use, or not an address of this host)");
+  }
+  metrics_port_ = port;
+  http_thread_ = std::thread([this] { http_->listen_after_bind(); });
+  return Status::Ok();
+}
+
+}  // namespace cxlkv::daemon

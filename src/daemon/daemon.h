@@ -1,0 +1,87 @@
+// `cxlkvd`, the pool daemon: the always-on process of one node (DESIGN.md, "One daemon per
+// node"; docs/daemon.md).
+//
+//   auto d = daemon::Daemon::Start({.paths = {"/dev/shm/pool"}, .node_id = 3,
+//                                   .metrics_address = "127.0.0.1:9464"});
+//   ... until SIGTERM ...
+//   d->reset();   // answers what it holds, clears its server words, leaves the node
+//
+// What it owns: the node's membership (heartbeat, the lock manager when elected, recovery of
+// dead nodes' lives, remote-free drains — all of them in the Pool it keeps open), the pool's
+// admin RPC service (served by one daemon at a time, the others standing by), and the
+// Prometheus endpoint. One daemon per node and host: a second one for the same node is
+// refused by name (a flock on /dev/shm/cxlkvd-<pool id>-node<N>.lock, released by the kernel
+// if the daemon dies, so a restart after kill -9 needs no clean-up).
+//
+// Thread-safety: Start and the destructor from one thread; metrics from any.
+#ifndef CXLKV_SRC_DAEMON_DAEMON_H_
+#define CXLKV_SRC_DAEMON_DAEMON_H_
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cxlkv/pool.h"
+#include "cxlkv/status.h"
+#include "rpc/server.h"
+
+namespace httplib {
+class Server;
+}
+
+namespace cxlkv::daemon {
+
+struct DaemonOptions {
+  std::vector<std::string> paths;     // the pool's regions, in order; required
+  uint32_t node_id = 0;               // this host's node; required
+  uint32_t lease_ms = 2000;           // liveness lease. Default 2 s.
+  bool may_host_manager = true;       // default true
+  bool serve_admin = true;            // serve (or stand by for) the pool's admin service. Default true.
+  std::string metrics_address;        // "HOST:PORT" for GET /metrics; port 0 picks one; "" = off. Default off.
+  std::string lock_dir = "/dev/shm";  // where the one-daemon-per-node lock file lives. Default /dev/shm.
+};
+
+class Daemon {
+ public:
+  // Errors: kInvalidArgument (options), kAlreadyExists (a daemon already runs for this node on
+  // this host, or the node is live on another host), kIoError (the metrics address cannot be
+  // bound), and those of Pool::Open.
+  static Result<std::unique_ptr<Daemon>> Start(const DaemonOptions& options);
+  // A graceful stop: metrics off, the admin service's batch in hand answered and its server
+  // word cleared, the pool closed (reservations dropped, the node marked left when this is its
+  // last process), the lock file released.
+  ~Daemon();
+  Daemon(const Daemon&) = delete;
+  Daemon& operator=(const Daemon&) = delete;
+
+  Pool& pool() { return *pool_; }
+  const DaemonOptions& options() const { return options_; }
+  // The port /metrics listens on (the chosen one when the address asked for port 0); 0 if off.
+  int metrics_port() const { return metrics_port_; }
+  // The Prometheus text exposition of this node's and the pool's figures (docs/daemon.md).
+  std::string RenderMetrics();
+  const rpc::RpcServer* admin() const { return admin_.get(); }
+  std::chrono::steady_clock::time_point started() const { return started_; }
+
+ private:
+  explicit Daemon(const DaemonOptions& options);
+  Status TakeNodeLock(const std::string& pool_id);
+  Status StartMetrics();
+
+  DaemonOptions options_;
+  std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
+  int lock_fd_ = -1;
+  std::string lock_path_;
+  std::unique_ptr<Pool> pool_;
+  std::unique_ptr<rpc::RpcServer> admin_;
+  std::unique_ptr<httplib::Server> http_;
+  std::thread http_thread_;
+  int metrics_port_ = 0;
+};
+
+}  // namespace cxlkv::daemon
+
+#endif  // CXLKV_SRC_DAEMON_DAEMON_H_

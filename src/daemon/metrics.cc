@@ -1,0 +1,168 @@
+// The daemon's /metrics: the Prometheus text exposition format (version 0.0.4). Every family
+// has HELP and TYPE lines once, then its samples; counters end in _total; histograms have
+// cumulative _bucket{le=...} samples ending at +Inf, then _sum and _count. The figures come
+// from the region (the same numbers `cxlkv stat` reads without a daemon) and from this
+// daemon's own counters.
+#include <unistd.h>
+
+#include <cinttypes>
+#include <cstdio>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "daemon/daemon.h"
+#include "pool/pool_internal.h"
+#include "util/histogram.h"
+
+namespace cxlkv::daemon {
+namespace {
+
+class Exposition {
+ public:
+  void Family(const std::string& name, const char* type, const char* help) {
+    out_ += "# HELP " + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
+  }
+  void Sample(const std::string& name, const std::string& labels, double v) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.17g", v);
+    out_ += name + (labels.empty() ? "" : "{" + labels + "}") + " " + buf + "\n";
+  }
+  void Sample(const std::string& name, const std::string& labels, uint64_t v) {
+    out_ += name + (labels.empty() ? "" : "{" + labels + "}") + " " + std::to_string(v) + "\n";
+  }
+  void Histogram(const std::string& name, const char* help, const util::LatencyHistogram::Snapshot& s) {
+    Family(name, "histogram", help);
+    uint64_t cumulative = 0;
+    for (size_t b = 0; b < util::LatencyHistogram::kBoundsSeconds.size(); ++b) {
+      cumulative += s.buckets[b];
+      char le[32];
+      std::snprintf(le, sizeof le, "%g", util::LatencyHistogram::kBoundsSeconds[b]);
+      Sample(name + "_bucket", std::string("le=\"") + le + "\"", cumulative);
+    }
+    cumulative += s.buckets.back();
+    Sample(name + "_bucket", "le=\"+Inf\"", cumulative);
+    Sample(name + "_sum", "", s.sum_seconds);
+    Sample(name + "_count", "", cumulative);
+  }
+  std::string Take() { return std::move(out_); }
+
+ private:
+  std::string out_;
+};
+
+std::string Label(const char* k, const std::string& v) {
+  std::string escaped;
+  for (char c : v) {
+    if (c == '\\' || c == '"') escaped += '\\';
+    if (c == '\n') {
+      escaped += "\\n";
+      continue;
+    }
+    escaped += c;
+  }
+  return std::string(k) + "=\"" + escaped + "\"";
+}
+
+uint64_t U(const nlohmann::json& j) { return j.is_number_unsigned() ? j.get<uint64_t>() : 0; }
+
+}  // namespace
+
+std::string Daemon::RenderMetrics() {
+  Exposition e;
+  auto& impl = pool_->impl();
+  sync::Node& node = *impl.node;
+  const std::string me = Label("node", std::to_string(options_.node_id));
+
+  e.Family("cxlkv_daemon_info", "gauge", "This cxlkvd: its node and pool (value 1).");
+  e.Sample("cxlkv_daemon_info", me + "," + Label("pool_id", impl.regions[0]->info().pool_id) + "," +
+                                    Label("pid", std::to_string(::getpid())),
+           uint64_t{1});
+  e.Family("cxlkv_daemon_uptime_seconds", "gauge", "Seconds since this cxlkvd started.");
+  e.Sample("cxlkv_daemon_uptime_seconds", "",
+           std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
+
+  // Liveness as this daemon observes it (heartbeats within a lease).
+  std::vector<cache::NodeStatus> statuses;
+  e.Family("cxlkv_node_live", "gauge", "1 when the node's heartbeat moved within its lease, as this daemon sees it.");
+  const auto views = node.Nodes();
+  for (const sync::NodeView& v : views) {
+    statuses.push_back(v.incarnation == 0                  ? cache::NodeStatus::kNever
+                       : v.state == sync::NodeState::kLeft ? cache::NodeStatus::kLeft
+                       : v.live                            ? cache::NodeStatus::kLive
+                                                           : cache::NodeStatus::kSilent);
+    if (v.incarnation == 0) continue;
+    e.Sample("cxlkv_node_live", Label("node", std::to_string(v.id)), uint64_t{v.live ? 1u : 0u});
+  }
+  e.Family("cxlkv_node_incarnation", "gauge", "The node's current life (bumped by every restart or lease lapse).");
+  for (const sync::NodeView& v : views) {
+    if (v.incarnation != 0) e.Sample("cxlkv_node_incarnation", Label("node", std::to_string(v.id)), v.incarnation);
+  }
+  e.Family("cxlkv_recovered_lives_total", "counter", "Ended lives of nodes whose leftovers this daemon recovered.");
+  e.Sample("cxlkv_recovered_lives_total", "", node.lives_recovered());
+  e.Histogram("cxlkv_lock_wait_seconds", "Time this daemon's global lock acquisitions waited for their grant.",
+              node.lock_wait().Read());
+
+  nlohmann::json stat = pool::Stat(impl.regions, statuses);
+  e.Family("cxlkv_lock_manager_node", "gauge", "The node running the lock manager (-1: none).");
+  e.Sample("cxlkv_lock_manager_node", "",
+           stat["lock_manager"].is_null() ? -1.0 : static_cast<double>(U(stat["lock_manager"]["node"])));
+  e.Family("cxlkv_pool_allocated_bytes", "gauge", "Bytes allocated in the pool's data areas.");
+  e.Sample("cxlkv_pool_allocated_bytes", "", U(stat["allocated_bytes"]));
+  e.Family("cxlkv_pool_chunks", "gauge", "Chunks of each region by use.");
+  for (size_t i = 0; i < stat["regions"].size(); ++i) {
+    const auto& r = stat["regions"][i];
+    for (const char* kind : {"free", "heap", "large", "orphan_heap", "leased"}) {
+      e.Sample("cxlkv_pool_chunks", Label("region", std::to_string(i)) + "," + Label("use", kind), U(r[kind]));
+    }
+  }
+  const nlohmann::json& cache = stat["cache"];
+  if (!cache.is_null()) {
+    e.Family("cxlkv_cache_entries", "gauge", "Prefix index entries by state.");
+    for (const auto& [state, n] : cache["states"].items()) e.Sample("cxlkv_cache_entries", Label("state", state), U(n));
+    e.Family("cxlkv_cache_used_bytes", "gauge", "Payload bytes of live entries (WRITING, READY, EVICTING).");
+    e.Sample("cxlkv_cache_used_bytes", "", U(cache["used_bytes"]));
+    e.Family("cxlkv_cache_capacity_bytes", "gauge", "The cache's payload budget.");
+    e.Sample("cxlkv_cache_capacity_bytes", "", U(cache["capacity_bytes"]));
+    e.Family("cxlkv_cache_tier_bytes", "gauge", "Payload bytes of live entries per tier (0: the shared region).");
+    for (const auto& [tier, t] : cache["tiers"].items()) e.Sample("cxlkv_cache_tier_bytes", Label("tier", tier), U(t["bytes"]));
+    // The per-node counters every process publishes in the region; hit blocks over lookup
+    // blocks and lookups with a hit over lookups are the hit rates.
+    std::map<std::string, std::vector<std::pair<std::string, uint64_t>>> counters;
+    std::vector<std::pair<std::string, uint64_t>> pins;
+    for (const auto& [n, row] : cache["per_node"].items()) {
+      for (const auto& [k, v] : row.items()) {
+        if (k == "status" || k == "ready_bytes_written") continue;
+        if (k == "pins") {
+          pins.emplace_back(n, U(v));
+          continue;
+        }
+        counters[k].emplace_back(n, U(v));
+      }
+    }
+    for (const auto& [k, rows] : counters) {
+      const std::string name = "cxlkv_cache_" + k + "_total";
+      e.Family(name, "counter", ("Prefix cache counter '" + k + "' per node, as published in the region.").c_str());
+      for (const auto& [n, v] : rows) e.Sample(name, Label("node", n), v);
+    }
+    e.Family("cxlkv_cache_pins", "gauge", "Pins held per node (blocks being read).");
+    for (const auto& [n, v] : pins) e.Sample("cxlkv_cache_pins", Label("node", n), v);
+  }
+  if (admin_) {
+    const rpc::RpcServerStats s = admin_->stats();
+    const std::string svc = Label("service", admin_->area().service());
+    e.Family("cxlkv_rpc_serving", "gauge", "1 while this daemon serves the RPC service (0: standing by).");
+    e.Sample("cxlkv_rpc_serving", svc, uint64_t{s.serving ? 1u : 0u});
+    e.Family("cxlkv_rpc_requests_total", "counter", "RPC requests this daemon answered.");
+    e.Sample("cxlkv_rpc_requests_total", svc, s.requests);
+    e.Family("cxlkv_rpc_errors_total", "counter", "RPC requests answered with an error.");
+    e.Sample("cxlkv_rpc_errors_total", svc, s.errors);
+    e.Family("cxlkv_rpc_takeovers_total", "counter", "Terms of the RPC service this daemon began.");
+    e.Sample("cxlkv_rpc_takeovers_total", svc, s.takeovers);
+    e.Histogram("cxlkv_rpc_service_seconds", "From the poll that found an RPC request to the publish of its answer.",
+                admin_->service_time().Read());
+  }
+  return e.Take();
+}
+
+}  // namespace cxlkv::daemon

@@ -1,0 +1,61 @@
+// cxlkv ping: asks the pool's admin service — served by one cxlkvd of the pool, over the
+// shared-memory RPC — who serves it and, with --stat, for its summary of the pool.
+#include <cstdio>
+
+#include "commands.h"
+#include "daemon/admin.h"
+#include "rpc/client.h"
+
+namespace cxlkv::cli {
+namespace {
+
+struct PingArgs {
+  std::string path;
+  int node = -1;
+  bool stat = false;
+  bool json = false;
+  uint32_t timeout_ms = 5000;
+};
+
+Status Ping(const PingArgs& a) {
+  CXLKV_ASSIGN_OR_RETURN(auto pool, OpenAsNode(a.path, a.node));
+  rpc::RpcClientOptions o;
+  o.timeout = std::chrono::milliseconds(a.timeout_ms);
+  auto client = rpc::RpcClient::Open(*pool, daemon::kAdminService, o);
+  if (!client.ok()) {
+    if (client.status().code() == StatusCode::kNotFound) {
+      return NotFound("no cxlkvd has served this pool yet: start one (cxlkvd --path " + a.path + " --node N)");
+    }
+    return client.status();
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  CXLKV_ASSIGN_OR_RETURN(auto reply, (*client)->Call(a.stat ? daemon::kAdminStat : daemon::kAdminPing, {}));
+  const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  auto j = nlohmann::json::parse(std::string(reply.begin(), reply.end()), nullptr, false);
+  if (j.is_discarded()) return Corrupted("the admin service answered something that is not JSON");
+  if (a.json) {
+    j["round_trip_us"] = us;
+    std::printf("%s\n", j.dump(2).c_str());
+  } else if (a.stat) {
+    std::printf("%s\n", j.dump(2).c_str());
+  } else {
+    std::printf("admin service: cxlkvd of node %s (pid %s), up %.1f s; round trip %.1f us\n", j["node"].dump().c_str(),
+                j["pid"].dump().c_str(), j["uptime_s"].get<double>(), us);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+void AddDaemonCommands(CLI::App& app, CommandResult& result) {
+  auto args = std::make_shared<PingArgs>();
+  auto* ping = app.add_subcommand("ping", "Ask the pool's admin service (a cxlkvd) who serves it, over the shared-memory RPC");
+  ping->add_option("--path", args->path, "Pool region path(s), comma-separated")->required();
+  ping->add_option("--node", args->node, "Node id to join as (default: a free one)");
+  ping->add_flag("--stat", args->stat, "Ask for the daemon's summary of the pool instead");
+  ping->add_flag("--json", args->json, "Print the answer as JSON");
+  ping->add_option("--timeout-ms", args->timeout_ms, "Give up after this long (default 5000)");
+  ping->callback([args, &result] { result.status = Ping(*args); });
+}
+
+}  // namespace cxlkv::cli
