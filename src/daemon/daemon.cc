@@ -97,6 +97,15 @@ Result<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options) {
     so.hot_window = std::chrono::microseconds(50);  // admin calls are rare: sleep soon
     CXLKV_ASSIGN_OR_RETURN(d->admin_, rpc::RpcServer::Start(*d->pool_, kAdminService, AdminOps(*d), so));
   }
+  if (!options.tcp_address.empty()) {
+    // The front forwards to whichever daemon serves the admin service (this one or another).
+    CXLKV_RETURN_IF_ERROR(rpc::RpcArea::OpenOrCreate(*d->pool_, kAdminService, AdminGeometry()).status());
+    CXLKV_ASSIGN_OR_RETURN(d->tcp_admin_client_, rpc::RpcClient::Open(*d->pool_, kAdminService));
+    rpc::TcpFrontOptions to;
+    to.address = options.tcp_address;
+    static_assert(static_cast<uint8_t>(rpc::FrameService::kAdmin) == 0);
+    CXLKV_ASSIGN_OR_RETURN(d->tcp_, rpc::TcpFront::Start({d->tcp_admin_client_.get()}, to));
+  }
   if (!options.metrics_address.empty()) CXLKV_RETURN_IF_ERROR(d->StartMetrics());
   return d;
 }
@@ -108,6 +117,8 @@ Daemon::~Daemon() {
     http_->stop();
     if (http_thread_.joinable()) http_thread_.join();
   }
+  tcp_.reset();
+  tcp_admin_client_.reset();
   admin_.reset();
   pool_.reset();
   if (lock_fd_ >= 0) {

@@ -26,7 +26,10 @@
 
 #include "cxlkv/pool.h"
 #include "cxlkv/status.h"
+#include "rpc/client.h"
 #include "rpc/server.h"
+#include "rpc/frame.h"
+#include "rpc/tcp_front.h"
 
 namespace httplib {
 class Server;
@@ -42,6 +45,8 @@ struct DaemonOptions {
   bool serve_admin = true;            // serve (or stand by for) the pool's admin service. Default true.
   std::string metrics_address;        // "HOST:PORT" for GET /metrics; port 0 picks one; "" = off. Default off.
   std::string lock_dir = "/dev/shm";  // where the one-daemon-per-node lock file lives. Default /dev/shm.
+  std::string tcp_address;            // "IPV4:PORT" of the TCP front (hosts outside the CXL domain);
+                                      // port 0 picks one; "" = off. Default off.
 };
 
 class Daemon {
@@ -61,6 +66,8 @@ class Daemon {
   const DaemonOptions& options() const { return options_; }
   // The port /metrics listens on (the chosen one when the address asked for port 0); 0 if off.
   int metrics_port() const { return metrics_port_; }
+  // The port of the TCP front; 0 if off.
+  int tcp_port() const { return tcp_ ? tcp_->port() : 0; }
   // The Prometheus text exposition of this node's and the pool's figures (docs/daemon.md).
   std::string RenderMetrics();
   const rpc::RpcServer* admin() const { return admin_.get(); }
@@ -77,6 +84,8 @@ class Daemon {
   std::string lock_path_;
   std::unique_ptr<Pool> pool_;
   std::unique_ptr<rpc::RpcServer> admin_;
+  std::unique_ptr<rpc::RpcClient> tcp_admin_client_;  // the TCP front's way to the admin service
+  std::unique_ptr<rpc::TcpFront> tcp_;
   std::unique_ptr<httplib::Server> http_;
   std::thread http_thread_;
   int metrics_port_ = 0;

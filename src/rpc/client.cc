@@ -92,6 +92,13 @@ Result<RpcClient::Ticket> RpcClient::Submit(uint32_t opcode, std::span<const uin
   return seq;
 }
 
+bool RpcClient::Answered(Ticket ticket) {
+  if (ticket == 0) return false;
+  const uint32_t slot = static_cast<uint32_t>((ticket - 1) % area_->geometry().depth);
+  const uint64_t w = area_->meta().Fetch(area_->response(node_.id(), channel_, slot));
+  return ResponseState(w) == SlotState::kDone && ResponseSeq(w) == ticket;
+}
+
 void RpcClient::Abandon(Ticket ticket) {
   std::lock_guard<std::mutex> lock(mu_);
   const uint32_t slot = static_cast<uint32_t>((ticket - 1) % area_->geometry().depth);

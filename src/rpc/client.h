@@ -65,6 +65,8 @@ class RpcClient {
   // again or Abandon it), kUnavailable (the server died and nobody took over), kInvalidArgument
   // (`out` too small: the answer is dropped), kCorrupted (a malformed response).
   Result<size_t> Wait(Ticket ticket, std::span<uint8_t> out, Clock::time_point deadline);
+  // True once `ticket`'s answer is published (one invalidate + load): Wait then returns at once.
+  bool Answered(Ticket ticket);
   // Forgets a ticket whose answer is not wanted; its slot is reused once it is answered.
   void Abandon(Ticket ticket);
   // Submit + Wait with the options' timeout.

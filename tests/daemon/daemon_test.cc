@@ -2,13 +2,17 @@
 // checked by Prometheus's own promtool and moving with traffic, SIGTERM with requests in
 // flight, kill -9 and restart while the admin service moves to another daemon.
 #include <gtest/gtest.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <fstream>
 #include <regex>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -21,6 +25,8 @@
 #include "daemon/admin.h"
 #include "daemon/daemon.h"
 #include "rpc/client.h"
+#include "rpc/frame.h"
+#include "rpc/tcp_client.h"
 
 namespace cxlkv::testing {
 namespace {
@@ -55,11 +61,26 @@ Output Sh(const std::string& cmd) {
   return r;
 }
 
-// A cxlkvd process with its stdout on a pipe.
+// A cxlkvd process with its stdout on a pipe. One still running when the test ends (a failed
+// assertion) is killed, or ctest would wait on its inherited output forever.
 struct DaemonProcess {
   pid_t pid = -1;
   FILE* out = nullptr;
   std::string first_line;
+
+  DaemonProcess() = default;
+  DaemonProcess(DaemonProcess&& o) noexcept : pid(o.pid), out(o.out), first_line(std::move(o.first_line)) {
+    o.pid = -1;
+    o.out = nullptr;
+  }
+  DaemonProcess& operator=(DaemonProcess&&) = delete;
+  ~DaemonProcess() {
+    if (pid > 0) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+    if (out) std::fclose(out);
+  }
 
   static DaemonProcess Start(const std::string& path, uint32_t node, const std::string& extra = "") {
     DaemonProcess d;
@@ -81,6 +102,11 @@ struct DaemonProcess {
     if (std::fgets(line, sizeof line, d.out)) d.first_line = line;
     return d;
   }
+  int TcpPort() const {
+    std::smatch m;
+    static const std::regex re("tcp on 127\\.0\\.0\\.1:([0-9]+)");
+    return std::regex_search(first_line, m, re) ? std::stoi(m[1]) : -1;
+  }
   int MetricsPort() const {
     std::smatch m;
     static const std::regex re("127\\.0\\.0\\.1:([0-9]+)/metrics");
@@ -100,6 +126,7 @@ struct DaemonProcess {
     }
     if (out) std::fclose(out);
     out = nullptr;
+    pid = -1;
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   }
 };
@@ -169,6 +196,138 @@ int CacheTraffic(const std::string& path, uint32_t node, int blocks) {
   CHILD_CHECK(hit.ok() && hit->hit_blocks == static_cast<size_t>(blocks), "lookup");
   (*cache)->Release(hit->pins);
   return 0;  // closing the pool publishes this node's counters
+}
+
+// A raw TCP connection to the front: bytes out, frames (or the end of the stream) back.
+struct RawConn {
+  int fd = -1;
+  rpc::FrameDecoder decoder{1u << 20};
+  explicit RawConn(int port) {
+    fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    timeval tv{10, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+      ::close(fd);
+      fd = -1;
+    }
+  }
+  ~RawConn() {
+    if (fd >= 0) ::close(fd);
+  }
+  void Send(const std::vector<uint8_t>& b) { ASSERT_EQ(::send(fd, b.data(), b.size(), MSG_NOSIGNAL), static_cast<ssize_t>(b.size())); }
+  // The next frame; false at the end of the stream (the daemon closed it) or a timeout.
+  bool Read(rpc::Frame* f) {
+    for (;;) {
+      if (!pending.empty()) {
+        std::span<const uint8_t> in(pending);
+        auto r = decoder.Next(in, f);
+        pending.erase(pending.begin(), pending.end() - static_cast<std::ptrdiff_t>(in.size()));
+        if (r == rpc::FrameDecoder::Result::kFrame) return true;
+        if (r == rpc::FrameDecoder::Result::kError) return false;
+      }
+      uint8_t buf[4096];
+      ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+      if (n <= 0) return false;
+      pending.insert(pending.end(), buf, buf + n);
+    }
+  }
+  bool Closed() {
+    uint8_t b;
+    return ::recv(fd, &b, 1, 0) == 0;
+  }
+  std::vector<uint8_t> pending;
+};
+
+std::vector<uint8_t> Encode(uint8_t service, uint32_t code, uint64_t id, std::vector<uint8_t> payload = {}) {
+  std::vector<uint8_t> out;
+  rpc::EncodeFrame({service, code, id, std::move(payload)}, out);
+  return out;
+}
+
+TEST(Cxlkvd, TcpFrontAnswersPipelinedFramesAndSurvivesMalformedOnes) {
+  TempRegionPath path("cxlkvdtcp");
+  MakePool(path.path());
+  DaemonProcess d = DaemonProcess::Start(path.path(), 0, "--tcp 127.0.0.1:0");
+  const int port = d.TcpPort();
+  ASSERT_GT(port, 0) << d.first_line;
+  {  // Ten pipelined requests in one write: ten answers, each id once.
+    RawConn c(port);
+    std::vector<uint8_t> burst;
+    for (uint64_t id = 1; id <= 10; ++id) {
+      auto f = Encode(0, daemon::kAdminPing, id);
+      burst.insert(burst.end(), f.begin(), f.end());
+    }
+    c.Send(burst);
+    std::set<uint64_t> ids;
+    for (int i = 0; i < 10; ++i) {
+      rpc::Frame f;
+      ASSERT_TRUE(c.Read(&f));
+      EXPECT_EQ(f.code, 0u) << std::string(f.payload.begin(), f.payload.end());
+      EXPECT_EQ(nlohmann::json::parse(std::string(f.payload.begin(), f.payload.end()))["node"], 0);
+      ids.insert(f.id);
+    }
+    EXPECT_EQ(ids.size(), 10u);
+  }
+  {  // A bad opcode, an unknown service, a payload larger than the service's slot: error
+     // answers, and the connection goes on.
+    RawConn c(port);
+    rpc::Frame f;
+    c.Send(Encode(0, 99, 7));
+    ASSERT_TRUE(c.Read(&f));
+    EXPECT_EQ(f.id, 7u);
+    EXPECT_EQ(f.code, static_cast<uint32_t>(StatusCode::kInvalidArgument));
+    c.Send(Encode(9, daemon::kAdminPing, 8));
+    ASSERT_TRUE(c.Read(&f));
+    EXPECT_EQ(f.code, static_cast<uint32_t>(StatusCode::kInvalidArgument));
+    c.Send(Encode(0, daemon::kAdminPing, 9, std::vector<uint8_t>(10000, 1)));
+    ASSERT_TRUE(c.Read(&f));
+    EXPECT_EQ(f.code, static_cast<uint32_t>(StatusCode::kInvalidArgument));
+    c.Send(Encode(0, daemon::kAdminPing, 10));
+    ASSERT_TRUE(c.Read(&f));
+    EXPECT_EQ(f.id, 10u);
+    EXPECT_EQ(f.code, 0u);
+  }
+  // Malformed streams: an error answer, then the connection is closed.
+  auto header = Encode(0, daemon::kAdminPing, 11);
+  for (int kind = 0; kind < 4; ++kind) {
+    SCOPED_TRACE("malformed kind " + std::to_string(kind));
+    auto bad = header;
+    if (kind == 0) bad[0] = 'G';                                 // not our magic
+    if (kind == 1) bad[2] = 2;                                   // another version
+    if (kind == 2) bad[20] = 1;                                  // reserved flags
+    if (kind == 3) bad[19] = 0x40;                               // a 1 GiB payload announced
+    RawConn c(port);
+    c.Send(bad);
+    rpc::Frame f;
+    ASSERT_TRUE(c.Read(&f));
+    EXPECT_NE(f.code, 0u);
+    EXPECT_TRUE(c.Closed());
+  }
+  {  // A frame cut short by a peer that goes away: nothing to answer, nothing broken.
+    RawConn c(port);
+    c.Send(std::vector<uint8_t>(header.begin(), header.begin() + 10));
+  }
+  // Twenty clients at once, then the daemon still answers over both transports.
+  std::vector<std::unique_ptr<RawConn>> many;
+  for (int i = 0; i < 20; ++i) many.push_back(std::make_unique<RawConn>(port));
+  for (int i = 0; i < 20; ++i) many[i]->Send(Encode(0, daemon::kAdminPing, 100 + i));
+  for (int i = 0; i < 20; ++i) {
+    rpc::Frame f;
+    ASSERT_TRUE(many[i]->Read(&f));
+    EXPECT_EQ(f.id, 100u + i);
+    EXPECT_EQ(f.code, 0u);
+  }
+  auto client = rpc::TcpClient::Connect("127.0.0.1:" + std::to_string(port));
+  ASSERT_TRUE(client.ok());
+  auto stat = (*client)->Call(0, daemon::kAdminStat, {});
+  ASSERT_TRUE(stat.ok()) << stat.status().ToString();
+  EXPECT_EQ(Sh(Cli() + " ping --path " + path.path()).code, 0);
+  ::kill(d.pid, SIGTERM);
+  EXPECT_EQ(d.Wait(), 0);
 }
 
 TEST(Cxlkvd, ASecondDaemonForTheSameNodeIsRefusedByName) {

@@ -5,19 +5,33 @@
 #include "commands.h"
 #include "daemon/admin.h"
 #include "rpc/client.h"
+#include "rpc/tcp_client.h"
 
 namespace cxlkv::cli {
 namespace {
 
 struct PingArgs {
   std::string path;
+  std::string tcp;
   int node = -1;
   bool stat = false;
   bool json = false;
   uint32_t timeout_ms = 5000;
 };
 
-Status Ping(const PingArgs& a) {
+using Clock = std::chrono::steady_clock;
+
+double MicrosSince(Clock::time_point t0) { return std::chrono::duration<double, std::micro>(Clock::now() - t0).count(); }
+
+Result<std::vector<uint8_t>> AskOverTcp(const PingArgs& a, double* us) {
+  CXLKV_ASSIGN_OR_RETURN(auto c, rpc::TcpClient::Connect(a.tcp, std::chrono::milliseconds(a.timeout_ms)));
+  const auto t0 = Clock::now();
+  auto r = c->Call(static_cast<uint8_t>(rpc::FrameService::kAdmin), a.stat ? daemon::kAdminStat : daemon::kAdminPing, {});
+  *us = MicrosSince(t0);
+  return r;
+}
+
+Result<std::vector<uint8_t>> AskOverSharedMemory(const PingArgs& a, double* us) {
   CXLKV_ASSIGN_OR_RETURN(auto pool, OpenAsNode(a.path, a.node));
   rpc::RpcClientOptions o;
   o.timeout = std::chrono::milliseconds(a.timeout_ms);
@@ -28,9 +42,16 @@ Status Ping(const PingArgs& a) {
     }
     return client.status();
   }
-  const auto t0 = std::chrono::steady_clock::now();
-  CXLKV_ASSIGN_OR_RETURN(auto reply, (*client)->Call(a.stat ? daemon::kAdminStat : daemon::kAdminPing, {}));
-  const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  const auto t0 = Clock::now();
+  auto r = (*client)->Call(a.stat ? daemon::kAdminStat : daemon::kAdminPing, {});
+  *us = MicrosSince(t0);
+  return r;
+}
+
+Status Ping(const PingArgs& a) {
+  if (a.path.empty() == a.tcp.empty()) return InvalidArgument("give either --path (shared memory) or --tcp HOST:PORT");
+  double us = 0;
+  CXLKV_ASSIGN_OR_RETURN(auto reply, a.tcp.empty() ? AskOverSharedMemory(a, &us) : AskOverTcp(a, &us));
   auto j = nlohmann::json::parse(std::string(reply.begin(), reply.end()), nullptr, false);
   if (j.is_discarded()) return Corrupted("the admin service answered something that is not JSON");
   if (a.json) {
@@ -50,7 +71,8 @@ Status Ping(const PingArgs& a) {
 void AddDaemonCommands(CLI::App& app, CommandResult& result) {
   auto args = std::make_shared<PingArgs>();
   auto* ping = app.add_subcommand("ping", "Ask the pool's admin service (a cxlkvd) who serves it, over the shared-memory RPC");
-  ping->add_option("--path", args->path, "Pool region path(s), comma-separated")->required();
+  ping->add_option("--path", args->path, "Pool region path(s), comma-separated: ask over the shared-memory RPC");
+  ping->add_option("--tcp", args->tcp, "IPV4:PORT of a cxlkvd's TCP front: ask over TCP instead (no pool mapping needed)");
   ping->add_option("--node", args->node, "Node id to join as (default: a free one)");
   ping->add_flag("--stat", args->stat, "Ask for the daemon's summary of the pool instead");
   ping->add_flag("--json", args->json, "Print the answer as JSON");

@@ -2,7 +2,7 @@
 // stops gracefully: requests in hand answered, nothing published lost, the node marked left.
 //
 //   cxlkvd --path /dev/shm/pool --node 0 [--lease-ms 2000] [--metrics 127.0.0.1:9464]
-//          [--no-admin] [--no-manager] [--lock-dir /dev/shm]
+//          [--tcp 0.0.0.0:7412] [--no-admin] [--no-manager] [--lock-dir /dev/shm]
 #include <signal.h>
 
 #include <cstdio>
@@ -34,6 +34,7 @@ int main(int argc, char** argv) {
   app.add_option("--node", o.node_id, "this host's node id")->required();
   app.add_option("--lease-ms", o.lease_ms, "liveness lease in ms (default 2000)");
   app.add_option("--metrics", o.metrics_address, "serve Prometheus /metrics on HOST:PORT (port 0: any); off by default");
+  app.add_option("--tcp", o.tcp_address, "serve the RPC services over TCP on IPV4:PORT (port 0: any), for hosts outside the CXL domain; off by default");
   app.add_flag("--no-admin", no_admin, "do not serve or stand by for the pool's admin RPC service");
   app.add_flag("--no-manager", no_manager, "never host the lock manager on this node");
   app.add_option("--lock-dir", o.lock_dir, "where the one-daemon-per-node lock file lives (default /dev/shm)");
@@ -63,6 +64,9 @@ int main(int argc, char** argv) {
   if ((*d)->metrics_port() > 0) {
     std::printf("; metrics on http://%s:%d/metrics",
                 o.metrics_address.substr(0, o.metrics_address.rfind(':')).c_str(), (*d)->metrics_port());
+  }
+  if ((*d)->tcp_port() > 0) {
+    std::printf("; tcp on %s:%d", o.tcp_address.substr(0, o.tcp_address.rfind(':')).c_str(), (*d)->tcp_port());
   }
   std::printf("\n");
   std::fflush(stdout);

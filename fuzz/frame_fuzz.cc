@@ -1,0 +1,70 @@
+// libFuzzer target (issue 13): the TCP front's frame decoder (src/rpc/frame.h) on any bytes a
+// peer can send. The input is cut into reads at places the first bytes choose, as a socket
+// delivers them; the decoder must never crash, never hold more than one frame's worth of
+// bytes (header + its payload limit), refuse a malformed stream for good once it has, and
+// every frame it decodes must encode back to exactly the bytes it was decoded from.
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <span>
+#include <vector>
+
+#include "rpc/frame.h"
+
+namespace {
+
+constexpr uint32_t kLimit = 4096;
+
+[[noreturn]] void Fail(const char* what) {
+  std::fprintf(stderr, "frame_fuzz: %s\n", what);
+  std::abort();
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size < 1) return 0;
+  const uint8_t cut = data[0] | 1;  // read sizes: 1..255 bytes, varied by the input
+  std::span<const uint8_t> stream(data + 1, size - 1);
+  cxlkv::rpc::FrameDecoder decoder(kLimit);
+  size_t consumed = 0;  // bytes the decoder took, to check each frame's encoding against
+  size_t frame_start = 0;
+  bool failed = false;
+  while (!stream.empty()) {
+    const size_t n = std::min<size_t>(stream.size(), cut);
+    std::span<const uint8_t> read = stream.first(n);
+    stream = stream.subspan(n);
+    while (!read.empty()) {
+      cxlkv::rpc::Frame f;
+      const size_t before = read.size();
+      const auto r = decoder.Next(read, &f);
+      consumed += before - read.size();
+      if (decoder.buffered() > cxlkv::rpc::kFrameHeaderBytes + kLimit) Fail("decoder holds more than one frame");
+      if (r == cxlkv::rpc::FrameDecoder::Result::kError) {
+        if (decoder.error().ok()) Fail("an error without a reason");
+        failed = true;
+        break;
+      }
+      if (failed) Fail("a frame after an error");
+      if (r == cxlkv::rpc::FrameDecoder::Result::kNeedMore) break;
+      if (f.payload.size() > kLimit) Fail("a payload over the limit");
+      std::vector<uint8_t> again;
+      cxlkv::rpc::EncodeFrame(f, again);
+      const size_t len = consumed - frame_start;
+      const uint8_t* original = data + 1 + frame_start;
+      if (again.size() != len || !std::equal(again.begin(), again.end(), original)) Fail("re-encoding differs");
+      frame_start = consumed;
+    }
+    if (failed) {
+      std::span<const uint8_t> more = stream;
+      cxlkv::rpc::Frame f;
+      if (!more.empty() && decoder.Next(more, &f) != cxlkv::rpc::FrameDecoder::Result::kError) {
+        Fail("the decoder recovered from a malformed stream");
+      }
+      break;
+    }
+  }
+  return 0;
+}

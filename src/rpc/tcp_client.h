@@ -1,0 +1,44 @@
+// A blocking client of the TCP front (tcp_front.h): one connection, one request at a time.
+// For tools and tests on hosts outside the CXL domain (`cxlkv ping --tcp HOST:PORT`).
+//
+// Thread-safety: one thread at a time.
+#ifndef CXLKV_SRC_RPC_TCP_CLIENT_H_
+#define CXLKV_SRC_RPC_TCP_CLIENT_H_
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cxlkv/status.h"
+#include "rpc/frame.h"
+
+namespace cxlkv::rpc {
+
+class TcpClient {
+ public:
+  // Errors: kInvalidArgument (address), kIoError (cannot connect).
+  static Result<std::unique_ptr<TcpClient>> Connect(const std::string& address,
+                                                    std::chrono::milliseconds timeout = std::chrono::seconds(5));
+  ~TcpClient();
+  TcpClient(const TcpClient&) = delete;
+  TcpClient& operator=(const TcpClient&) = delete;
+
+  // Sends one request and returns its answer's payload, or the answer's error (its code and
+  // message). kIoError when the connection breaks, kTimeout past the timeout, kCorrupted on a
+  // malformed answer.
+  Result<std::vector<uint8_t>> Call(uint8_t service, uint32_t opcode, std::span<const uint8_t> payload);
+
+ private:
+  TcpClient(int fd, std::chrono::milliseconds timeout) : fd_(fd), timeout_(timeout), decoder_(64u << 20) {}
+  int fd_;
+  std::chrono::milliseconds timeout_;
+  FrameDecoder decoder_;
+  uint64_t next_id_ = 1;
+};
+
+}  // namespace cxlkv::rpc
+
+#endif  // CXLKV_SRC_RPC_TCP_CLIENT_H_

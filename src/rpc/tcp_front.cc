@@ -1,0 +1,288 @@
+#include "rpc/tcp_front.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <deque>
+
+#include "rpc/frame.h"
+
+namespace cxlkv::rpc {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr size_t kReadChunk = 16 << 10;
+
+}  // namespace
+
+struct TcpFront::Connection {
+  uint64_t id = 0;
+  int fd = -1;
+  FrameDecoder decoder;
+  std::deque<Frame> queued;  // decoded, waiting for a free RPC slot: no more reads meanwhile
+  std::vector<uint8_t> out;  // encoded answers not yet sent
+  size_t out_sent = 0;
+  size_t inflight = 0;       // forwarded requests not yet answered
+  bool eof = false;          // the peer closed its side: answer what is in flight, then close
+  bool closing = false;      // close once `out` is sent (after an error frame)
+  bool dead = false;         // close now
+
+  Connection(uint64_t i, int f, uint32_t max_payload) : id(i), fd(f), decoder(max_payload) {}
+};
+
+struct TcpFront::Call {
+  uint64_t connection;
+  uint64_t frame_id;
+  uint8_t service;
+  RpcClient::Ticket ticket;
+  Clock::time_point deadline;
+};
+
+Result<std::unique_ptr<TcpFront>> TcpFront::Start(std::vector<RpcClient*> services, const TcpFrontOptions& options) {
+  const std::string& a = options.address;
+  const size_t colon = a.rfind(':');
+  int port = -1;
+  if (colon != std::string::npos && colon > 0) {
+    try {
+      size_t used = 0;
+      port = std::stoi(a.substr(colon + 1), &used);
+      if (used != a.size() - colon - 1) port = -1;
+    } catch (...) {
+      port = -1;
+    }
+  }
+  if (port < 0 || port > 65535) return InvalidArgument("TCP address '" + a + "' is not HOST:PORT (for example 0.0.0.0:7412)");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  if (::inet_pton(AF_INET, a.substr(0, colon).c_str(), &addr.sin_addr) != 1) {
+    return InvalidArgument("TCP host in '" + a + "' is not an IPv4 address");
+  }
+  auto front = std::unique_ptr<TcpFront>(new TcpFront(std::move(services), options));
+  front->listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (front->listener_ < 0) return IoError(std::string("socket: ") + std::strerror(errno));
+  int one = 1;
+  ::setsockopt(front->listener_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  socklen_t len = sizeof addr;
+  if (::bind(front->listener_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      ::listen(front->listener_, 64) != 0 ||
+      ::getsockname(front->listener_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    return IoError("cannot listen on " + a + ": " + std::strerror(errno));
+  }
+  front->port_ = ntohs(addr.sin_port);
+  if (::pipe2(front->wake_, O_NONBLOCK | O_CLOEXEC) != 0) return IoError(std::string("pipe: ") + std::strerror(errno));
+  front->thread_ = std::thread([f = front.get()] { f->Loop(); });
+  return front;
+}
+
+TcpFront::TcpFront(std::vector<RpcClient*> services, const TcpFrontOptions& options)
+    : services_(std::move(services)), options_(options) {}
+
+TcpFront::~TcpFront() {
+  stop_.store(true);
+  if (wake_[1] >= 0) (void)!::write(wake_[1], "x", 1);
+  if (thread_.joinable()) thread_.join();
+  for (auto& c : connections_) ::close(c->fd);
+  for (const Call& call : calls_) {
+    if (call.service < services_.size() && services_[call.service]) services_[call.service]->Abandon(call.ticket);
+  }
+  if (listener_ >= 0) ::close(listener_);
+  for (int fd : wake_) {
+    if (fd >= 0) ::close(fd);
+  }
+}
+
+TcpFrontStats TcpFront::stats() const { return {accepted_.load(), frames_.load(), errors_.load(), dropped_.load()}; }
+
+void TcpFront::Loop() {
+  std::vector<pollfd> fds;
+  auto last_answer = Clock::now();
+  while (!stop_.load()) {
+    fds.clear();
+    fds.push_back({wake_[0], POLLIN, 0});
+    fds.push_back({listener_, POLLIN, 0});
+    for (auto& c : connections_) {
+      short ev = 0;
+      if (!c->eof && !c->closing && c->queued.empty()) ev |= POLLIN;
+      if (c->out.size() > c->out_sent) ev |= POLLOUT;
+      fds.push_back({c->fd, ev, 0});
+    }
+    // Forwarded requests are answered in microseconds: poll without sleeping briefly, then in
+    // 1 ms steps (two cores); idle, block until a socket has something.
+    int timeout = -1;
+    if (!calls_.empty()) timeout = Clock::now() - last_answer < std::chrono::microseconds(200) ? 0 : 1;
+    // A frame waiting for an RPC slot is retried at least every millisecond, answers or not.
+    for (auto& c : connections_) {
+      if (!c->queued.empty() && timeout != 0) timeout = 1;
+    }
+    if (::poll(fds.data(), fds.size(), timeout) < 0 && errno != EINTR) break;
+    if (fds[0].revents) {
+      char drain[16];
+      while (::read(wake_[0], drain, sizeof drain) > 0) {
+      }
+    }
+    if (stop_.load()) break;
+    if (fds[1].revents & POLLIN) Accept();
+    for (size_t i = 0; i + 2 < fds.size() && i < connections_.size(); ++i) {
+      Connection& c = *connections_[i];
+      const short re = fds[i + 2].revents;
+      if ((re & (POLLIN | POLLHUP | POLLERR)) && !ReadFrom(c)) c.dead = true;
+      if ((re & POLLOUT) && !WriteTo(c)) c.dead = true;
+    }
+    for (auto& c : connections_) SubmitQueued(*c);
+    bool any = false;
+    CollectAnswers(&any);
+    if (any) {
+      last_answer = Clock::now();
+      for (auto& c : connections_) SubmitQueued(*c);  // answers freed RPC slots
+    }
+    for (auto& c : connections_) {
+      if (c->out.size() > c->out_sent && !c->dead && !WriteTo(*c)) c->dead = true;
+    }
+    std::erase_if(connections_, [](const std::unique_ptr<Connection>& c) {
+      const bool flushed = c->out.size() == c->out_sent;
+      const bool done = c->dead || (c->closing && flushed) || (c->eof && flushed && c->inflight == 0 && c->queued.empty());
+      if (done) ::close(c->fd);
+      return done;
+    });
+  }
+}
+
+void TcpFront::Accept() {
+  for (;;) {
+    int fd = ::accept4(listener_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) return;  // EAGAIN: no more; other errors: try at the next poll
+    accepted_.fetch_add(1, std::memory_order_relaxed);
+    if (connections_.size() >= options_.max_connections) {
+      ::close(fd);
+      dropped_.fetch_add(1, std::memory_order_relaxed);
+      continue;
+    }
+    int one = 1;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    connections_.push_back(std::make_unique<Connection>(next_connection_++, fd, options_.max_payload));
+  }
+}
+
+// Reads what the peer sent and decodes whole frames into the queue. False: close now.
+bool TcpFront::ReadFrom(Connection& c) {
+  uint8_t buf[kReadChunk];
+  ssize_t n = ::recv(c.fd, buf, sizeof buf, MSG_DONTWAIT);
+  if (n == 0) {
+    c.eof = true;
+    return true;
+  }
+  if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+  std::span<const uint8_t> in(buf, static_cast<size_t>(n));
+  while (!in.empty()) {
+    Frame f;
+    const auto r = c.decoder.Next(in, &f);
+    if (r == FrameDecoder::Result::kNeedMore) break;
+    if (r == FrameDecoder::Result::kError) {
+      // The stream cannot be resynchronized: say why, then close.
+      Reply(c, c.decoder.pending_id(), 0, c.decoder.error(), {});
+      c.closing = true;
+      dropped_.fetch_add(1, std::memory_order_relaxed);
+      return true;
+    }
+    c.queued.push_back(std::move(f));
+  }
+  return true;
+}
+
+void TcpFront::SubmitQueued(Connection& c) {
+  while (!c.queued.empty() && !c.closing && !c.dead) {
+    Frame& f = c.queued.front();
+    RpcClient* client = f.service < services_.size() ? services_[f.service] : nullptr;
+    if (client == nullptr) {
+      Reply(c, f.id, f.service, InvalidArgument("no service " + std::to_string(f.service) + " behind this TCP front"), {});
+      c.queued.pop_front();
+      continue;
+    }
+    auto t = client->Submit(f.code, f.payload);
+    if (!t.ok() && t.status().code() == StatusCode::kBusy) return;  // every slot in flight: later
+    if (!t.ok()) {
+      Reply(c, f.id, f.service, t.status(), {});
+      c.queued.pop_front();
+      continue;
+    }
+    calls_.push_back({c.id, f.id, f.service, *t, Clock::now() + options_.call_timeout});
+    ++c.inflight;
+    c.queued.pop_front();
+  }
+}
+
+void TcpFront::CollectAnswers(bool* any) {
+  if (calls_.empty()) return;
+  std::vector<uint8_t> buf;
+  const auto now = Clock::now();
+  std::erase_if(calls_, [&](const Call& call) {
+    RpcClient* client = services_[call.service];
+    Status status;
+    size_t n = 0;
+    if (client->Answered(call.ticket)) {
+      buf.resize(client->response_capacity());
+      auto r = client->Wait(call.ticket, buf, now);
+      if (r.ok()) {
+        n = *r;
+      } else {
+        status = r.status();
+      }
+    } else {
+      if (now < call.deadline) return false;  // not answered yet
+      client->Abandon(call.ticket);
+      status = Timeout("the service did not answer within " + std::to_string(options_.call_timeout.count()) + " ms");
+    }
+    *any = true;
+    for (auto& c : connections_) {
+      if (c->id != call.connection) continue;
+      --c->inflight;
+      if (!c->dead) Reply(*c, call.frame_id, call.service, status, std::span<const uint8_t>(buf.data(), n));
+    }
+    return true;
+  });
+}
+
+void TcpFront::Reply(Connection& c, uint64_t id, uint8_t service, const Status& status, std::span<const uint8_t> payload) {
+  Frame f;
+  f.service = service;
+  f.id = id;
+  f.code = static_cast<uint32_t>(status.code());
+  if (status.ok()) {
+    f.payload.assign(payload.begin(), payload.end());
+  } else {
+    f.payload.assign(status.message().begin(), status.message().end());
+    errors_.fetch_add(1, std::memory_order_relaxed);
+  }
+  frames_.fetch_add(1, std::memory_order_relaxed);
+  if (c.out_sent == c.out.size()) {
+    c.out.clear();
+    c.out_sent = 0;
+  }
+  EncodeFrame(f, c.out);
+  if (c.out.size() - c.out_sent > options_.max_output_bytes) {
+    c.dead = true;  // the peer does not read its answers
+    dropped_.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
+bool TcpFront::WriteTo(Connection& c) {
+  while (c.out_sent < c.out.size()) {
+    ssize_t n = ::send(c.fd, c.out.data() + c.out_sent, c.out.size() - c.out_sent, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+    c.out_sent += static_cast<size_t>(n);
+  }
+  c.out.clear();
+  c.out_sent = 0;
+  return true;
+}
+
+}  // namespace cxlkv::rpc

@@ -1,0 +1,87 @@
+// The TCP front of the RPC services, for hosts outside the CXL domain (docs/rpc.md, "TCP
+// front"): frames (frame.h) carry the same requests as the shared-memory RPC, payloads inside,
+// and the front forwards each to the service over the shared-memory RPC, so whichever process
+// of the pool serves it answers.
+//
+// One thread runs a poll(2) loop over the listener and every connection (Valkey's model: a
+// small event loop, non-blocking sockets, pipelined requests answered in any order by id).
+// Every connection's memory is bounded: its decoder holds at most one frame (header + the
+// payload limit), it stops reading while a decoded frame waits for a free RPC slot, and a peer
+// that does not read its answers is dropped once they exceed `max_output_bytes`. A malformed
+// stream (bad magic, version, reserved flags, oversized length) gets an error frame and the
+// connection is closed; a bad service or opcode gets an error frame and the connection goes on.
+// Nothing a peer sends stops the loop from serving the others.
+//
+// Thread-safety: Start and the destructor from one thread; stats from any.
+#ifndef CXLKV_SRC_RPC_TCP_FRONT_H_
+#define CXLKV_SRC_RPC_TCP_FRONT_H_
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <span>
+#include <vector>
+
+#include "cxlkv/status.h"
+#include "rpc/client.h"
+
+namespace cxlkv::rpc {
+
+struct TcpFrontOptions {
+  std::string address;                             // "HOST:PORT"; port 0 picks one. Required.
+  uint32_t max_payload = 64 << 10;                 // larger frames are refused. Default 64 KiB.
+  uint32_t max_connections = 256;                  // more are accepted and closed at once. Default 256.
+  size_t max_output_bytes = 4 << 20;               // unread answers beyond this drop the peer. Default 4 MiB.
+  std::chrono::milliseconds call_timeout{5000};    // per forwarded request. Default 5 s.
+};
+
+struct TcpFrontStats {
+  uint64_t connections = 0;  // accepted, in total
+  uint64_t frames = 0;       // requests answered (including with errors)
+  uint64_t errors = 0;       // error frames sent
+  uint64_t dropped = 0;      // connections closed for a malformed stream or unread output
+};
+
+class TcpFront {
+ public:
+  // `services[s]` forwards frames whose service byte is s (null: no such service). The clients
+  // must outlive the front.
+  static Result<std::unique_ptr<TcpFront>> Start(std::vector<RpcClient*> services, const TcpFrontOptions& options);
+  ~TcpFront();  // stops the loop and closes every connection
+  TcpFront(const TcpFront&) = delete;
+  TcpFront& operator=(const TcpFront&) = delete;
+
+  int port() const { return port_; }
+  TcpFrontStats stats() const;
+
+ private:
+  struct Connection;
+  struct Call;
+  TcpFront(std::vector<RpcClient*> services, const TcpFrontOptions& options);
+  void Loop();
+  void Accept();
+  bool ReadFrom(Connection& c);
+  void SubmitQueued(Connection& c);
+  void Reply(Connection& c, uint64_t id, uint8_t service, const Status& status, std::span<const uint8_t> payload);
+  bool WriteTo(Connection& c);
+  void CollectAnswers(bool* any);
+
+  std::vector<RpcClient*> services_;
+  TcpFrontOptions options_;
+  int listener_ = -1;
+  int wake_[2] = {-1, -1};
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+  std::vector<std::unique_ptr<Connection>> connections_;  // loop thread only
+  std::vector<Call> calls_;                                // loop thread only: forwarded, unanswered
+  uint64_t next_connection_ = 1;
+  std::atomic<uint64_t> accepted_{0}, frames_{0}, errors_{0}, dropped_{0};
+};
+
+}  // namespace cxlkv::rpc
+
+#endif  // CXLKV_SRC_RPC_TCP_FRONT_H_
