@@ -13,6 +13,7 @@
 
 #include "daemon/admin.h"
 #include "pool/pool_internal.h"
+#include "util/host_port.h"
 
 namespace cxlkv::daemon {
 namespace {
@@ -164,20 +165,9 @@ Status Daemon::TakeNodeLock(const std::string& pool_id) {
 
 Status Daemon::StartMetrics() {
   const std::string& a = options_.metrics_address;
-  const size_t colon = a.rfind(':');
-  if (colon == std::string::npos || colon == 0) {
-    return InvalidArgument("metrics address '" + a + "' is not HOST:PORT (for example 127.0.0.1:9464)");
-  }
-  const std::string host = a.substr(0, colon);
-  int port = -1;
-  try {
-    size_t used = 0;
-    port = std::stoi(a.substr(colon + 1), &used);
-    if (used != a.size() - colon - 1) port = -1;
-  } catch (...) {
-    port = -1;
-  }
-  if (port < 0 || port > 65535) return InvalidArgument("metrics port in '" + a + "' must be 0..65535");
+  CXLKV_ASSIGN_OR_RETURN(auto hp, util::ParseHostPort(a, "metrics address"));
+  const std::string& host = hp.host;
+  int port = hp.port;
   http_ = std::make_unique<httplib::Server>();
   http_->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(RenderMetrics(), "text/plain; version=0.0.4; charset=utf-8");

@@ -1,5 +1,7 @@
 #include "rpc/tcp_client.h"
 
+#include "util/host_port.h"
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -13,21 +15,13 @@
 namespace cxlkv::rpc {
 
 Result<std::unique_ptr<TcpClient>> TcpClient::Connect(const std::string& address, std::chrono::milliseconds timeout) {
-  const size_t colon = address.rfind(':');
+  CXLKV_ASSIGN_OR_RETURN(auto hp, util::ParseHostPort(address, "daemon address"));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  int port = -1;
-  if (colon != std::string::npos) {
-    try {
-      port = std::stoi(address.substr(colon + 1));
-    } catch (...) {
-      port = -1;
-    }
+  if (hp.port == 0 || ::inet_pton(AF_INET, hp.host.c_str(), &addr.sin_addr) != 1) {
+    return InvalidArgument("daemon address '" + address + "' is not IPV4:PORT with a port above 0");
   }
-  if (port <= 0 || port > 65535 || ::inet_pton(AF_INET, address.substr(0, colon).c_str(), &addr.sin_addr) != 1) {
-    return InvalidArgument("'" + address + "' is not IPV4:PORT");
-  }
-  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_port = htons(static_cast<uint16_t>(hp.port));
   int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return IoError(std::string("socket: ") + std::strerror(errno));
   timeval tv{static_cast<time_t>(timeout.count() / 1000), static_cast<suseconds_t>((timeout.count() % 1000) * 1000)};

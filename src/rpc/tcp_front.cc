@@ -14,6 +14,7 @@
 #include <deque>
 
 #include "rpc/frame.h"
+#include "util/host_port.h"
 
 namespace cxlkv::rpc {
 namespace {
@@ -48,22 +49,11 @@ struct TcpFront::Call {
 
 Result<std::unique_ptr<TcpFront>> TcpFront::Start(std::vector<RpcClient*> services, const TcpFrontOptions& options) {
   const std::string& a = options.address;
-  const size_t colon = a.rfind(':');
-  int port = -1;
-  if (colon != std::string::npos && colon > 0) {
-    try {
-      size_t used = 0;
-      port = std::stoi(a.substr(colon + 1), &used);
-      if (used != a.size() - colon - 1) port = -1;
-    } catch (...) {
-      port = -1;
-    }
-  }
-  if (port < 0 || port > 65535) return InvalidArgument("TCP address '" + a + "' is not HOST:PORT (for example 0.0.0.0:7412)");
+  CXLKV_ASSIGN_OR_RETURN(auto hp, util::ParseHostPort(a, "TCP address"));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  if (::inet_pton(AF_INET, a.substr(0, colon).c_str(), &addr.sin_addr) != 1) {
+  addr.sin_port = htons(static_cast<uint16_t>(hp.port));
+  if (::inet_pton(AF_INET, hp.host.c_str(), &addr.sin_addr) != 1) {
     return InvalidArgument("TCP host in '" + a + "' is not an IPv4 address");
   }
   auto front = std::unique_ptr<TcpFront>(new TcpFront(std::move(services), options));

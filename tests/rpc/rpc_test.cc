@@ -74,13 +74,10 @@ TEST(Rpc, EchoesAndExactCountsWithThreeClientProcesses) {
   TempRegionPath path("rpc");
   MakePool(path);
   Child server = ForkServer(path.path(), 0, true);
-  uint64_t ready = 0;
-  ASSERT_TRUE(server.Receive(&ready));
-  ASSERT_EQ(ready, 2u);
+  ASSERT_GT(server.pid, 0);
   auto codes = RunForked(3, [&](int i) { return EchoAndAdd(path.path(), 1 + i, 200, 300); });
   for (int c : codes) EXPECT_EQ(c, 0);
-  server.Send(0);
-  EXPECT_EQ(server.Wait(), 0);
+  EXPECT_EQ(StopChild(server), 0);
   auto pool = OpenOrNull({path.path()}, 7);
   ASSERT_NE(pool, nullptr);
   EXPECT_EQ(ReadCounter(*pool), 900u);
@@ -92,12 +89,10 @@ TEST(Rpc, RoundTripsUnderTheNonCoherentSimulatorWithManySeeds) {
     TempRegionPath path("rpcsim");
     MakePool(path);
     Child server = ForkServer(path.path(), 0, true, seed * 100);
-    uint64_t ready = 0;
-    ASSERT_TRUE(server.Receive(&ready));
+    ASSERT_GT(server.pid, 0);
     auto codes = RunForked(2, [&](int i) { return EchoAndAdd(path.path(), 1 + i, 60, 60, seed * 100 + 1 + i); });
     for (int c : codes) EXPECT_EQ(c, 0);
-    server.Send(0);
-    EXPECT_EQ(server.Wait(), 0);
+    EXPECT_EQ(StopChild(server), 0);
     auto pool = OpenOrNull({path.path()}, 7);
     ASSERT_NE(pool, nullptr);
     EXPECT_EQ(ReadCounter(*pool), 120u);
@@ -108,8 +103,7 @@ TEST(Rpc, MalformedRequestsGetAnErrorAndTheServerKeepsServing) {
   TempRegionPath path("rpcbad");
   MakePool(path);
   Child server = ForkServer(path.path(), 0, true);
-  uint64_t ready = 0;
-  ASSERT_TRUE(server.Receive(&ready));
+  ASSERT_GT(server.pid, 0);
   auto codes = RunForked(1, [&](int) {
     auto pool = OpenOrNull({path.path()}, 1);
     CHILD_CHECK(pool != nullptr, "open");
@@ -148,16 +142,14 @@ TEST(Rpc, MalformedRequestsGetAnErrorAndTheServerKeepsServing) {
     return 0;
   });
   EXPECT_EQ(codes[0], 0);
-  server.Send(0);
-  EXPECT_EQ(server.Wait(), 0);
+  EXPECT_EQ(StopChild(server), 0);
 }
 
 TEST(Rpc, AClientKilledMidRequestLeavesItsNodesChannelsUsable) {
   TempRegionPath path("rpckill");
   MakePool(path);
   Child server = ForkServer(path.path(), 0, true);
-  uint64_t ready = 0;
-  ASSERT_TRUE(server.Receive(&ready));
+  ASSERT_GT(server.pid, 0);
   Child victim = Child::Fork([&](int, int out) {
     auto pool = OpenOrNull({path.path()}, 1);
     if (!pool) return 1;
@@ -183,8 +175,7 @@ TEST(Rpc, AClientKilledMidRequestLeavesItsNodesChannelsUsable) {
     return 0;
   });
   for (int c : codes) EXPECT_EQ(c, 0);
-  server.Send(0);
-  EXPECT_EQ(server.Wait(), 0);
+  EXPECT_EQ(StopChild(server), 0);
 }
 
 // A client adding one call after another (200 µs apart, so a phase lasts tens of ms), counting
@@ -236,10 +227,9 @@ TEST(Rpc, AServerKilledNineIsReplacedByAStandbyAndNoAddRunsTwice) {
   TempRegionPath path("rpcfail");
   MakePool(path);
   Child first = ForkServer(path.path(), 0, true);
-  uint64_t ready = 0;
-  ASSERT_TRUE(first.Receive(&ready));
+  ASSERT_GT(first.pid, 0);
   Child standby = ForkServer(path.path(), 2, false);
-  ASSERT_TRUE(standby.Receive(&ready));
+  ASSERT_GT(standby.pid, 0);
   Child adder = ForkAdder(path.path(), 1, {100, 300});
   uint64_t ok = 0;
   ASSERT_TRUE(adder.Receive(&ok));
@@ -251,10 +241,8 @@ TEST(Rpc, AServerKilledNineIsReplacedByAStandbyAndNoAddRunsTwice) {
   adder.Send(1);
   uint64_t unknown = 0;
   ASSERT_TRUE(adder.Receive(&unknown));
-  adder.Send(0);
-  EXPECT_EQ(adder.Wait(), 0);
-  standby.Send(0);
-  EXPECT_EQ(standby.Wait(), 0);
+  EXPECT_EQ(StopChild(adder), 0);
+  EXPECT_EQ(StopChild(standby), 0);
   EXPECT_GE(ok, 200u);
   CheckExactlyOnce(path.path(), ok, unknown);
 }
@@ -263,10 +251,9 @@ TEST(Rpc, AServerPausedPastItsLeaseIsFencedAndItsStandbyServes) {
   TempRegionPath path("rpcpause");
   MakePool(path);
   Child first = ForkServer(path.path(), 0, true);
-  uint64_t ready = 0;
-  ASSERT_TRUE(first.Receive(&ready));
+  ASSERT_GT(first.pid, 0);
   Child standby = ForkServer(path.path(), 2, false);
-  ASSERT_TRUE(standby.Receive(&ready));
+  ASSERT_GT(standby.pid, 0);
   Child adder = ForkAdder(path.path(), 1, {50, 150, 250});
   uint64_t ok = 0;
   ASSERT_TRUE(adder.Receive(&ok));
@@ -288,12 +275,9 @@ TEST(Rpc, AServerPausedPastItsLeaseIsFencedAndItsStandbyServes) {
   }
   uint64_t unknown = 0;
   ASSERT_TRUE(adder.Receive(&unknown));
-  adder.Send(0);
-  EXPECT_EQ(adder.Wait(), 0);
-  first.Send(0);
-  EXPECT_EQ(first.Wait(), 0);
-  standby.Send(0);
-  EXPECT_EQ(standby.Wait(), 0);
+  EXPECT_EQ(StopChild(adder), 0);
+  EXPECT_EQ(StopChild(first), 0);
+  EXPECT_EQ(StopChild(standby), 0);
   CheckExactlyOnce(path.path(), ok, unknown);
 }
 

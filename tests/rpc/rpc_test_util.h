@@ -69,8 +69,9 @@ inline std::map<uint32_t, rpc::Handler> TestOps(Pool& pool, uint64_t counter_off
 }
 
 // A child serving (or standing by for) the test service as `node`: replies 1 once started
-// (2 once serving, when `wait_serving`), exits cleanly on any command.
-inline Child ForkServer(const std::string& path, uint32_t node, bool wait_serving, uint64_t sim_seed = 0) {
+// (2 once serving, when `wait_serving`), exits cleanly on any command. ForkServer returns once
+// it replied; its pid is -1 when it did not.
+inline Child ForkServerNoWait(const std::string& path, uint32_t node, bool wait_serving, uint64_t sim_seed = 0) {
   return Child::Fork([path, node, wait_serving, sim_seed](int in, int out) {
     auto pool = OpenOrNull({path}, node, sim_seed);
     if (!pool) return 1;
@@ -87,6 +88,22 @@ inline Child ForkServer(const std::string& path, uint32_t node, bool wait_servin
     Get(in, &cmd);
     return 0;
   });
+}
+
+inline Child ForkServer(const std::string& path, uint32_t node, bool wait_serving, uint64_t sim_seed = 0) {
+  Child c = ForkServerNoWait(path, node, wait_serving, sim_seed);
+  uint64_t ready = 0;
+  if (!c.Receive(&ready) || ready != (wait_serving ? 2u : 1u)) {
+    c.Wait();
+    c.pid = -1;
+  }
+  return c;
+}
+
+// Tells a child waiting for a command to finish; its exit code (0: clean).
+inline int StopChild(Child& c) {
+  c.Send(0);
+  return c.Wait();
 }
 
 inline std::vector<uint8_t> Bytes(uint64_t seed, size_t n) {
