@@ -12,22 +12,12 @@
 #include <nlohmann/json.hpp>
 
 #include "daemon/admin.h"
+#include "daemon/node_status.h"
 #include "pool/pool_internal.h"
 #include "util/host_port.h"
 
 namespace cxlkv::daemon {
 namespace {
-
-std::vector<cache::NodeStatus> Statuses(sync::Node& node) {
-  std::vector<cache::NodeStatus> out;
-  for (const sync::NodeView& v : node.Nodes()) {
-    out.push_back(v.incarnation == 0                  ? cache::NodeStatus::kNever
-                  : v.state == sync::NodeState::kLeft ? cache::NodeStatus::kLeft
-                  : v.live                            ? cache::NodeStatus::kLive
-                                                      : cache::NodeStatus::kSilent);
-  }
-  return out;
-}
 
 Result<size_t> Reply(const nlohmann::json& j, std::span<uint8_t> out) {
   const std::string s = j.dump();
@@ -47,7 +37,7 @@ std::map<uint32_t, rpc::Handler> AdminOps(Daemon& d) {
   }};
   ops[kAdminStat] = {[&d](const rpc::Request&, std::span<uint8_t> out) -> Result<size_t> {
     auto& impl = d.pool().impl();
-    const auto statuses = Statuses(*impl.node);
+    const auto statuses = NodeStatuses(impl.node->Nodes());
     auto stat = pool::Stat(impl.regions, statuses);
     nlohmann::json j;
     uint32_t live = 0, silent = 0;

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "daemon/daemon.h"
+#include "daemon/node_status.h"
 #include "pool/pool_internal.h"
 #include "util/histogram.h"
 
@@ -83,16 +84,11 @@ std::string Daemon::RenderMetrics() {
            std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
 
   // Liveness as this daemon observes it (heartbeats within a lease).
-  std::vector<cache::NodeStatus> statuses;
-  e.Family("cxlkv_node_live", "gauge", "1 when the node's heartbeat moved within its lease, as this daemon sees it.");
   const auto views = node.Nodes();
+  const std::vector<cache::NodeStatus> statuses = NodeStatuses(views);
+  e.Family("cxlkv_node_live", "gauge", "1 when the node's heartbeat moved within its lease, as this daemon sees it.");
   for (const sync::NodeView& v : views) {
-    statuses.push_back(v.incarnation == 0                  ? cache::NodeStatus::kNever
-                       : v.state == sync::NodeState::kLeft ? cache::NodeStatus::kLeft
-                       : v.live                            ? cache::NodeStatus::kLive
-                                                           : cache::NodeStatus::kSilent);
-    if (v.incarnation == 0) continue;
-    e.Sample("cxlkv_node_live", Label("node", std::to_string(v.id)), uint64_t{v.live ? 1u : 0u});
+    if (v.incarnation != 0) e.Sample("cxlkv_node_live", Label("node", std::to_string(v.id)), uint64_t{v.live ? 1u : 0u});
   }
   e.Family("cxlkv_node_incarnation", "gauge", "The node's current life (bumped by every restart or lease lapse).");
   for (const sync::NodeView& v : views) {
