@@ -10,32 +10,22 @@
 // writer words name the slot, so a slot is never reused while entries may still name it.
 #include <unistd.h>
 
-#include <chrono>
 #include <cstdio>
-#include <thread>
 
 #include "sync/node.h"
 
 namespace cxlkv::sync {
 
-// Runs on the beat thread, which never waits on a lock: a free slot's mutex is unlocked, but a
-// scanner may hold it for an instant; then the slot is given back and the next one tried, and a
-// few passes ride out a scan that happens to hold each in turn.
 int Node::ClaimProcessSlot() {
-  for (int pass = 0; pass < 50; ++pass) {
-    for (uint32_t s = 0; s < kLocalProcessSlots; ++s) {
-      LocalProcess& p = local_->header().processes[s];
-      uint32_t expected = kSlotFree;
-      if (!p.state.compare_exchange_strong(expected, kSlotUsed)) continue;
-      if (TryLockRobust(&p.mu) < 0) {
-        p.state.store(kSlotFree);
-        continue;
-      }
-      p.pid.store(::getpid());  // ours for the process's whole attachment
-      process_slot_ = s;
-      return static_cast<int>(s);
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  for (uint32_t s = 0; s < kLocalProcessSlots; ++s) {
+    LocalProcess& p = local_->header().processes[s];
+    uint32_t expected = kSlotFree;
+    if (!p.state.compare_exchange_strong(expected, kSlotUsed)) continue;
+    // A free slot's mutex is unlocked (a scanner may hold it for an instant): ours for life.
+    (void)LockRobust(&p.mu);
+    p.pid.store(::getpid());
+    process_slot_ = s;
+    return static_cast<int>(s);
   }
   return -1;
 }
