@@ -23,6 +23,14 @@
 
 namespace cxlkv {
 
+// Who writes the prefix index (DESIGN.md; docs/metadata.md).
+enum class MetadataMode : uint32_t {
+  kDecentralized = 0,  // TraCT: every node updates the index in the region under stripe locks
+  kCentral = 1,        // Beluga: one metadata service (a cxlkvd, or a serving process standing
+                       // in) writes it; the others ask over the shared-memory RPC
+};
+const char* MetadataModeName(MetadataMode mode);
+
 struct PoolCreateOptions {
   uint64_t size = 0;            // bytes per region; required for files
   uint32_t max_nodes = 16;      // default 16
@@ -39,6 +47,7 @@ struct PoolCreateOptions {
   uint32_t high_watermark_pct = 95; // eviction starts above this share of the capacity...
   uint32_t low_watermark_pct = 85;  // ...and stops below this one
   bool checksum = false;            // keep and verify an xxh3 checksum per block
+  MetadataMode metadata = MetadataMode::kDecentralized;  // default decentralized
 };
 
 struct PoolOpenOptions {
@@ -83,8 +92,11 @@ class Pool {
   Status Lock(uint32_t lock, uint32_t timeout_ms);
   void Unlock(uint32_t lock);
 
-  // The prefix KV cache. Errors: kNotFound (the pool was created without an index).
+  // The prefix KV cache. Errors: kNotFound (the pool was created without an index),
+  // kNotSupported (central metadata, and this program lacks the metadata client library).
   Result<KvCache*> Cache();
+  // Who writes the index (kDecentralized when the pool has none).
+  MetadataMode metadata() const;
 
   // Every region's mapping in this process, for registering with a DMA engine (a GPU's
   // cudaHostRegister): payload pointers of the cache fall inside these ranges.

@@ -104,6 +104,9 @@ class Allocator {
   // death): frees `off` when an ended life still holds it and nothing reaches it — no
   // published root, no index entry, no remote free on its way. True when it freed.
   Result<bool> ReclaimIfUnreachable(ObjectOffset off);
+  // True when the object at `off` is held by a life that ended (an orphan heap chunk, or a
+  // chunk whose owner's life is over): its recovery, not a Free, decides what happens to it.
+  bool HeldByEndedLife(ObjectOffset off);
 
   static uint64_t ClassBytes(uint32_t c) { return uint64_t{64} << c; }
   // The smallest size class that holds `bytes` (<= kMaxHeapObject).

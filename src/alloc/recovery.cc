@@ -162,6 +162,20 @@ std::unordered_set<uint64_t> Allocator::PendingRemoteFreesLocked() {
   return pending;
 }
 
+bool Allocator::HeldByEndedLife(ObjectOffset off) {
+  ChunkRef chunk;
+  uint64_t within;
+  if (!Locate(off, &chunk, &within)) return false;
+  const OwnerWord w = OwnerWord::Decode(meta(chunk.region).Fetch(tables_[chunk.region].owner(chunk.chunk)));
+  switch (w.kind) {
+    case ChunkKind::kOrphanHeap: return true;
+    case ChunkKind::kHeap:
+    case ChunkKind::kLargeHead:
+    case ChunkKind::kLeasedObject: return node_.LifeOver(w.node, w.incarnation, 0xfffff);
+    default: return false;
+  }
+}
+
 Result<bool> Allocator::ReclaimIfUnreachable(ObjectOffset off) {
   ChunkRef chunk;
   uint64_t within;

@@ -90,6 +90,10 @@ bool Index::ClaimLocked(const NamespaceHandle& ns, const BlockKey& key, uint64_t
     TombstoneLocked(static_cast<uint64_t>(p.found), GenOf(p.entry.state));
     Add(kBytesReleased, p.entry.bytes);
     Add(kReclaimed, 1);
+    // Central mode: the payload is the service's (its life's recovery kept it: WRITING entries
+    // reach their payloads there), not the dead writer's: free it here. The central writer's
+    // "stripe lock" is a local mutex, so freeing under it blocks no one.
+    if (central_writer()) FreePayload(p.entry.payload, p.entry.bytes);
     p = Find(key);
   }
   if (p.found < 0 && p.free_slot < 0) {
@@ -259,7 +263,7 @@ Result<std::vector<KeyReservation>> Index::ReserveMany(const NamespaceHandle& ns
     if (first.outcome == ReserveOutcome::kReserved) {
       Add(kBusy, 1);
       o.outcome = ReserveOutcome::kBusy;
-      o.writer_node = node_.id();
+      o.writer_node = WriterNode(MyWriterWord());
       o.writer_incarnation = WriterInc(MyWriterWord());
       o.status = Busy("block is being written by node " + std::to_string(o.writer_node) +
                       " (repeated within the batch)");
@@ -314,7 +318,9 @@ Status Index::CommitMany(std::span<Reservation> rs) {
     while (end < order.size() && live[order[end]]->slot / per_stripe == stripe) ++end;
     Status locked = LockStripe(stripe);
     const bool held = locked.ok();
-    if (held) locked = node_.CheckHeld(layout_.stripe_lock(stripe));  // the fence, under the lock
+    if (held) {  // the fence, under the lock: the stripe lock's hold, or the service's
+      locked = central_writer() ? central_fence_() : node_.CheckHeld(layout_.stripe_lock(stripe));
+    }
     if (!locked.ok()) {
       // Not granted: the entries stay WRITING (retry or abort). Fenced: this life is over and
       // its recovery drops them; the reservations are closed.
@@ -345,13 +351,13 @@ Status Index::CommitMany(std::span<Reservation> rs) {
       if (entry_writer != writer && WriterInc(entry_writer) == WriterInc(writer)) {
         r.open = false;
         fail(InvalidArgument("commit refused: the block was reserved by another process of node " +
-                             std::to_string(node_.id()) + " (slot " + std::to_string(WriterSlot(entry_writer)) +
+                             std::to_string(WriterNode(writer)) + " (slot " + std::to_string(WriterSlot(entry_writer)) +
                              "); a reservation commits in the process that made it"));
         continue;
       }
       if (entry_writer != writer) {  // reserved by an earlier life of this node: that life is over
         r.open = false;
-        fail(LeaseExpired("commit refused: the block was reserved by node " + std::to_string(node_.id()) +
+        fail(LeaseExpired("commit refused: the block was reserved by node " + std::to_string(WriterNode(writer)) +
                           "'s life " + std::to_string(WriterInc(entry_writer)) + ", which ended (paused or "
                           "silent past its lease); its recovery drops the block: reserve it again"));
         continue;

@@ -74,9 +74,12 @@ bool Index::TryEvictLocked(uint64_t slot, uint64_t gen, uint64_t* payload, uint6
   Entry e = ReadEntry(slot);
   // Free while the entry still names the payload (EVICTING counts as reachable for the
   // allocator's recovery), then tombstone. A crash in between leaves EVICTING, which repair
-  // tombstones without freeing again.
-  FreePayload(e.payload, e.bytes);
+  // tombstones without freeing again. Central mode, a payload of a service life that ended:
+  // only a reachability-checked reclaim may free it (FreePayload), so the entry goes first.
+  const bool free_after = central() && allocator_.HeldByEndedLife(alloc::ObjectOffset(e.payload));
+  if (!free_after) FreePayload(e.payload, e.bytes);
   TombstoneLocked(slot, gen);
+  if (free_after) FreePayload(e.payload, e.bytes);
   Add(kEvictions, 1);
   Add(kEvictedBytes, e.bytes);
   Add(kBytesReleased, e.bytes);
@@ -236,9 +239,14 @@ void Index::Recover(uint32_t node, uint64_t inc) {
 }
 
 void Index::AppendReachable(std::vector<uint64_t>& out) {
+  // Central mode: a payload belongs to the service's node, not to its writer, and a WRITING
+  // entry's writer may live on when the service's node dies: the entry keeps the payload until
+  // the next service reclaims or commits it. Decentralized: the writer owns it, and the
+  // writer's recovery drops its WRITING entries before the allocator's runs.
+  const bool writing_counts = central();
   ScanEntries([&](uint64_t, const Entry& e) {
     EntryState s = StateOf(e.state);
-    if (s == kReady || s == kEvicting) out.push_back(e.payload);
+    if (s == kReady || s == kEvicting || (writing_counts && s == kWriting)) out.push_back(e.payload);
   });
 }
 
@@ -272,6 +280,107 @@ void Index::AbandonOpenReservations() {
     std::fprintf(stderr, "cxlkv: cache: closing with reservations open: a stripe lock was not granted; "
                  "node %u's other processes (or its life's recovery) drop them\n", node_.id());
   }
+}
+
+// ---- central mode: the metadata service as the index's one writer ----
+
+void Index::BecomeCentralWriter(std::function<Status()> fence) {
+  std::lock_guard<std::mutex> g(central_mu_);  // no operation in flight while the role changes
+  central_fence_ = std::move(fence);
+  pinned_life_.assign(layout_.h.max_nodes, kUnknownLife);
+  central_writer_.store(static_cast<bool>(central_fence_), std::memory_order_release);
+}
+
+void Index::DropPinRow(uint32_t node) {
+  ScanPinRow(node, [&](uint64_t slot, uint64_t word) {
+    if (PinCount(word) != 0) meta_.Publish(layout_.pin(node, slot), PinWord(PinStamp(word), 0));
+  });
+}
+
+Status Index::ActFor(uint32_t node, uint64_t writer) {
+  if (!central_writer()) return Unavailable("this process no longer serves the pool's metadata: retry");
+  if (node >= layout_.h.max_nodes || WriterNode(writer) != node) {
+    return InvalidArgument("request names node " + std::to_string(WriterNode(writer)) + " on a channel of node " +
+                           std::to_string(node) + " (of " + std::to_string(layout_.h.max_nodes) + ")");
+  }
+  if (!WriterLive(writer)) {
+    return LeaseExpired("node " + std::to_string(node) + "'s life " + std::to_string(WriterInc(writer)) +
+                        " is over (paused or silent past its lease): its requests are refused; reopen the pool");
+  }
+  actor_node_ = node;
+  actor_writer_ = writer;
+  uint64_t& owner = pinned_life_[node];
+  if (owner != WriterInc(writer)) {
+    // The node's row holds the pins of a life that ended (or, after a takeover, of a life this
+    // service has not seen yet: the sweep settles that one first, so this is a new life).
+    if (owner != kUnknownLife) DropPinRow(node);
+    owner = WriterInc(writer);
+  }
+  return Status::Ok();
+}
+
+uint64_t Index::ReclaimWriter(uint32_t node, uint64_t inc, int64_t slot) {
+  if (!central_writer() || node >= layout_.h.max_nodes) return 0;
+  const DeadWriter dead{node, inc, slot};
+  std::vector<uint64_t> payloads;
+  uint64_t n = 0;
+  for (uint32_t stripe = 0; stripe < layout_.h.stripes; ++stripe) {
+    (void)LockStripe(stripe);  // a central writer's lock is local: always granted
+    n += RepairStripeLocked(stripe, &dead, &payloads);
+    UnlockStripe(stripe);
+  }
+  for (uint64_t p : payloads) FreePayload(p, 0);
+  if (n != 0) PublishCounters();
+  return n;
+}
+
+uint64_t Index::SweepCentral(bool repair_all) {
+  if (!central_writer()) return 0;
+  // 1. WRITING entries whose writer's life is over: found without the lock, re-checked under it.
+  struct Stale {
+    uint64_t slot, state;
+  };
+  std::vector<Stale> stale;
+  ScanEntries([&](uint64_t slot, const Entry& e) {
+    if (StateOf(e.state) == kWriting && !WriterLive(e.writer)) stale.push_back({slot, e.state});
+  });
+  std::vector<uint64_t> payloads;
+  for (const Stale& st : stale) {
+    const uint32_t stripe = layout_.stripe_of(st.slot);
+    (void)LockStripe(stripe);
+    Entry e = ReadEntry(st.slot);
+    if (e.state == st.state) {
+      TombstoneLocked(st.slot, GenOf(e.state));
+      payloads.push_back(e.payload);
+      Add(kBytesReleased, e.bytes);
+      Add(kReclaimed, 1);
+    }
+    UnlockStripe(stripe);
+  }
+  for (uint64_t p : payloads) FreePayload(p, 0);
+  // 2. A takeover: evictions the predecessor left half done (EVICTING) are finished.
+  if (repair_all) {
+    for (uint32_t stripe = 0; stripe < layout_.h.stripes; ++stripe) {
+      (void)LockStripe(stripe);
+      RepairStripeLocked(stripe, nullptr);
+      UnlockStripe(stripe);
+    }
+  }
+  // 3. Pin rows: a node whose life ended pins nothing any more.
+  for (const sync::NodeView& v : node_.Nodes()) {
+    if (v.id >= pinned_life_.size()) continue;
+    uint64_t& owner = pinned_life_[v.id];
+    const bool live = v.incarnation == 0 || v.live;  // not observed yet: never drop early
+    if (owner == kUnknownLife) {
+      if (!live) DropPinRow(v.id);
+      owner = live ? WriterInc(v.incarnation) : 0;
+    } else if (owner != 0 && (!live || WriterInc(v.incarnation) != owner)) {
+      DropPinRow(v.id);
+      owner = 0;
+    }
+  }
+  if (!payloads.empty()) PublishCounters();
+  return payloads.size();
 }
 
 }  // namespace cxlkv::cache

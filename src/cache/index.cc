@@ -45,7 +45,7 @@ IndexHeader PlanIndex(const IndexOptions& o, uint64_t data_bytes, uint32_t max_n
   h.slots_per_stripe = static_cast<uint32_t>((entries + stripes - 1) / stripes);
   h.max_nodes = max_nodes;
   h.lock_base = lock_base;
-  h.flags = o.checksum ? kFlagChecksum : 0;
+  h.flags = (o.checksum ? kFlagChecksum : 0) | (o.central ? kFlagCentral : 0);
   h.capacity_bytes = o.capacity_bytes;  // 0: every data chunk of the pool (known at open)
   h.high_watermark_pct = o.high_watermark_pct;
   h.low_watermark_pct = o.low_watermark_pct;
@@ -171,7 +171,7 @@ Index::Probe Index::Find(const BlockKey& key) {
 // ---- lookup and pins ----
 
 bool Index::PinAddLocal(uint64_t slot, int64_t delta, uint64_t stamp) {
-  const uint64_t off = layout_.pin(node_.id(), slot);
+  const uint64_t off = layout_.pin(PinRow(), slot);
   uint64_t old = meta_.Load(off);
   for (;;) {
     uint64_t count = PinCount(old);
@@ -234,7 +234,7 @@ Result<LookupResult> Index::Lookup(const NamespaceHandle& ns, std::span<const Bl
     pin_offs.reserve(slots.size());
     size_t pinned = 0;
     for (; pinned < slots.size() && PinAddLocal(slots[pinned], +1, stamp); ++pinned) {
-      pin_offs.push_back(layout_.pin(node_.id(), slots[pinned]));
+      pin_offs.push_back(layout_.pin(PinRow(), slots[pinned]));
     }
     if (!test_skip_pin_flush_.load(std::memory_order_relaxed)) [[likely]] meta_.FlushEach(pin_offs, 8);
     for (size_t i = 0; i < pinned; ++i) offs[i] = layout_.entry(slots[i]);
@@ -246,7 +246,7 @@ Result<LookupResult> Index::Lookup(const NamespaceHandle& ns, std::span<const Bl
       pin_offs.clear();
       for (size_t i = valid; i < pinned; ++i) {
         PinAddLocal(slots[i], -1, 0);
-        pin_offs.push_back(layout_.pin(node_.id(), slots[i]));
+        pin_offs.push_back(layout_.pin(PinRow(), slots[i]));
       }
       meta_.FlushEach(pin_offs, 8);
     }
@@ -269,7 +269,7 @@ void Index::Release(std::span<const BlockPin> pins) {
   std::vector<uint64_t> pin_offs;
   pin_offs.reserve(pins.size());
   for (const BlockPin& p : pins) {
-    if (p.slot < layout_.entries() && PinAddLocal(p.slot, -1, stamp)) pin_offs.push_back(layout_.pin(node_.id(), p.slot));
+    if (p.slot < layout_.entries() && PinAddLocal(p.slot, -1, stamp)) pin_offs.push_back(layout_.pin(PinRow(), p.slot));
   }
   meta_.FlushEach(pin_offs, 8);  // P1: evictors read these
 }
@@ -277,6 +277,12 @@ void Index::Release(std::span<const BlockPin> pins) {
 // ---- insert ----
 
 Status Index::LockStripe(uint32_t stripe) {
+  if (central_writer()) {
+    // The metadata service is the index's one writer: no other process writes an entry, so a
+    // local mutex orders this process's operations (the service's lock fences the process).
+    central_mu_.lock();
+    return Status::Ok();
+  }
   CXLKV_ASSIGN_OR_RETURN(auto held, node_.AcquireFor(layout_.stripe_lock(stripe), node_.lease() * 4));
   stripe_locks_taken_.fetch_add(1, std::memory_order_relaxed);
   if (held.holder_died) RepairStripeLocked(stripe, nullptr);
@@ -284,6 +290,11 @@ Status Index::LockStripe(uint32_t stripe) {
 }
 
 void Index::UnlockStripe(uint32_t stripe, std::span<const sync::Range> written) {
+  if (central_writer()) {
+    for (const sync::Range& r : written) meta_.Flush(r.offset, r.bytes);  // P1, as a release would
+    central_mu_.unlock();
+    return;
+  }
   node_.Release(layout_.stripe_lock(stripe), written);
 }
 
@@ -346,6 +357,18 @@ void Index::MaybeCrash(CrashPoint p) {
 }
 
 void Index::FreePayload(uint64_t payload, uint64_t) {
+  if (central() && allocator_.HeldByEndedLife(alloc::ObjectOffset(payload))) {
+    // Central mode: a payload belongs to the life of the service that reserved it. When that
+    // life ended, its allocator recovery settles the object: the entry is gone, so it is
+    // unreachable, and ReclaimIfUnreachable frees it unless that recovery has run or will (a
+    // plain Free racing the recovery would free it twice).
+    auto r = allocator_.ReclaimIfUnreachable(alloc::ObjectOffset(payload));
+    if (!r.ok()) {
+      std::fprintf(stderr, "cxlkv: cache: reclaiming payload %#llx of an ended service life: %s\n",
+                   static_cast<unsigned long long>(payload), r.status().ToString().c_str());
+    }
+    return;
+  }
   for (int attempt = 0;; ++attempt) {
     Status s = allocator_.Free(alloc::ObjectOffset(payload));
     if (s.ok() || s.code() != StatusCode::kBusy || attempt == 100) {

@@ -21,6 +21,7 @@
 #include <array>
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <span>
 #include <string>
@@ -110,6 +111,28 @@ class Index final : public IndexApi {
 
   uint64_t NowStamp() const;
 
+  // ---- central mode (Beluga §6.2; docs/metadata.md) ----
+  // True when the pool's metadata is central: only the metadata service writes the index.
+  bool central() const { return layout_.h.flags & kFlagCentral; }
+  // Makes this process the index's one writer while `fence` (the metadata service's hold of
+  // its lock in a valid lease) passes: stripe locks become one process-local mutex and `fence`
+  // replaces the stripe lock's check before every commit. An empty `fence` ends the role.
+  void BecomeCentralWriter(std::function<Status()> fence);
+  bool central_writer() const { return central_writer_.load(std::memory_order_acquire); }
+  // The client the central writer acts for in the next operations (the service's thread only):
+  // its writer word goes on reservations, its node's row of pin words takes its pins.
+  // Refused (kLeaseExpired) when that life is over in this process's view: a paused client's
+  // late request must not touch the row its node's next life pins in. A first request of a
+  // node's new life drops the pins its previous life left.
+  Status ActFor(uint32_t node, uint64_t writer);
+  // Central writer: drops the WRITING entries of process `slot` of `node`'s life `inc` (-1:
+  // every process of that life) and frees their payloads. Returns how many.
+  uint64_t ReclaimWriter(uint32_t node, uint64_t inc, int64_t slot);
+  // Central writer, every few hundred milliseconds: reclaims WRITING entries whose writer's life
+  // ended, drops the pins of nodes whose life ended, and finishes evictions a predecessor left half done when `repair_all` (a takeover). Returns the
+  // entries reclaimed.
+  uint64_t SweepCentral(bool repair_all);
+
   // Test hook: the process kills itself (SIGKILL) at this point of the protocol, to prove the
   // recovery paths. Never set outside tests.
   enum class CrashPoint { kNone, kReserveHoldingLock, kEvictAfterMark };
@@ -162,7 +185,12 @@ class Index final : public IndexApi {
   // payloads appended to `dead_payloads` when given (else the allocator's recovery frees them).
   // Returns the count.
   uint64_t RepairStripeLocked(uint32_t stripe, const DeadWriter* dead, std::vector<uint64_t>* dead_payloads = nullptr);
-  uint64_t MyWriterWord() const { return WriterWord(node_.id(), node_.incarnation(), node_.process_slot()); }
+  uint64_t MyWriterWord() const {
+    return central_writer() ? actor_writer_ : WriterWord(node_.id(), node_.incarnation(), node_.process_slot());
+  }
+  // The row of pin words this operation writes: this node's, or the client's a central writer
+  // acts for (the service is then every row's one writer).
+  uint32_t PinRow() const { return central_writer() ? actor_node_ : node_.id(); }
   // REQUIRES: stripe lock held. Publishes TOMBSTONE (and turns a tombstone run that ends at an
   // EMPTY slot back to EMPTY so probe sequences stay short).
   void TombstoneLocked(uint64_t slot, uint64_t gen);
@@ -200,6 +228,16 @@ class Index final : public IndexApi {
     std::atomic<uint64_t> lo{0}, hi{0};
   };
   std::array<VerifiedSeed, kMaxNamespaces> verified_;  // handles CheckHandle has seen live
+  // Central mode: the writer role (BecomeCentralWriter) and the client acted for (ActFor).
+  std::atomic<bool> central_writer_{false};
+  std::function<Status()> central_fence_;
+  std::mutex central_mu_;  // the stripe locks of a central writer: one operation at a time
+  uint32_t actor_node_ = 0;
+  uint64_t actor_writer_ = 0;
+  // Per node, the life whose pins its row holds (kUnknownLife until a sweep or request says).
+  static constexpr uint64_t kUnknownLife = ~0ull;
+  std::vector<uint64_t> pinned_life_;
+  void DropPinRow(uint32_t node);
   void MaybeCrash(CrashPoint p);
 };
 

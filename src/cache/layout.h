@@ -46,7 +46,7 @@ struct IndexHeader {
   uint32_t slots_per_stripe;
   uint32_t max_nodes;
   uint32_t lock_base;         // stripe s uses lock lock_base + s; lock_base + stripes: namespaces
-  uint32_t flags;             // kFlagChecksum
+  uint32_t flags;             // kFlagChecksum | kFlagCentral
   uint64_t capacity_bytes;    // payload budget for the watermarks
   uint32_t high_watermark_pct;
   uint32_t low_watermark_pct;
@@ -59,6 +59,7 @@ struct IndexHeader {
 };
 static_assert(sizeof(IndexHeader) == 128);
 inline constexpr uint32_t kFlagChecksum = 1;
+inline constexpr uint32_t kFlagCentral = 2;  // metadata central: one service writes the index
 
 struct NamespaceSlot {
   uint64_t state;             // 0 empty, 2 live (written last)
@@ -157,6 +158,7 @@ struct IndexOptions {
   uint32_t high_watermark_pct = 95;
   uint32_t low_watermark_pct = 85;
   bool checksum = false;
+  bool central = false;          // metadata central (kFlagCentral)
 };
 
 // Sizes the index for a pool whose regions hold `data_bytes` of data in all.

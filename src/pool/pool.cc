@@ -52,6 +52,8 @@ Status Pool::Create(const std::vector<std::string>& paths, const PoolCreateOptio
   io.high_watermark_pct = options.high_watermark_pct;
   io.low_watermark_pct = options.low_watermark_pct;
   io.checksum = options.checksum;
+  io.central = options.metadata == MetadataMode::kCentral;
+  if (io.central && !options.index) return InvalidArgument("central metadata needs the prefix index (drop --no-index)");
   const cache::IndexHeader index = cache::PlanIndex(io, options.size * paths.size(), options.max_nodes,
                                                     options.max_locks);
   if (options.index && (index.stripes > 4096 || uint64_t{index.stripes} * index.slots_per_stripe > (1ull << 26))) {
@@ -141,6 +143,12 @@ Result<std::vector<std::unique_ptr<Region>>> AttachAll(const std::vector<std::st
 
 }  // namespace pool
 
+namespace {
+pool::CentralMetadataFactory central_factory = nullptr;
+}  // namespace
+
+void pool::RegisterCentralMetadata(CentralMetadataFactory factory) { central_factory = factory; }
+
 Result<std::unique_ptr<Pool>> Pool::Open(const std::vector<std::string>& paths,
                                          const PoolOpenOptions& options) {
   auto impl = std::make_unique<Impl>();
@@ -170,11 +178,20 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::vector<std::string>& paths,
   // process manages the pool keeps READY payloads reachable and reclaims a dead writer's.
   if (layout.ok()) {
     impl->index = std::make_unique<cache::Index>(*impl->regions[0], *layout, *impl->node, *allocator);
-    impl->cache = std::make_unique<KvCache>(*impl->index);
     cache::Index* index = impl->index.get();
     allocator->AddReachability([index](std::vector<uint64_t>& out) { index->AppendReachable(out); });
-    impl->node->AddRecoveryHandler([index](uint32_t node, uint64_t inc) { index->Recover(node, inc); });
-    impl->node->AddProcessRecoveryHandler([index](uint32_t slot, uint64_t inc) { return index->RecoverProcess(slot, inc); });
+    if (index->central()) {
+      // The service is the index's one writer: it reclaims dead lives' entries and pins itself
+      // (its sweep); a dead process of this node is reported to it.
+      Impl* raw_impl = impl.get();
+      impl->node->AddProcessRecoveryHandler([raw_impl](uint32_t slot, uint64_t inc) {
+        return raw_impl->central == nullptr || raw_impl->central->RecoverProcess(slot, inc);
+      });
+    } else {
+      impl->cache = std::make_unique<KvCache>(*impl->index);
+      impl->node->AddRecoveryHandler([index](uint32_t node, uint64_t inc) { index->Recover(node, inc); });
+      impl->node->AddProcessRecoveryHandler([index](uint32_t slot, uint64_t inc) { return index->RecoverProcess(slot, inc); });
+    }
     impl->node->AddPeriodicTask([index] { index->PublishCounters(); });
   }
   // After the index's handler: the index first drops a dead node's half-done entries, so the
@@ -184,12 +201,29 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::vector<std::string>& paths,
   // Only now: a recovery queued meanwhile (this node may manage from its first beat) runs with
   // every handler, in order.
   impl->node->StartRecovery();
-  return std::make_unique<Pool>(std::move(impl));
+  auto pool = std::make_unique<Pool>(std::move(impl));
+  if (pool->impl_->index && pool->impl_->index->central()) {
+    Impl& im = *pool->impl_;
+    if (central_factory == nullptr) {
+      im.central_error = NotSupported("this pool's metadata is central and this program was built without the "
+                                      "metadata client (link cxlkv_meta); use cxlkv's tools or re-create the "
+                                      "pool with --metadata decentralized");
+    } else if (auto c = central_factory(*pool, options); c.ok()) {
+      im.central = std::move(*c);
+      im.cache = std::make_unique<KvCache>(im.central->index());
+    } else {
+      return c.status();
+    }
+  }
+  return pool;
 }
 
 Pool::Pool(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Pool::~Pool() {
+  // The service's client and standby first: they call into the node and the index.
+  impl_->cache.reset();
+  impl_->central.reset();
   if (impl_->index) {
     impl_->index->AbandonOpenReservations();  // the slot goes free: no entry may name it after
     impl_->index->PublishCounters();
@@ -200,10 +234,19 @@ Pool::~Pool() {
 }
 
 Result<KvCache*> Pool::Cache() {
+  if (!impl_->cache && !impl_->central_error.ok()) return impl_->central_error;
   if (!impl_->cache) {
     return NotFound("this pool has no prefix index: re-create it with 'cxlkv init' (without --no-index)");
   }
   return impl_->cache.get();
+}
+
+MetadataMode Pool::metadata() const {
+  return impl_->index && impl_->index->central() ? MetadataMode::kCentral : MetadataMode::kDecentralized;
+}
+
+const char* MetadataModeName(MetadataMode mode) {
+  return mode == MetadataMode::kCentral ? "central" : "decentralized";
 }
 
 std::vector<std::span<uint8_t>> Pool::MappedRanges() {

@@ -17,6 +17,27 @@
 
 namespace cxlkv {
 
+namespace pool {
+
+// A central-metadata pool's link to the service (docs/metadata.md). The layer that implements
+// it (src/meta, above the RPC) registers a factory, because the pool layer never calls up: a
+// pool opened on a central index asks the factory for the cache's index (a client of the
+// service) and, in processes that may host, a standby of the service itself.
+class CentralMetadata {
+ public:
+  virtual ~CentralMetadata() = default;
+  // The index the pool's KvCache runs on.
+  virtual cache::IndexApi& index() = 0;
+  // A process of this node died holding reservations: the service drops them. False when the
+  // service was not reached (the node's recovery calls again later).
+  virtual bool RecoverProcess(uint32_t slot, uint64_t inc) = 0;
+};
+using CentralMetadataFactory = Result<std::unique_ptr<CentralMetadata>> (*)(Pool& pool, const PoolOpenOptions& options);
+// Installed once per program, before pools are opened (a static initializer of src/meta).
+void RegisterCentralMetadata(CentralMetadataFactory factory);
+
+}  // namespace pool
+
 class Pool::Impl {
  public:
   std::vector<std::unique_ptr<Region>> regions;
@@ -25,6 +46,9 @@ class Pool::Impl {
   std::unique_ptr<alloc::Allocator> allocator;
   std::unique_ptr<cache::Index> index;   // null when the pool has no prefix index
   std::unique_ptr<KvCache> cache;
+  // Central metadata only: the service's client (and standby), and the cache over it.
+  std::unique_ptr<pool::CentralMetadata> central;
+  Status central_error;  // why `central` is missing, for Cache()
 };
 
 namespace pool {

@@ -82,9 +82,11 @@ void RpcServer::Run() {
     }
     Status s = TakeOver();
     if (s.ok()) {
+      if (options_.on_serving) options_.on_serving(*this, true);
       serving_.store(true);
       s = Serve();
       serving_.store(false);
+      if (options_.on_serving) options_.on_serving(*this, false);
     }
     // A clean stop tells clients at once that nobody serves, rather than after a lease.
     if (stop_.load() && node_.CheckHeld(lock).ok()) area_->meta().Publish(area_->server_word(), 0);
@@ -158,12 +160,17 @@ Status RpcServer::Serve() {
   std::vector<Pending> batch;
   batch.reserve(options_.max_batch);
   auto last_work = Clock::now();
+  auto next_tick = last_work;
   uint32_t idle_rounds = 0;
   while (!stop_.load()) {
     const auto now = Clock::now();
     if (now >= next_beat_) {
       CXLKV_RETURN_IF_ERROR(node_.CheckHeld(area_->lock()));
       Beat();
+    }
+    if (options_.on_tick && now >= next_tick) {
+      options_.on_tick();
+      next_tick = Clock::now() + options_.tick_every;
     }
     if (now >= next_presence_) RefreshPresence();
     batch.clear();

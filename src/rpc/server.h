@@ -71,6 +71,13 @@ struct RpcServerOptions {
   std::chrono::microseconds hot_window{200};       // keep polling this long after the last request. Default 200 µs.
   std::chrono::microseconds max_idle_sleep{1000};  // longest idle sleep between polls. Default 1 ms.
   uint32_t max_batch = 128;                        // requests answered per fence. Default 128.
+  // Called on the serving thread when this process begins serving (after the takeover, before
+  // the first request) and when it stops serving. Optional.
+  std::function<void(const RpcServer& server, bool serving)> on_serving;
+  // Called on the serving thread about every `tick_every` while it serves, between batches (a
+  // service's housekeeping). Optional.
+  std::function<void()> on_tick;
+  std::chrono::milliseconds tick_every{250};
 };
 
 struct RpcServerStats {

@@ -37,7 +37,7 @@ struct Fixture {
   uint64_t Allocated() {
     auto regions = pool::AttachAll({path.path()});
     EXPECT_TRUE(regions.ok());
-    return alloc::InspectChunks(*(*regions)[0], 8).allocated_bytes;
+    return alloc::InspectChunks(*(*regions)[0], 8).allocated_bytes - testing::RootedBytes(path.path());
   }
   void WriteFor(Reservation& r, const BlockKey& k) {
     std::vector<uint8_t> data(r.bytes);
@@ -73,7 +73,7 @@ TEST(CacheBatch, ReserveManyKeepsSingleKeySemanticsAcrossStripes) {
   auto many = f.cache->ReserveMany(f.ns, batch, kBytes);
   ASSERT_TRUE(many.ok()) << many.status().ToString();
   // One stripe lock per stripe the claims touch, not one per key.
-  EXPECT_EQ(f.index().stripe_locks_taken() - locks_before, stripes.size());
+  EXPECT_EQ(f.index().stripe_locks_taken() - locks_before, testing::StripeLocksFor(stripes.size()));
   ASSERT_EQ(many->size(), batch.size());
 
   EXPECT_EQ((*many)[0].outcome, ReserveOutcome::kAlreadyCached);
@@ -114,7 +114,7 @@ TEST(CacheBatch, ReserveManyKeepsSingleKeySemanticsAcrossStripes) {
   ASSERT_TRUE(f.cache->CommitMany(rs).ok());
   // Commit is fenced under the stripe lock (a reclaim cannot slip between check and READY):
   // one lock per stripe touched, not per key.
-  EXPECT_EQ(f.index().stripe_locks_taken() - locks_before_commit, commit_stripes.size());
+  EXPECT_EQ(f.index().stripe_locks_taken() - locks_before_commit, testing::StripeLocksFor(commit_stripes.size()));
   for (const auto& r : rs) EXPECT_FALSE(r.open);
   EXPECT_EQ(f.cache->CommitMany(rs).code(), StatusCode::kInvalidArgument);  // once only
   EXPECT_EQ(*f.cache->Exists(f.ns, keys), 1u);  // keys[1] still WRITING ends the prefix
@@ -182,7 +182,7 @@ TEST(CacheBatch, AbortManyReturnsEveryByteAndSlot) {
   for (const auto& k : keys) stripes.insert(f.StripeOf(k));
   const uint64_t locks_before = f.index().stripe_locks_taken();
   ASSERT_TRUE(f.cache->AbortMany(rs).ok());
-  EXPECT_EQ(f.index().stripe_locks_taken() - locks_before, stripes.size());
+  EXPECT_EQ(f.index().stripe_locks_taken() - locks_before, testing::StripeLocksFor(stripes.size()));
   for (const auto& r : rs) EXPECT_FALSE(r.open);
   EXPECT_EQ(f.Allocated(), before);
   EXPECT_EQ(f.index().UsedBytes(), 0u);

@@ -3,6 +3,7 @@
 #include <memory>
 #include <string>
 
+#include "cache/index.h"
 #include "commands.h"
 #include "util/units.h"
 
@@ -87,6 +88,7 @@ void AddRegionCommands(CLI::App& app, CommandResult& result) {
     std::string cache_capacity;
     uint32_t high = 95, low = 85;
     bool checksum = false, no_index = false;
+    std::string metadata = "decentralized";
   };
   auto init_args = std::make_shared<InitArgs>();
   CLI::App* init = app.add_subcommand("init", "Create and format a region (shm/hugetlbfs file or /dev/daxX.Y)");
@@ -109,6 +111,11 @@ void AddRegionCommands(CLI::App& app, CommandResult& result) {
   init->add_option("--low-watermark", init_args->low, "...down to this %")->check(CLI::Range(0u, 100u))->capture_default_str();
   init->add_flag("--checksum", init_args->checksum, "Keep an xxh3 checksum per block, verified on whole-block reads");
   init->add_flag("--no-index", init_args->no_index, "A pool without the prefix KV cache");
+  init->add_option("--metadata", init_args->metadata,
+                   "Who writes the prefix index: decentralized (every node, under stripe locks: TraCT) or central "
+                   "(one metadata service over the shared-memory RPC: Beluga)")
+      ->check(CLI::IsMember({"decentralized", "central"}))
+      ->capture_default_str();
   init->callback([init_args, &result] {
     PoolCreateOptions opts;
     if (!init_args->cache_capacity.empty()) {
@@ -125,6 +132,7 @@ void AddRegionCommands(CLI::App& app, CommandResult& result) {
     opts.high_watermark_pct = init_args->high;
     opts.low_watermark_pct = init_args->low;
     opts.checksum = init_args->checksum;
+    opts.metadata = init_args->metadata == "central" ? MetadataMode::kCentral : MetadataMode::kDecentralized;
     if (!init_args->size.empty()) {
       auto size = util::ParseByteSize(init_args->size);
       if (!size.ok()) {
@@ -168,10 +176,16 @@ void AddRegionCommands(CLI::App& app, CommandResult& result) {
       result.status = region.status();
       return;
     }
+    // The index (first region of a pool only) says who writes it.
+    auto layout = cache::ReadLayout(**region);
+    const char* metadata = !layout.ok() ? nullptr : (layout->h.flags & cache::kFlagCentral) ? "central" : "decentralized";
     if (info_args->json) {
-      std::printf("%s\n", RegionInfoJson((*region)->info()).dump(2).c_str());
+      nlohmann::json j = RegionInfoJson((*region)->info());
+      j["metadata"] = metadata == nullptr ? nlohmann::json() : nlohmann::json(metadata);
+      std::printf("%s\n", j.dump(2).c_str());
     } else {
       PrintRegionInfo((*region)->info(), stdout);
+      if (metadata != nullptr) std::printf("metadata        %s\n", metadata);
     }
   });
 }
