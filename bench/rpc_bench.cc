@@ -6,6 +6,7 @@
 //                        loopback with the same 64-byte echo (goal: >= 10x lower latency)
 //   rpc_64B_qd128        requests per second one server thread answers with 128 in flight from
 //                        one client; reference: the QD1 rate (what batching buys)
+//   index_*/MODE         the prefix index in central vs decentralized metadata mode (meta_bench.cc)
 // Every process is forked before any pool is opened here (threads do not cross a fork).
 #include <netinet/in.h>
 #include <signal.h>
@@ -229,6 +230,8 @@ Result<nlohmann::json> RunRpcBench(const BenchOptions& options) {
                                 "TCP loopback round trip / RPC round trip, same repetition; goal >= 10"}));
   results.push_back(FigureJson({"rpc_64B_qd128", "Mops", true, rpc_ops, "rpc_64B_qd1_rate", qd1_ops,
                                 "one server thread, 128 requests in flight from one client; ratio to the QD1 rate"}));
+  CXLKV_ASSIGN_OR_RETURN(auto modes, MetadataModeFigures(options));
+  for (auto& f : modes) results.push_back(std::move(f));
   nlohmann::json report;
   report["suite"] = "rpc";
   report["machine"] = MachineJson();

@@ -38,6 +38,10 @@ Result<nlohmann::json> RunRpcBench(const BenchOptions& options);
 // Returns ns per round trip (pool_bench.cc).
 double LinePingPongNs(int rounds);
 
+// The prefix index's lookup, reserve+commit and 4-writer put in both metadata modes, as figures
+// of the rpc suite (meta_bench.cc).
+Result<std::vector<nlohmann::json>> MetadataModeFigures(const BenchOptions& options);
+
 }  // namespace cxlkv::bench
 
 #endif  // CXLKV_BENCH_SUITES_H_
