@@ -27,22 +27,35 @@ Result<nlohmann::json> RunE2eBench(const BenchOptions& options) {
     runs.push_back(std::move(c));
   }
   nlohmann::json results = nlohmann::json::array();
-  const size_t pool = runs[0].summaries.size() - 1;
-  for (size_t b = 0; b < pool; ++b) {
-    const std::string vs = runs[0].runs[b].mode;
-    Figure ttft{"ttft_mean/pool_vs_" + vs, "ms", false, {}, "ttft_mean/" + vs, {},
-                "pool TTFT / baseline TTFT: below 1 is the pool's gain"};
-    Figure rps{"throughput/pool_vs_" + vs, "req/s", true, {}, "throughput/" + vs, {},
-               "pool requests/s over the baseline's"};
+  const int pool = serve::PoolIndex(runs[0], MetadataMode::kDecentralized);
+  const int central = serve::PoolIndex(runs[0], MetadataMode::kCentral);
+  if (pool < 0) return Internal("the comparison ran no shared-pool configuration");
+  // `pool` next to `ref`, per repetition: mean TTFT, the TTFT of prompts seen before (the
+  // papers' cache-hit TTFT), throughput.
+  auto compare = [&](int a, int ref, const std::string& label, const std::string& vs, const std::string& what) {
+    Figure ttft{"ttft_mean/" + label + "_vs_" + vs, "ms", false, {}, "ttft_mean/" + vs, {},
+                what + " TTFT / " + vs + " TTFT: below 1 is the gain"};
+    Figure seen{"ttft_seen/" + label + "_vs_" + vs, "ms", false, {}, "ttft_seen/" + vs, {},
+                "the same over prompts seen before (cache-hit TTFT)"};
+    Figure rps{"throughput/" + label + "_vs_" + vs, "req/s", true, {}, "throughput/" + vs, {},
+               what + " requests/s over " + vs + "'s"};
     for (const auto& c : runs) {
-      ttft.samples.push_back(c.summaries[pool].ttft_mean_ms);
-      ttft.reference_samples.push_back(c.summaries[b].ttft_mean_ms);
-      rps.samples.push_back(c.summaries[pool].requests_per_s);
-      rps.reference_samples.push_back(c.summaries[b].requests_per_s);
+      ttft.samples.push_back(c.summaries[a].ttft_mean_ms);
+      ttft.reference_samples.push_back(c.summaries[ref].ttft_mean_ms);
+      seen.samples.push_back(c.summaries[a].ttft_seen_mean_ms);
+      seen.reference_samples.push_back(c.summaries[ref].ttft_seen_mean_ms);
+      rps.samples.push_back(c.summaries[a].requests_per_s);
+      rps.reference_samples.push_back(c.summaries[ref].requests_per_s);
     }
     results.push_back(FigureJson(ttft));
+    results.push_back(FigureJson(seen));
     results.push_back(FigureJson(rps));
+  };
+  for (size_t b = 0; b < runs[0].summaries.size(); ++b) {
+    if (runs[0].modes[b] == serve::KvMode::kPool) continue;
+    compare(pool, static_cast<int>(b), "pool", runs[0].runs[b].mode, "pool");
   }
+  if (central >= 0) compare(central, pool, "central", "decentralized", "central-metadata pool");
   return nlohmann::json{{"suite", "e2e"},
                         {"machine", MachineJson()},
                         {"repetitions", reps},

@@ -7,27 +7,44 @@
 
 namespace cxlkv::serve {
 
-std::string ConfigName(KvMode mode) {
+std::string ConfigName(KvMode mode, MetadataMode metadata) {
   switch (mode) {
     case KvMode::kRecompute: return "(a) no KV reuse";
     case KvMode::kPrivate: return "(b) private DRAM cache";
     case KvMode::kTcp: return "(c) private + TCP handoff";
-    case KvMode::kPool: return "(d) cxlkv shared pool";
+    case KvMode::kPool:
+      return metadata == MetadataMode::kCentral ? "(e) cxlkv pool, central metadata" : "(d) cxlkv shared pool";
   }
   return "?";
 }
 
+int PoolIndex(const Comparison& c, MetadataMode metadata) {
+  for (size_t i = 0; i < c.modes.size(); ++i) {
+    if (c.modes[i] == KvMode::kPool && c.metadata[i] == metadata) return static_cast<int>(i);
+  }
+  return -1;
+}
+
 Result<Comparison> CompareConfigurations(const CompareOptions& options, const std::vector<Request>& requests) {
   Comparison out;
+  std::vector<std::pair<KvMode, MetadataMode>> configs;
   for (KvMode mode : options.modes) {
-    const std::string name = ConfigName(mode);
+    if (mode != KvMode::kPool) {
+      configs.push_back({mode, MetadataMode::kDecentralized});
+      continue;
+    }
+    for (MetadataMode m : options.pool_metadata) configs.push_back({mode, m});
+  }
+  for (auto [mode, metadata] : configs) {
+    const std::string name = ConfigName(mode, metadata);
     const std::string region =
         (options.region_prefix.empty() ? options.workdir + "/cxlkv-e2e-" + std::to_string(::getpid())
                                        : options.region_prefix) +
-        "-" + std::string(KvModeName(mode));
+        "-" + std::string(KvModeName(mode)) + (metadata == MetadataMode::kCentral ? "-central" : "");
     PoolCreateOptions co;
     co.size = options.region_bytes;
     co.overwrite = true;
+    co.metadata = metadata;
     CXLKV_RETURN_IF_ERROR(Pool::Create({region}, co));
     ServeOptions so = options.serve;
     so.region = region;
@@ -47,6 +64,8 @@ Result<Comparison> CompareConfigurations(const CompareOptions& options, const st
     if (!run.ok()) return Status(run.status().code(), name + ": " + run.status().message());
     if (!problems.empty()) return Corrupted(name + ": the pool failed its check after the run: " + problems[0]);
     out.summaries.push_back(Summarize(name, *run));
+    out.modes.push_back(mode);
+    out.metadata.push_back(metadata);
     out.second_half_hit_rate.push_back(HitRate(*run, requests.size() / 2, requests.size()));
     out.runs.push_back(std::move(*run));
   }
@@ -69,6 +88,7 @@ nlohmann::json ComparisonJson(const Comparison& c) {
     auto j = SummaryJson(c.summaries[i]);
     j["mode"] = c.runs[i].mode;
     j["policy"] = c.runs[i].policy;
+    j["metadata"] = MetadataModeName(c.metadata[i]);
     j["second_half_hit_rate"] = c.second_half_hit_rate[i];
     configs.push_back(j);
   }

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "cxlkv/pool.h"
 #include "serve/report.h"
 #include "serve/router.h"
 #include "serve/workload.h"
@@ -20,19 +21,26 @@ struct CompareOptions {
   std::string region_prefix;         // if set: regions at PREFIX-<mode> instead of in workdir
   uint64_t region_bytes = 512ull << 20;
   std::vector<KvMode> modes = {KvMode::kRecompute, KvMode::kPrivate, KvMode::kTcp, KvMode::kPool};
+  // The shared-pool configuration runs once per metadata mode listed (docs/metadata.md):
+  // decentralized (TraCT) and central (Beluga) by default, in that order.
+  std::vector<MetadataMode> pool_metadata = {MetadataMode::kDecentralized, MetadataMode::kCentral};
   // Called before each configuration starts, and as its requests complete.
   std::function<void(const std::string& config, size_t done, size_t total)> progress;
 };
 
 struct Comparison {
-  std::vector<RunSummary> summaries;  // in `modes` order
+  std::vector<RunSummary> summaries;  // in `modes` order, the pool once per metadata mode
+  std::vector<KvMode> modes;          // per summary
+  std::vector<MetadataMode> metadata; // per summary (kDecentralized for the baselines)
   std::vector<ServeRun> runs;
   std::vector<double> second_half_hit_rate;  // hit rate of the later half of the requests
   bool tokens_identical = false;
 };
 
-// A configuration's display name, e.g. "(d) cxlkv shared pool".
-std::string ConfigName(KvMode mode);
+// A configuration's display name, e.g. "(d) cxlkv shared pool", "(e) cxlkv pool, central meta".
+std::string ConfigName(KvMode mode, MetadataMode metadata = MetadataMode::kDecentralized);
+// Index in `c` of the shared pool with that metadata mode; -1 when it did not run.
+int PoolIndex(const Comparison& c, MetadataMode metadata);
 
 // Errors: whatever a run returns, and kInternal when two configurations generated different
 // tokens for a request (greedy decoding must not depend on where the KV came from).

@@ -18,6 +18,10 @@ struct RunSummary {
   std::string name;            // the configuration
   size_t requests = 0;
   double ttft_mean_ms = 0, ttft_p50_ms = 0, ttft_p99_ms = 0;
+  // Requests whose prompt shares its group with an earlier request ("seen before": the papers'
+  // cache-hit TTFT), how many, and their mean TTFT; 0 when none.
+  size_t seen_requests = 0;
+  double ttft_seen_mean_ms = 0;
   double tpot_mean_ms = 0;     // per output token after the first
   double requests_per_s = 0;
   double tokens_per_s = 0;     // generated tokens

@@ -198,13 +198,21 @@ TEST(Cli, DemoComparesFourConfigurationsWithIdenticalTokens) {
   const std::string out = path.path() + "-out";
   auto r = Cli("demo --quick --path " + path.path() + " --size 64M --out " + out);
   ASSERT_EQ(r.code, 0) << r.out;
-  EXPECT_THAT(r.out, HasSubstr("identical across all 4 configurations, request by request: yes"));
+  // Four KV configurations; the shared pool runs in both metadata modes (five runs in all).
+  EXPECT_THAT(r.out, HasSubstr("identical across all 5 configurations, request by request: yes"));
   EXPECT_THAT(r.out, HasSubstr("(d) cxlkv shared pool"));
+  EXPECT_THAT(r.out, HasSubstr("(e) cxlkv pool, central metadata"));
+  EXPECT_THAT(r.out, HasSubstr("central metadata vs decentralized"));
   std::ifstream f(out + "/e2e.json");
   ASSERT_TRUE(f.good());
   auto j = nlohmann::json::parse(f);
   EXPECT_TRUE(j["tokens_identical"].get<bool>());
-  ASSERT_EQ(j["configurations"].size(), 4u);
+  ASSERT_EQ(j["configurations"].size(), 5u);
+  EXPECT_EQ(j["configurations"][3]["metadata"], "decentralized");
+  EXPECT_EQ(j["configurations"][4]["metadata"], "central");
+  // Cache-hit TTFT: over the second pass's requests, below the mean where the pool hits.
+  EXPECT_GT(j["configurations"][3]["ttft_seen_ms"]["requests"].get<size_t>(), 0u);
+  EXPECT_GT(j["configurations"][4]["second_half_hit_rate"].get<double>(), 0.5);
   // The shared pool hits the documents of the second pass; no reuse hits nothing.
   EXPECT_EQ(j["configurations"][0]["hit_rate"].get<double>(), 0.0);
   // (Requests of the second pass that overlap the first pass's writes of their document miss.)
@@ -225,6 +233,19 @@ nlohmann::json ServeDocQa(const std::string& region, const std::string& extra, i
     return {};
   }
   return nlohmann::json::parse(r.stdout_only);
+}
+
+// The same serving run on a pool with central metadata: the workers' index operations go to
+// the metadata service (hosted by a worker: no daemon here), the second pass still hits.
+TEST(Cli, ServeOnACentralMetadataPoolHitsTheSecondPass) {
+  cxlkv::testing::TempRegionPath path("cli-serve-central");
+  auto j = ServeDocQa(path.path(), "--concurrency 1 --metadata central");
+  ASSERT_TRUE(j.contains("pass_hit_rates"));
+  ASSERT_EQ(j["pass_hit_rates"].size(), 2u);
+  EXPECT_GE(j["pass_hit_rates"][1].get<double>(), 0.90);
+  auto info = Cli("info --path " + path.path() + " --json");
+  ASSERT_EQ(info.code, 0) << info.out;
+  EXPECT_EQ(nlohmann::json::parse(info.stdout_only)["metadata"], "central");
 }
 
 TEST(Cli, ServeSecondPassOfRepeatedDocumentsHits) {

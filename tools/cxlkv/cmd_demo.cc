@@ -74,14 +74,29 @@ Status RunDemo(const DemoArgs& a) {
   serve::PrintTable(stdout, cmp.summaries);
   std::printf("\nsecond pass (documents seen before) hit rate:");
   for (size_t i = 0; i < cmp.summaries.size(); ++i) {
-    std::printf("  %s %.0f%%", cmp.runs[i].mode.c_str(), 100 * cmp.second_half_hit_rate[i]);
+    std::printf("  %s%s %.0f%%", cmp.runs[i].mode.c_str(), cmp.metadata[i] == MetadataMode::kCentral ? "/central" : "",
+                100 * cmp.second_half_hit_rate[i]);
   }
   std::printf("\ngenerated tokens identical across all %zu configurations, request by request: %s\n",
               cmp.summaries.size(), cmp.tokens_identical ? "yes" : "NO");
-  const auto& pool = cmp.summaries.back();
-  for (size_t i = 0; i + 1 < cmp.summaries.size(); ++i) {
-    std::printf("cxlkv shared pool vs %-26s TTFT mean %.2fx lower, throughput %.2fx\n", cmp.summaries[i].name.c_str(),
-                cmp.summaries[i].ttft_mean_ms / pool.ttft_mean_ms, pool.requests_per_s / cmp.summaries[i].requests_per_s);
+  const int d = serve::PoolIndex(cmp, MetadataMode::kDecentralized);
+  const int c = serve::PoolIndex(cmp, MetadataMode::kCentral);
+  if (d >= 0) {
+    const auto& pool = cmp.summaries[d];
+    for (size_t i = 0; i < cmp.summaries.size(); ++i) {
+      if (cmp.modes[i] == serve::KvMode::kPool) continue;
+      std::printf("cxlkv shared pool vs %-26s TTFT mean %.2fx lower (seen prompts %.2fx), throughput %.2fx\n",
+                  cmp.summaries[i].name.c_str(), cmp.summaries[i].ttft_mean_ms / pool.ttft_mean_ms,
+                  cmp.summaries[i].ttft_seen_mean_ms / pool.ttft_seen_mean_ms,
+                  pool.requests_per_s / cmp.summaries[i].requests_per_s);
+    }
+  }
+  if (d >= 0 && c >= 0) {
+    const auto& dec = cmp.summaries[d];
+    const auto& cen = cmp.summaries[c];
+    std::printf("central metadata vs decentralized: TTFT mean %.1f vs %.1f ms, seen prompts %.1f vs %.1f ms, "
+                "throughput %.2f vs %.2f req/s\n", cen.ttft_mean_ms, dec.ttft_mean_ms, cen.ttft_seen_mean_ms,
+                dec.ttft_seen_mean_ms, cen.requests_per_s, dec.requests_per_s);
   }
   const std::string out = a.out.empty() ? "/tmp/cxlkv-demo-" + std::to_string(::getuid()) : a.out;
   ::mkdir(out.c_str(), 0755);
@@ -103,7 +118,7 @@ Status RunDemo(const DemoArgs& a) {
 
 void AddDemoCommands(CLI::App& app, CommandResult& result) {
   auto a = std::make_shared<DemoArgs>();
-  CLI::App* cmd = app.add_subcommand("demo", "The end-to-end demo: four KV configurations, one workload, one table");
+  CLI::App* cmd = app.add_subcommand("demo", "The end-to-end demo: four KV configurations (the pool in both metadata modes), one workload, one table");
   cmd->add_option("--workdir", a->workdir, "Where the regions go (removed after)")->capture_default_str();
   cmd->add_option("--path", a->path, "Region path prefix: regions at PATH-<mode> (default: in --workdir)");
   cmd->add_option("--size", a->size, "Region size per configuration")->capture_default_str();

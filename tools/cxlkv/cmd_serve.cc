@@ -46,6 +46,7 @@ struct ServeArgs {
   int kill_prefill_after = -1;
   uint32_t lease_ms = 1000;
   bool json = false;
+  std::string metadata = "decentralized";  // for a pool this command creates
 };
 
 Result<std::vector<serve::Request>> MakeRequests(const ServeArgs& a, uint32_t vocab) {
@@ -78,6 +79,7 @@ Status RunServe(const ServeArgs& a) {
     CXLKV_ASSIGN_OR_RETURN(uint64_t size, util::ParseByteSize(a.size));
     PoolCreateOptions co;
     co.size = size;
+    co.metadata = a.metadata == "central" ? MetadataMode::kCentral : MetadataMode::kDecentralized;
     CXLKV_RETURN_IF_ERROR(Pool::Create(SplitPaths(a.path), co));
   }
   if (!a.json) {
@@ -132,6 +134,9 @@ void AddServeCommands(CLI::App& app, CommandResult& result) {
   CLI::App* cmd = app.add_subcommand("serve", "Run a router and prefill/decode worker processes on a pool region");
   cmd->add_option("--path", a->path, "Region path(s); created if absent")->capture_default_str();
   cmd->add_option("--size", a->size, "Region size when created")->capture_default_str();
+  cmd->add_option("--metadata", a->metadata, "Metadata mode when created: decentralized | central (an existing pool keeps its own)")
+      ->check(CLI::IsMember({"decentralized", "central"}))
+      ->capture_default_str();
   cmd->add_option("--prefill", a->prefill, "Prefill worker processes")->capture_default_str();
   cmd->add_option("--decode", a->decode, "Decode worker processes")->capture_default_str();
   cmd->add_option("--mode", a->mode, "KV mode: recompute | private | tcp | pool")->capture_default_str();
