@@ -196,7 +196,9 @@ Result<size_t> RpcClient::Wait(Ticket ticket, std::span<uint8_t> out, Clock::tim
       }
     }
     if (now - start < options_.spin) {
-      for (int i = 0; i < 16; ++i) region::CpuRelax();
+      // Yield rather than spin: on a machine with fewer cores than busy threads, the server (or
+      // the client the server is about to answer) may be waiting for this core.
+      std::this_thread::yield();
       continue;
     }
     // 10 µs, 20 µs, ... up to 500 µs: two cores, and a server that sleeps when idle.
