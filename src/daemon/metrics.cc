@@ -8,11 +8,13 @@
 #include <cinttypes>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "daemon/daemon.h"
 #include "daemon/node_status.h"
+#include "meta/service.h"
 #include "pool/pool_internal.h"
 #include "util/histogram.h"
 
@@ -34,17 +36,22 @@ class Exposition {
   }
   void Histogram(const std::string& name, const char* help, const util::LatencyHistogram::Snapshot& s) {
     Family(name, "histogram", help);
+    HistogramSamples(name, "", s);
+  }
+  // One labelled series of a histogram family already announced (`labels` without braces).
+  void HistogramSamples(const std::string& name, const std::string& labels, const util::LatencyHistogram::Snapshot& s) {
+    const std::string prefix = labels.empty() ? "" : labels + ",";
     uint64_t cumulative = 0;
     for (size_t b = 0; b < util::LatencyHistogram::kBoundsSeconds.size(); ++b) {
       cumulative += s.buckets[b];
       char le[32];
       std::snprintf(le, sizeof le, "%g", util::LatencyHistogram::kBoundsSeconds[b]);
-      Sample(name + "_bucket", std::string("le=\"") + le + "\"", cumulative);
+      Sample(name + "_bucket", prefix + "le=\"" + le + "\"", cumulative);
     }
     cumulative += s.buckets.back();
-    Sample(name + "_bucket", "le=\"+Inf\"", cumulative);
-    Sample(name + "_sum", "", s.sum_seconds);
-    Sample(name + "_count", "", cumulative);
+    Sample(name + "_bucket", prefix + "le=\"+Inf\"", cumulative);
+    Sample(name + "_sum", labels, s.sum_seconds);
+    Sample(name + "_count", labels, cumulative);
   }
   std::string Take() { return std::move(out_); }
 
@@ -144,19 +151,39 @@ std::string Daemon::RenderMetrics() {
     e.Family("cxlkv_cache_pins", "gauge", "Pins held per node (blocks being read).");
     for (const auto& [n, v] : pins) e.Sample("cxlkv_cache_pins", Label("node", n), v);
   }
-  if (admin_) {
-    const rpc::RpcServerStats s = admin_->stats();
-    const std::string svc = Label("service", admin_->area().service());
+  // Every RPC service this daemon serves or stands by for: admin, and meta on a central pool.
+  std::vector<const rpc::RpcServer*> servers;
+  if (admin_) servers.push_back(admin_.get());
+  const meta::MetaService* meta_service = meta::ServiceOf(*pool_);
+  if (meta_service != nullptr) servers.push_back(&meta_service->server());
+  using Field = uint64_t rpc::RpcServerStats::*;
+  const std::pair<const char*, std::pair<Field, const char*>> counters[] = {
+      {"cxlkv_rpc_requests_total", {&rpc::RpcServerStats::requests, "RPC requests this daemon answered."}},
+      {"cxlkv_rpc_errors_total", {&rpc::RpcServerStats::errors, "RPC requests answered with an error."}},
+      {"cxlkv_rpc_takeovers_total", {&rpc::RpcServerStats::takeovers, "Terms of the RPC service this daemon began."}},
+      {"cxlkv_rpc_unknown_outcome_total",
+       {&rpc::RpcServerStats::unknown_outcome, "Requests a predecessor accepted, answered 'outcome unknown' at takeover."}},
+  };
+  if (!servers.empty()) {
     e.Family("cxlkv_rpc_serving", "gauge", "1 while this daemon serves the RPC service (0: standing by).");
-    e.Sample("cxlkv_rpc_serving", svc, uint64_t{s.serving ? 1u : 0u});
-    e.Family("cxlkv_rpc_requests_total", "counter", "RPC requests this daemon answered.");
-    e.Sample("cxlkv_rpc_requests_total", svc, s.requests);
-    e.Family("cxlkv_rpc_errors_total", "counter", "RPC requests answered with an error.");
-    e.Sample("cxlkv_rpc_errors_total", svc, s.errors);
-    e.Family("cxlkv_rpc_takeovers_total", "counter", "Terms of the RPC service this daemon began.");
-    e.Sample("cxlkv_rpc_takeovers_total", svc, s.takeovers);
-    e.Histogram("cxlkv_rpc_service_seconds", "From the poll that found an RPC request to the publish of its answer.",
-                admin_->service_time().Read());
+    for (const rpc::RpcServer* srv : servers) {
+      e.Sample("cxlkv_rpc_serving", Label("service", srv->area().service()), uint64_t{srv->stats().serving ? 1u : 0u});
+    }
+    for (const auto& [name, field] : counters) {
+      e.Family(name, "counter", field.second);
+      for (const rpc::RpcServer* srv : servers) e.Sample(name, Label("service", srv->area().service()), srv->stats().*field.first);
+    }
+    e.Family("cxlkv_rpc_service_seconds", "histogram", "From the poll that found an RPC request to the publish of its answer.");
+    for (const rpc::RpcServer* srv : servers) {
+      e.HistogramSamples("cxlkv_rpc_service_seconds", Label("service", srv->area().service()), srv->service_time().Read());
+    }
+  }
+  if (meta_service != nullptr) {
+    const meta::MetaServiceStats m = meta_service->stats();
+    e.Family("cxlkv_meta_sweeps_total", "counter", "Sweeps of the central index for dead writers and pins, by this daemon.");
+    e.Sample("cxlkv_meta_sweeps_total", "", m.sweeps);
+    e.Family("cxlkv_meta_reclaimed_total", "counter", "WRITING entries of ended lives or dead processes this daemon dropped.");
+    e.Sample("cxlkv_meta_reclaimed_total", "", m.reclaimed);
   }
   return e.Take();
 }

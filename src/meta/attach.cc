@@ -24,6 +24,7 @@ class Attached final : public pool::CentralMetadata {
   }
   cache::IndexApi& index() override { return *client_; }
   bool RecoverProcess(uint32_t slot, uint64_t inc) override { return client_->ReclaimProcess(slot, inc); }
+  const MetaService* service() const { return service_.get(); }
 
  private:
   std::unique_ptr<MetaService> service_;
@@ -38,6 +39,15 @@ Result<std::unique_ptr<pool::CentralMetadata>> Attach(Pool& pool, const PoolOpen
   auto client = std::make_unique<CentralIndex>(pool, *pool.impl().index);
   return std::unique_ptr<pool::CentralMetadata>(new Attached(std::move(service), std::move(client)));
 }
+
+}  // namespace
+
+const MetaService* ServiceOf(Pool& pool) {
+  const auto* attached = dynamic_cast<const Attached*>(pool.impl().central.get());
+  return attached == nullptr ? nullptr : attached->service();
+}
+
+namespace {
 
 [[maybe_unused]] const bool kInstalled = [] {
   pool::RegisterCentralMetadata(&Attach);

@@ -61,6 +61,10 @@ class MetaService {
   std::atomic<uint64_t> sweeps_{0}, reclaimed_{0};
 };
 
+// The service (serving or standing by) a pool opened in this process hosts; null when the
+// pool's metadata is decentralized or the process hosts none (attach.cc).
+const MetaService* ServiceOf(Pool& pool);
+
 }  // namespace cxlkv::meta
 
 #endif  // CXLKV_SRC_META_SERVICE_H_
