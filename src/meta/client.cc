@@ -243,6 +243,15 @@ Result<std::vector<KeyReservation>> CentralIndex::ReserveMany(const NamespaceHan
       if (!r.Text(&m, kMaxMessageBytes)) return BadAnswer("reserve");
     }
     if (!r.done()) return BadAnswer("reserve");
+    {
+      const uint64_t life = node_.incarnation();
+      std::lock_guard<std::mutex> g(open_reservations_mu_);
+      for (size_t i = 0; i < n; ++i) {
+        if (out[first + i].outcome == ReserveOutcome::kReserved) {
+          open_reservations_[ReservationId(out[first + i].reservation)] = life;
+        }
+      }
+    }
     for (size_t i = 0; i < n; ++i) {
       Status& st = out[first + i].status;
       if (st.ok()) continue;
@@ -258,17 +267,35 @@ Result<std::vector<KeyReservation>> CentralIndex::ReserveMany(const NamespaceHan
 Status CentralIndex::Finish(uint32_t op, std::span<Reservation> rs) {
   Status first_error;
   std::vector<Reservation*> open;
-  for (Reservation& r : rs) {
-    if (r.open) {
+  {
+    const uint64_t life = node_.incarnation();
+    std::lock_guard<std::mutex> g(open_reservations_mu_);
+    for (Reservation& r : rs) {
+      if (!r.open) {
+        if (first_error.ok()) first_error = InvalidArgument("reservation is not open (committed or aborted already)");
+        continue;
+      }
+      auto it = open_reservations_.find(ReservationId(r));
+      const uint64_t made_by = it == open_reservations_.end() ? life : it->second;
+      if (it != open_reservations_.end()) open_reservations_.erase(it);
+      if (op == kCommit && cache::WriterInc(made_by) != cache::WriterInc(life)) {
+        // Reserved by this node's earlier life (it was paused or silent past its lease): that
+        // life is over and its reservations are the service's to reclaim, never to commit.
+        r.open = false;
+        if (first_error.ok()) {
+          first_error = LeaseExpired("commit refused: the block was reserved by node " + std::to_string(node_.id()) +
+                                     "'s life " + std::to_string(cache::WriterInc(made_by)) + ", which ended (paused "
+                                     "or silent past its lease); its recovery drops the block: reserve it again");
+        }
+        continue;
+      }
       open.push_back(&r);
-    } else if (first_error.ok()) {
-      first_error = InvalidArgument("reservation is not open (committed or aborted already)");
     }
   }
   // Publish-after-payload (P3): this process wrote the payloads with non-temporal stores and
   // fenced; the service publishes READY only after this request arrives. A life that is over
   // commits nothing (the service checks too, with its own view).
-  if (op == kCommit) {
+  if (op == kCommit && !open.empty()) {
     if (Status s = node_.Fence("commit"); !s.ok()) {
       for (Reservation* r : open) r->open = false;
       return s;

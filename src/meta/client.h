@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <span>
+#include <unordered_map>
 #include <vector>
 
 #include "cache/index.h"
@@ -85,6 +86,12 @@ class CentralIndex final : public cache::IndexApi {
   std::unique_ptr<rpc::RpcClient> client_;  // guarded by open_mu_ until set
   std::atomic<rpc::RpcClient*> ready_{nullptr};
   std::atomic<bool> reserved_any_{false};
+  // Open reservations of this process: (slot, generation) -> the life that made them. A
+  // reservation of a life that ended commits nothing; it is refused here as the decentralized
+  // index refuses it (kLeaseExpired), whether or not the service reclaimed it already.
+  std::mutex open_reservations_mu_;
+  std::unordered_map<uint64_t, uint64_t> open_reservations_;
+  static uint64_t ReservationId(const Reservation& r) { return (r.generation << 32) ^ r.slot; }
 };
 
 }  // namespace cxlkv::meta
