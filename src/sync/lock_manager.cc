@@ -30,7 +30,14 @@ void LockManager::MarkDirty(uint32_t lock) {
   dirty_.push_back(lock);
 }
 
-// Re-reads node `n`'s wanted bitmap and the request words of every lock named now or before.
+// Re-reads node `n`'s wanted bitmap and the request words of every lock it tracks: named by the
+// bitmap now, or tracked at the last read. A lock stays tracked while its request word was last
+// read odd, bit or no bit: a node publishes its request before it sets the bit, so a request can
+// be read (and granted) while the bit is clear — the node's previous release of the lock just
+// cleared it — and the node may then set the bit, hold, release and clear it between two reads
+// of this doorbell. Tracked by the bitmap alone, that release was never read, and the lock stayed
+// held by a request its node had long dropped; the resync, which reads only tracked locks, did
+// not see it either.
 void LockManager::ReadDoorbell(uint32_t n, bool first_line_fresh) {
   const uint64_t bitmap = layout_.wanted_word(n, 0);
   const uint64_t line_end = layout_.doorbell(n) + 64;
@@ -39,14 +46,16 @@ void LockManager::ReadDoorbell(uint32_t n, bool first_line_fresh) {
   if (bitmap + layout_.wanted_bytes() > line_end) meta_.Invalidate(line_end, bitmap + layout_.wanted_bytes() - line_end);
   for (uint32_t w = 0; w < words_; ++w) {
     uint64_t now = meta_.Load(bitmap + w * 8);
-    uint64_t& before = wanted_[size_t{n} * words_ + w];
-    uint64_t touch = (now | before);
-    before = now;
+    uint64_t& tracked = wanted_[size_t{n} * words_ + w];
+    uint64_t touch = (now | tracked);
+    tracked = now;
     while (touch != 0) {
-      uint32_t k = w * 64 + static_cast<uint32_t>(std::countr_zero(touch));
+      const uint32_t bit = static_cast<uint32_t>(std::countr_zero(touch));
+      const uint32_t k = w * 64 + bit;
       touch &= touch - 1;
       if (k >= locks_) break;
       req(k, n) = meta_.Fetch(layout_.request(k, n));  // P2: node n wrote it
+      if (RequestWants(req(k, n))) tracked |= uint64_t{1} << bit;  // until its release is read
       MarkDirty(k);
     }
   }
@@ -79,6 +88,7 @@ void LockManager::RefreshLiveness() {
       // That life ended: its holds and waits count no more, and its grant words go back to 0
       // ("slots of a dead node are reset"; the manager is their single writer).
       for (uint32_t k = 0; k < locks_; ++k) {
+        req(k, n) = 0;  // untracked from here on (below): no cached request may outlive that
         if (grant(k, n) != 0) {
           meta_.Publish(layout_.grant(k, n), 0);
           grant(k, n) = 0;

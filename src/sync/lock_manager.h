@@ -6,8 +6,10 @@
 // Cost: an idle scan reads one doorbell word per live node, O(live nodes), not O(locks × nodes).
 // A node bumps its doorbell after every request or release it publishes and keeps in it the
 // bitmap of locks it wants; on a changed doorbell the manager re-reads that node's request words
-// of the locks named (now or before) and decides only those locks. A full resync of every wanted
-// lock runs every beat interval anyway, so nothing depends on a doorbell never being missed.
+// of the locks it tracks — named by the bitmap now or at the last read, or last read with an odd
+// request (a request may be read, and granted, before its bit is set; see ReadDoorbell) — and
+// decides only those locks. A full resync of every tracked lock runs every beat interval anyway,
+// so nothing depends on a doorbell never being missed.
 //
 // Fencing: before each grant the manager passes Heartbeat::Fence with its own life; a manager
 // paused past its lease resumes into a refused fence (its node started a new life, or its lease
@@ -84,7 +86,8 @@ class LockManager {
   std::vector<uint32_t> live_;        // per node: incarnation if live, else 0
   std::vector<uint32_t> live_next_;
   std::vector<uint64_t> seq_seen_;    // per node: doorbell sequence last processed
-  std::vector<uint64_t> wanted_;      // per node × word: the bitmap last read
+  std::vector<uint64_t> wanted_;      // per node × word: the locks tracked (ReadDoorbell): named
+                                      // by the bitmap last read, or last read with an odd request
   std::vector<uint64_t> req_;         // per lock × node: request word last read
   std::vector<uint64_t> grant_;       // per lock × node: grant word (this manager writes it)
   std::vector<uint32_t> last_granted_;  // per lock: the node granted last (fairness)

@@ -133,7 +133,13 @@ Node::~Node() {
     stop_.store(true);
   }
   stop_cv_.notify_all();
-  recovery_cv_.notify_all();
+  {
+    // RecoveryLoop tests stop_ under hooks_mu_, not stop_mu_: notified without it, a loop that
+    // had just found stop_ false missed the notify and slept for good, and the join below hung
+    // (a pool opened and closed at once: about one close in a thousand, on two cores).
+    std::lock_guard<std::mutex> lock(hooks_mu_);
+    recovery_cv_.notify_all();
+  }
   if (beat_thread_.joinable()) beat_thread_.join();  // stops the manager, drops manager_mu
   if (tasks_thread_.joinable()) tasks_thread_.join();
   if (recovery_thread_.joinable()) recovery_thread_.join();

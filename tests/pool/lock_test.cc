@@ -2,7 +2,11 @@
 // of the lock manager's host.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <thread>
+
 #include "lock_test_util.h"
+#include "sync/layout.h"
 
 namespace cxlkv {
 namespace {
@@ -129,6 +133,73 @@ TEST(TwoTierLock, TimeoutWithdrawsTheRequestAndLocksCanBeFreed) {
   EXPECT_TRUE(p->FreeLock(s.lock).ok());
   EXPECT_EQ(p->FreeLock(s.lock).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(p->Lock(1, 10).code(), StatusCode::kInvalidArgument);  // internal
+}
+
+// The manager re-reads a node's request words when its doorbell names the lock now or named it
+// at the last read. A node publishes its request before it sets the lock's bit, so the manager
+// can read a new odd request while the bit is still clear (the node's previous release of the
+// same lock just cleared it) and grant it; the node then sets the bit, holds, releases and clears
+// it, all between two reads of its doorbell. A manager that tracked locks by the bitmap alone
+// never re-read that request and took the lock for held forever: four writers stalled, each
+// waiting for a lock nobody held, while the manager slept idle. Node 1's request and doorbell are
+// written by hand here, to show the manager exactly the states it can read in that race.
+TEST(TwoTierLock, AReleaseWhoseBitTheManagerNeverSawStillFreesTheLock) {
+  testing::TempRegionPath path("lockunseen");
+  PoolCreateOptions co;
+  co.size = 16 << 20;
+  co.max_nodes = 3;
+  ASSERT_TRUE(Pool::Create({path.path()}, co).ok());
+  auto manager = OpenOrNull({path.path()}, 0);  // the lowest live node: the manager
+  auto hand = OpenOrNull({path.path()}, 1);     // live and beating; its lock words written below
+  auto other = OpenOrNull({path.path()}, 2);
+  ASSERT_TRUE(manager && hand && other);
+  region::MetaAccess& meta = testing::Meta(*hand);
+  const auto* area = hand->impl().regions[0]->impl().find_area(region::AreaKind::kLockArray);
+  ASSERT_NE(area, nullptr);
+  const sync::LockArrayLayout layout(area->offset, co.max_nodes, static_cast<uint32_t>(area->param));
+  const uint32_t lock = sync::kReservedLocks + 7;  // no process takes it but through this test
+  const uint32_t me = 1;
+  const uint64_t inc = hand->impl().node->incarnation();
+  auto request = [&](uint32_t seq) { meta.Publish(layout.request(lock, me), sync::MakeRequest(inc, seq)); };
+  auto bit = [&](bool set) {  // as Node::RingDoorbell: node 1's own threads may ring meanwhile
+    const uint64_t word = layout.wanted_word(me, lock);
+    const uint64_t b = uint64_t{1} << (lock % 64);
+    uint64_t cur = meta.Load(word);
+    while (!meta.LocalCompareExchange(word, cur, set ? (cur | b) : (cur & ~b))) {
+    }
+    meta.Flush(word, 8);
+  };
+  auto ring = [&] {
+    meta.LocalFetchAdd(layout.doorbell(me), 1);
+    meta.Flush(layout.doorbell(me), 8);
+  };
+  auto granted = [&](uint32_t seq) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (meta.Fetch(layout.grant(lock, me)) == sync::MakeRequest(inc, seq)) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return false;
+  };
+  // A plain acquire: request 1, bit, ring; the manager grants it.
+  request(1);
+  bit(true);
+  ring();
+  ASSERT_TRUE(granted(1));
+  // The release and the next acquire as the manager may read them: the release's cleared bit
+  // and rung sequence, and already the next odd request (the manager need never see the even
+  // one in between). It grants request 3 with the bit clear.
+  request(3);
+  bit(false);
+  ring();
+  ASSERT_TRUE(granted(3));
+  // Set-bit-and-ring, hold, release-and-clear-and-ring: the manager sees only the last ring.
+  request(4);
+  ring();
+  // Request 3 is over: another node gets the lock.
+  EXPECT_TRUE(other->Lock(lock, 10 * testing::kTestLeaseMs).ok()) << "the manager still takes lock "
+      << lock << " for held by node 1's request 3";
+  other->Unlock(lock);
 }
 
 }  // namespace
