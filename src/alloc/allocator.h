@@ -168,8 +168,12 @@ class Allocator {
   // once pushed; false once the life is over (the caller frees in place under the lock);
   // kBusy when it stays neither for two leases.
   Result<bool> PushWhileOwnerLives(OwnerWord owner, ObjectOffset off);
-  // One attempt: false (nothing pushed) when the owner's life is not surely live.
+  // One attempt: false (nothing pushed) when the owner's life is not surely live, or its
+  // recovery has closed the ring.
   Result<bool> PushRemoteFree(OwnerWord owner, ObjectOffset off);
+  // True when the recovery of the owner life has begun: its ring from this node is closed
+  // (kInboxClosedOffset), so a free of its object is applied in place, not pushed.
+  bool RingClosed(OwnerWord owner);
   // REQUIRES: the allocator lock; `w` is the chunk's kLeasedObject word of an ended life.
   void FreeEndedLifeLeasedLocked(ChunkRef chunk, OwnerWord w);
 

@@ -69,6 +69,13 @@ inline bool PushingFor(uint64_t word, uint32_t owner_inc) {
   return (word >> 63) != 0 && ((word >> 32) & 0xfffff) == (owner_inc & 0xfffff);
 }
 inline uint32_t PushingPusherInc(uint64_t word) { return static_cast<uint32_t>(word & 0xfffff); }
+// The closed word (line 1, after the head; written by whoever consumes for the owner): the
+// owner life whose recovery has begun. A pusher that announced its push and then finds the ring
+// closed for the life it pushes to frees in place instead: a push after recovery consumed the
+// ring would never be applied (the pushing word and this word are a Dekker pair). Zero in
+// regions made before it (bytes that were unused): then only the liveness check guards.
+inline constexpr uint64_t kInboxClosedOffset = 72;
+inline uint64_t ClosedWord(uint32_t owner_inc) { return (uint64_t{1} << 63) | (owner_inc & 0xfffff); }
 // A ring's head and tail are read from the region: a consumer walks [head, tail) only when it
 // holds at most kInboxEntries messages (a corrupted tail would otherwise loop for 2^64 steps).
 inline bool RingSane(uint64_t head, uint64_t tail) { return head <= tail && tail - head <= kInboxEntries; }

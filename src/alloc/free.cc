@@ -134,7 +134,7 @@ Result<bool> Allocator::PushWhileOwnerLives(OwnerWord w, ObjectOffset off) {
   // Neither beating nor declared dead yet (silent for less than a lease): wait — never touch
   // a heap whose owner may still write it.
   for (auto deadline = sync::Clock::now() + node_.lease() * 2;;) {
-    if (node_.LifeOver(w.node, w.incarnation, 0xfffff)) return false;
+    if (node_.LifeOver(w.node, w.incarnation, 0xfffff) || RingClosed(w)) return false;
     CXLKV_ASSIGN_OR_RETURN(bool pushed, PushRemoteFree(w, off));
     if (pushed) return true;
     if (sync::Clock::now() > deadline || node_.leaving()) {
@@ -142,6 +142,12 @@ Result<bool> Allocator::PushWhileOwnerLives(OwnerWord w, ObjectOffset off) {
     }
     std::this_thread::sleep_for(node_.lease() / 8);
   }
+}
+
+bool Allocator::RingClosed(OwnerWord owner) {
+  if (owner.node >= max_nodes_ || !tables_[0].has_inboxes()) return false;
+  const uint64_t ring = tables_[0].inbox(owner.node, node_.id());
+  return meta(0).Fetch(ring + kInboxClosedOffset) == ClosedWord(owner.incarnation);
 }
 
 Result<bool> Allocator::PushRemoteFree(OwnerWord owner, ObjectOffset off) {
@@ -170,7 +176,10 @@ Result<bool> Allocator::PushRemoteFree(OwnerWord owner, ObjectOffset off) {
   // consumes the ring only after it is published. Without it, a push decided just before a
   // clean leave lands after recovery consumed the ring, and the object is never freed.
   m.Publish(ring + kInboxPushingOffset, PushingWord(owner.incarnation, Inc20(node_.incarnation())));
-  if (!node_.SurelyLive(owner.node, owner.incarnation, 0xfffff)) {
+  // P2: the recoverer writes the closed word. Closed for this life: its recovery has begun and
+  // may have consumed the ring already, whatever this process's view of the owner says.
+  const bool closed = m.Fetch(ring + kInboxClosedOffset) == ClosedWord(owner.incarnation);
+  if (closed || !node_.SurelyLive(owner.node, owner.incarnation, 0xfffff)) {
     m.Publish(ring + kInboxPushingOffset, 0);
     pthread_mutex_unlock(&mu);
     return false;

@@ -14,6 +14,9 @@ namespace cxlkv::alloc {
 void Allocator::WaitForPushesInFlight(uint32_t dead, uint32_t inc) {
   if (!tables_[0].has_inboxes()) return;
   auto& m = meta(0);
+  // Close every ring of that life first (flushed), then look for announced pushes: a pusher
+  // announces, then looks at this word, so one of the two sees the other.
+  for (uint32_t f = 0; f < max_nodes_; ++f) m.Publish(tables_[0].inbox(dead, f) + kInboxClosedOffset, ClosedWord(inc));
   const auto deadline = sync::Clock::now() + node_.lease() * 2;
   for (uint32_t f = 0; f < max_nodes_; ++f) {
     const uint64_t ring = tables_[0].inbox(dead, f);

@@ -73,13 +73,11 @@ bool Index::TryEvictLocked(uint64_t slot, uint64_t gen, uint64_t* payload, uint6
   }
   Entry e = ReadEntry(slot);
   // Free while the entry still names the payload (EVICTING counts as reachable for the
-  // allocator's recovery), then tombstone. A crash in between leaves EVICTING, which repair
-  // tombstones without freeing again. Central mode, a payload of a service life that ended:
-  // only a reachability-checked reclaim may free it (FreePayload), so the entry goes first.
-  const bool free_after = central() && allocator_.HeldByEndedLife(alloc::ObjectOffset(e.payload));
-  if (!free_after) FreePayload(e.payload, e.bytes);
+  // allocator's recovery, so that recovery cannot free it too), then tombstone. A crash in
+  // between leaves EVICTING, which repair tombstones without freeing again. In central mode too:
+  // the allocator frees an ended life's object in place, under the lock its recovery holds.
+  FreePayloadNow(e.payload);
   TombstoneLocked(slot, gen);
-  if (free_after) FreePayload(e.payload, e.bytes);
   Add(kEvictions, 1);
   Add(kEvictedBytes, e.bytes);
   Add(kBytesReleased, e.bytes);

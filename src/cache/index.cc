@@ -358,9 +358,9 @@ void Index::MaybeCrash(CrashPoint p) {
 
 void Index::FreePayload(uint64_t payload, uint64_t) {
   if (central() && allocator_.HeldByEndedLife(alloc::ObjectOffset(payload))) {
-    // Central mode: a payload belongs to the life of the service that reserved it. When that
-    // life ended, its allocator recovery settles the object: the entry is gone, so it is
-    // unreachable, and ReclaimIfUnreachable frees it unless that recovery has run or will (a
+    // Central mode, called once the entry is gone: a payload belongs to the life of the service
+    // that reserved it. When that life ended, its allocator recovery settles the object: it is
+    // unreachable now, and ReclaimIfUnreachable frees it unless that recovery has run or will (a
     // plain Free racing the recovery would free it twice).
     auto r = allocator_.ReclaimIfUnreachable(alloc::ObjectOffset(payload));
     if (!r.ok()) {
@@ -369,6 +369,10 @@ void Index::FreePayload(uint64_t payload, uint64_t) {
     }
     return;
   }
+  FreePayloadNow(payload);
+}
+
+void Index::FreePayloadNow(uint64_t payload) {
   for (int attempt = 0;; ++attempt) {
     Status s = allocator_.Free(alloc::ObjectOffset(payload));
     if (s.ok() || s.code() != StatusCode::kBusy || attempt == 100) {

@@ -205,7 +205,12 @@ class Index final : public IndexApi {
   void ScanPinRow(uint32_t node, Fn fn);  // fn(slot, word)
   // True when the life that wrote `writer` (a WriterWord) is live in this process's view.
   bool WriterLive(uint64_t writer);
+  // Frees a payload no entry names any more (central mode: through the reachability-checked
+  // reclaim when its owning service life ended).
   void FreePayload(uint64_t payload, uint64_t bytes);
+  // Frees a payload an entry still names (EVICTING): the allocator's recovery keeps it, so a
+  // plain free cannot race one.
+  void FreePayloadNow(uint64_t payload);
 
   void Add(Counter c, uint64_t delta) { meta_.LocalFetchAdd(layout_.counter(node_.id(), c), delta); }
   // Adds to this node's pin word for `slot` (a local atomic; the caller flushes). False when

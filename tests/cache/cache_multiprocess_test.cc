@@ -181,27 +181,6 @@ int StormWorker(const std::string& path, uint32_t node, const StormOptions& so) 
   return 0;
 }
 
-// Every object the chunk tables say is allocated in region 0, with its owner word (diagnostics).
-std::vector<std::pair<uint64_t, uint64_t>> AllocatedObjects(Region& r) {
-  std::vector<std::pair<uint64_t, uint64_t>> out;
-  alloc::ChunkTableLayout t(r.impl(), r.info().max_nodes);
-  auto& m = r.impl().meta();
-  for (uint64_t c = 0; c < t.chunks(); ++c) {
-    uint64_t word = m.Fetch(t.owner(c));
-    auto w = alloc::OwnerWord::Decode(word);
-    uint64_t base = t.data_offset() + c * t.chunk_bytes();
-    if (w.kind == alloc::ChunkKind::kLargeHead) out.push_back({base, word});
-    if (w.kind != alloc::ChunkKind::kHeap && w.kind != alloc::ChunkKind::kOrphanHeap) continue;
-    m.Invalidate(base, 64);
-    auto h = m.ReadStruct<alloc::HeapHeader>(base);
-    for (uint64_t slot = 0; slot < h.slots; ++slot) {
-      if ((m.Fetch(base + 64 + (slot / 64) * 8) >> (slot % 64)) & 1) {
-        out.push_back({base + h.first_slot + slot * h.class_bytes, word});
-      }
-    }
-  }
-  return out;
-}
 
 // Every READY entry's bytes match its key; allocated bytes equal the entries' bytes.
 void VerifyQuiescentPool(const std::string& path, uint32_t node) {
@@ -236,7 +215,7 @@ void VerifyQuiescentPool(const std::string& path, uint32_t node) {
   if (allocated != bytes) {
     std::set<uint64_t> referenced;
     for (const auto& e : testing::LiveEntries(*o.pool)) referenced.insert(region::Offset<void>(e.payload).byte_offset());
-    for (auto [off, owner] : AllocatedObjects(*(*regions)[0])) {
+    for (auto [off, owner] : testing::AllocatedObjects(*(*regions)[0])) {
       if (referenced.count(off) || rooted.count(off)) continue;
       auto w = alloc::OwnerWord::Decode(owner);
       ADD_FAILURE() << "unreferenced object at " << off << " in a chunk of kind " << static_cast<int>(w.kind)

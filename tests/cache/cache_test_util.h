@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "../pool/pool_test_util.h"
+#include "alloc/chunk_table.h"
 #include "cache/index.h"
 #include "cache/inspect.h"
 #include "cache/layout.h"
@@ -126,6 +127,28 @@ inline Opened OpenCache(const std::string& path, uint32_t node, uint64_t sim_see
   if (!ns.ok()) return Opened{};
   o.ns = *ns;
   return o;
+}
+
+// Every object the chunk tables say is allocated in region 0, with its owner word (diagnostics).
+inline std::vector<std::pair<uint64_t, uint64_t>> AllocatedObjects(Region& r) {
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  alloc::ChunkTableLayout t(r.impl(), r.info().max_nodes);
+  auto& m = r.impl().meta();
+  for (uint64_t c = 0; c < t.chunks(); ++c) {
+    uint64_t word = m.Fetch(t.owner(c));
+    auto w = alloc::OwnerWord::Decode(word);
+    uint64_t base = t.data_offset() + c * t.chunk_bytes();
+    if (w.kind == alloc::ChunkKind::kLargeHead) out.push_back({base, word});
+    if (w.kind != alloc::ChunkKind::kHeap && w.kind != alloc::ChunkKind::kOrphanHeap) continue;
+    m.Invalidate(base, 64);
+    auto h = m.ReadStruct<alloc::HeapHeader>(base);
+    for (uint64_t slot = 0; slot < h.slots; ++slot) {
+      if ((m.Fetch(base + 64 + (slot / 64) * 8) >> (slot % 64)) & 1) {
+        out.push_back({base + h.first_slot + slot * h.class_bytes, word});
+      }
+    }
+  }
+  return out;
 }
 
 }  // namespace cxlkv::testing
