@@ -185,6 +185,7 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::vector<std::string>& paths,
       // (its sweep); a dead process of this node is reported to it.
       Impl* raw_impl = impl.get();
       impl->node->AddProcessRecoveryHandler([raw_impl](uint32_t slot, uint64_t inc) {
+        std::lock_guard<std::mutex> g(raw_impl->central_mu);
         return raw_impl->central == nullptr || raw_impl->central->RecoverProcess(slot, inc);
       });
     } else {
@@ -209,6 +210,7 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::vector<std::string>& paths,
                                       "metadata client (link cxlkv_meta); use cxlkv's tools or re-create the "
                                       "pool with --metadata decentralized");
     } else if (auto c = central_factory(*pool, options); c.ok()) {
+      std::lock_guard<std::mutex> g(im.central_mu);
       im.central = std::move(*c);
       im.cache = std::make_unique<KvCache>(im.central->index());
     } else {
@@ -223,7 +225,10 @@ Pool::Pool(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Pool::~Pool() {
   // The service's client and standby first: they call into the node and the index.
   impl_->cache.reset();
-  impl_->central.reset();
+  {
+    std::lock_guard<std::mutex> g(impl_->central_mu);
+    impl_->central.reset();
+  }
   if (impl_->index) {
     impl_->index->AbandonOpenReservations();  // the slot goes free: no entry may name it after
     impl_->index->PublishCounters();

@@ -3,6 +3,7 @@
 #define CXLKV_SRC_POOL_POOL_INTERNAL_H_
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -47,8 +48,9 @@ class Pool::Impl {
   std::unique_ptr<cache::Index> index;   // null when the pool has no prefix index
   std::unique_ptr<KvCache> cache;
   // Central metadata only: the service's client (and standby), and the cache over it.
-  std::unique_ptr<pool::CentralMetadata> central;
-  Status central_error;  // why `central` is missing, for Cache()
+  std::unique_ptr<pool::CentralMetadata> central;  // set and reset under central_mu
+  std::mutex central_mu;  // the node's process-recovery thread uses `central` too
+  Status central_error;   // why `central` is missing, for Cache()
 };
 
 namespace pool {

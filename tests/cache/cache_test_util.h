@@ -124,7 +124,15 @@ inline Opened OpenCache(const std::string& path, uint32_t node, uint64_t sim_see
   if (!c.ok()) return Opened{};
   o.cache = *c;
   auto ns = o.cache->Namespace(TestNamespace());
-  if (!ns.ok()) return Opened{};
+  // Central: the metadata service may still be starting (a sanitizer and the simulator make a
+  // takeover slow); keep asking for a while.
+  for (int tries = 0; !ns.ok() && ns.status().code() == StatusCode::kUnavailable && tries < 6; ++tries) {
+    ns = o.cache->Namespace(TestNamespace());
+  }
+  if (!ns.ok()) {
+    std::fprintf(stderr, "open as node %u: namespace: %s\n", node, ns.status().ToString().c_str());
+    return Opened{};
+  }
   o.ns = *ns;
   return o;
 }

@@ -483,18 +483,23 @@ TEST(Cxlkvd, TheMetadataServiceMovesToAnotherDaemonWhenItsDaemonIsKilled) {
     std::ofstream f(data, std::ios::binary);
     for (int i = 0; i < 5000; ++i) f.put(static_cast<char>(i * 7));
   }
-  Output put = Sh(Cli() + " put --path " + path.path() + " --key before --data " + data);
-  ASSERT_EQ(put.code, 0) << put.out;
+  // A put whose outcome a takeover made unknown (a sanitizer-slowed server can lose its lease)
+  // is run again; if the first one did land, the next says the block is already cached.
+  Output put{-1, ""};
+  for (int tries = 0; tries < 10 && put.code != 0 && put.out.find("already cached") == std::string::npos; ++tries) {
+    put = Sh(Cli() + " put --path " + path.path() + " --key before --data " + data);
+  }
+  ASSERT_TRUE(put.code == 0 || put.out.find("already cached") != std::string::npos) << put.out;
   EXPECT_GT(SumOf(Scrape(serving->MetricsPort()), "cxlkv_rpc_requests_total", "service=\"meta\""), 0);
 
   ::kill(serving->pid, SIGKILL);
   EXPECT_EQ(serving->Wait(), 128 + SIGKILL);
   // The CLI's calls wait through the takeover (or fail kUnavailable, and it is run again).
   Output put2{-1, ""};
-  for (int tries = 0; tries < 10 && put2.code != 0; ++tries) {
+  for (int tries = 0; tries < 10 && put2.code != 0 && put2.out.find("already cached") == std::string::npos; ++tries) {
     put2 = Sh(Cli() + " put --path " + path.path() + " --key after --data " + data);
   }
-  ASSERT_EQ(put2.code, 0) << put2.out;
+  ASSERT_TRUE(put2.code == 0 || put2.out.find("already cached") != std::string::npos) << put2.out;
   EXPECT_EQ(SumOf(Scrape(standby->MetricsPort()), "cxlkv_rpc_serving", "service=\"meta\""), 1);
   for (const char* key : {"before", "after"}) {
     const std::string out = path.path() + "-out-" + key;

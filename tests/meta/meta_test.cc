@@ -24,6 +24,13 @@ namespace {
 
 constexpr uint64_t kBlock = 4096;
 
+// A command to a child that died early fails the test (its Receive or Wait says so) instead of
+// killing the test process with SIGPIPE.
+[[maybe_unused]] const bool kIgnoreSigpipe = [] {
+  ::signal(SIGPIPE, SIG_IGN);
+  return true;
+}();
+
 Status CreateCentralPool(const std::string& path, uint64_t size = 64ull << 20) {
   PoolCreateOptions co;
   co.size = size;
@@ -360,13 +367,10 @@ TEST(Meta, ServicePausedPastItsLeaseIsFencedAndReplaced) {
 TEST(Meta, AClientKilledMidReservationIsReclaimedByTheService) {
   TempRegionPath path("meta-client");
   ASSERT_TRUE(CreateCentralPool(path.path()).ok());
-  auto pool = OpenOrNull({path.path()}, 0);
-  ASSERT_NE(pool, nullptr);
-  ASSERT_TRUE(WaitServingNode(*pool, 0, std::chrono::seconds(10)));
-  KvCache& cache = **pool->Cache();
-  auto ns = cache.Namespace(TestNamespace());
-  ASSERT_TRUE(ns.ok());
-  Child client = Child::Fork([&path](int, int out) {
+  // Forked before this process opens the pool (threads do not cross a fork).
+  Child client = Child::Fork([&path](int in, int out) {
+    uint64_t go;
+    Get(in, &go);
     auto p = OpenClientOnly(path.path(), 4);
     if (!p) return 1;
     KvCache& c = **p->Cache();
@@ -378,6 +382,13 @@ TEST(Meta, AClientKilledMidReservationIsReclaimedByTheService) {
     ::pause();  // killed here, reservation open
     return 0;
   });
+  auto pool = OpenOrNull({path.path()}, 0);
+  ASSERT_NE(pool, nullptr);
+  ASSERT_TRUE(WaitServingNode(*pool, 0, std::chrono::seconds(10)));
+  KvCache& cache = **pool->Cache();
+  auto ns = cache.Namespace(TestNamespace());
+  ASSERT_TRUE(ns.ok());
+  client.Send(1);
   uint64_t ready = 0;
   ASSERT_TRUE(client.Receive(&ready));
   EXPECT_EQ(cache.Reserve(*ns, KeyOf(7), kBlock).status().code(), StatusCode::kBusy);
@@ -441,8 +452,8 @@ TEST(Meta, ADeadProcessOfALiveNodeIsReportedAndItsReservationDropped) {
   }
   EXPECT_TRUE(dropped) << "the dead process's reservation outlived it";
   // Node 2 never died: the same life throughout (the report, not the sweep, dropped it).
+  // (Its life, not its liveness: a sanitizer-slowed observer may see a late heartbeat.)
   auto views = pool->impl().node->Nodes();
-  EXPECT_TRUE(views[2].live);
   EXPECT_EQ(cache::WriterInc(views[2].incarnation), cache::WriterInc(life));
   keeper.Send(0);
   EXPECT_EQ(keeper.Wait(), 0);
