@@ -82,12 +82,19 @@ Result<size_t> CentralIndex::Call(uint32_t op, std::span<uint8_t> request, std::
       continue;
     }
     auto got = c->Wait(*t, answer, deadline);
-    // Refused for a life of this node that ended while the request was on its way (this process
-    // rejoined as a new life meanwhile): the service did nothing with it. Once, as the new life.
-    if (!got.ok() && got.status().code() == StatusCode::kLeaseExpired && op != kRegister && !rewritten &&
-        request.size() >= 8) {
+    // Refused for a life of this node that ended (paused or silent past its lease): the service
+    // did nothing with the request. As the decentralized index's lock requests do, go on as the
+    // node's next life: wait for the node to rejoin (it notices its lapsed lease within about a
+    // lease), then send it once more. A commit is not retried: a reservation of an ended life
+    // never commits.
+    if (!got.ok() && got.status().code() == StatusCode::kLeaseExpired && op != kRegister && op != kCommit &&
+        !rewritten && request.size() >= 8) {
       uint64_t sent = 0;
       std::memcpy(&sent, request.data(), 8);
+      const auto rejoin_deadline = std::min(deadline, rpc::RpcClient::Clock::now() + node_.lease() * 2);
+      while (cache::WriterInc(Writer()) == cache::WriterInc(sent) && rpc::RpcClient::Clock::now() < rejoin_deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
       const uint64_t now = Writer();
       if (cache::WriterInc(sent) != cache::WriterInc(now)) {
         std::memcpy(request.data(), &now, 8);

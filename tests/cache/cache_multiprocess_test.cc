@@ -240,6 +240,7 @@ TEST(CacheProcesses, StormOfOverlappingChainsReadsOnlyRightBytes) {
 }
 
 TEST(CacheProcesses, StormUnderTheNonCoherentSimulator) {
+  CXLKV_NOT_CENTRAL_UNDER_TSAN();
   for (uint64_t seed : {11u, 22u, 33u, 44u, 55u}) {
     testing::TempRegionPath path("storm-sim");
     ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
@@ -272,6 +273,7 @@ TEST(CacheProcesses, BatchedStormReadsOnlyRightBytes) {
 }
 
 TEST(CacheProcesses, BatchedStormUnderTheNonCoherentSimulator) {
+  CXLKV_NOT_CENTRAL_UNDER_TSAN();
   for (uint64_t seed : {12u, 23u, 34u, 45u, 56u}) {
     testing::TempRegionPath path("storm-batch-sim");
     ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
