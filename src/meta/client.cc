@@ -142,8 +142,7 @@ Result<LookupResult> CentralIndex::Lookup(const NamespaceHandle& ns, std::span<c
     WireWriter w(s.request);
     w.Put(Writer());
     w.Handle(ns);
-    w.Put(static_cast<uint32_t>(n));
-    for (size_t i = 0; i < n; ++i) w.Key(keys[at + i]);
+    PutKeys(w, keys.subspan(at, n));
     auto got = Call(pin ? kLookupPin : kExists, {s.request.data(), w.size()}, s.answer);
     if (!got.ok()) {
       Release(out.pins);
@@ -216,8 +215,7 @@ Result<std::vector<KeyReservation>> CentralIndex::ReserveMany(const NamespaceHan
     w.Put(Writer());
     w.Handle(ns);
     w.Put(bytes);
-    w.Put(static_cast<uint32_t>(n));
-    for (size_t i = 0; i < n; ++i) w.Key(keys[at + i]);
+    PutKeys(w, keys.subspan(at, n));
     reserved_any_.store(true, std::memory_order_relaxed);
     auto got = Call(kReserve, {s.request.data(), w.size()}, s.answer);
     if (!got.ok()) {
@@ -337,8 +335,7 @@ Result<std::vector<KeyPeek>> CentralIndex::Peek(const NamespaceHandle& ns, std::
     WireWriter w(s.request);
     w.Put(Writer());
     w.Handle(ns);
-    w.Put(static_cast<uint32_t>(n));
-    for (size_t i = 0; i < n; ++i) w.Key(keys[at + i]);
+    PutKeys(w, keys.subspan(at, n));
     CXLKV_ASSIGN_OR_RETURN(size_t got, Call(kPeek, {s.request.data(), w.size()}, s.answer));
     WireReader r({s.answer.data(), got});
     if (got != n * kPeekBytes) return BadAnswer("peek");
@@ -370,8 +367,7 @@ Result<uint64_t> CentralIndex::EvictKeys(const NamespaceHandle& ns, std::span<co
     WireWriter w(s.request);
     w.Put(Writer());
     w.Handle(ns);
-    w.Put(static_cast<uint32_t>(n));
-    for (size_t i = 0; i < n; ++i) w.Key(keys[at + i]);
+    PutKeys(w, keys.subspan(at, n));
     CXLKV_ASSIGN_OR_RETURN(size_t got, Call(kEvictKeys, {s.request.data(), w.size()}, s.answer));
     WireReader r({s.answer.data(), got});
     uint64_t e = 0;

@@ -48,6 +48,19 @@ bool GetReservation(WireReader& r, Reservation* out) {
   return r.Get(&out->slot) && r.Get(&pad) && r.Get(&out->generation) && r.Get(&out->offset) && r.Get(&out->bytes);
 }
 
+void PutKeys(WireWriter& w, std::span<const BlockKey> keys) {
+  w.Put(static_cast<uint32_t>(keys.size()));
+  for (const BlockKey& k : keys) w.Key(k);
+}
+
+bool GetKeys(WireReader& r, std::vector<BlockKey>* keys) {
+  uint32_t n = 0;
+  if (!r.Count(&n, kKeyBytes)) return false;
+  keys->resize(n);
+  for (BlockKey& k : *keys) r.Key(&k);
+  return true;
+}
+
 void PutNamespace(WireWriter& w, const KeyNamespace& ns) {
   w.Text(ns.model_id, 255);
   w.Text(ns.extra_key, 255);

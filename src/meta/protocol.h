@@ -15,6 +15,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <vector>
 
 #include "cxlkv/cache.h"
 #include "rpc/area.h"
@@ -121,6 +122,9 @@ void PutPin(WireWriter& w, const BlockPin& p);
 bool GetPin(WireReader& r, BlockPin* p);
 void PutReservation(WireWriter& w, const Reservation& r);
 bool GetReservation(WireReader& r, Reservation* out);
+// A key batch: u32 count, then the keys; on reading, the count must fill the rest of the body.
+void PutKeys(WireWriter& w, std::span<const BlockKey> keys);
+bool GetKeys(WireReader& r, std::vector<BlockKey>* keys);
 void PutNamespace(WireWriter& w, const KeyNamespace& ns);
 bool GetNamespace(WireReader& r, KeyNamespace* ns);
 

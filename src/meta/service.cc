@@ -96,11 +96,9 @@ std::map<uint32_t, rpc::Handler> MetaService::Handlers() {
       WireReader r(req.payload);
       CXLKV_RETURN_IF_ERROR(act(req, r, "lookup"));
       NamespaceHandle h;
-      uint32_t n = 0;
-      if (!r.Handle(&h) || !r.Count(&n, kKeyBytes)) return Malformed("lookup");
-      if (pin && 4 + uint64_t{n} * kPinBytes > out.size()) return InvalidArgument("lookup of too many keys for one answer");
-      std::vector<BlockKey> keys(n);
-      for (BlockKey& k : keys) r.Key(&k);
+      std::vector<BlockKey> keys;
+      if (!r.Handle(&h) || !GetKeys(r, &keys)) return Malformed("lookup");
+      if (pin && 4 + keys.size() * kPinBytes > out.size()) return InvalidArgument("lookup of too many keys for one answer");
       CXLKV_ASSIGN_OR_RETURN(LookupResult res, index.Lookup(h, keys, pin));
       WireWriter w(out);
       w.Put(static_cast<uint32_t>(res.hit_blocks));
@@ -130,13 +128,11 @@ std::map<uint32_t, rpc::Handler> MetaService::Handlers() {
                      CXLKV_RETURN_IF_ERROR(act(req, r, "reserve"));
                      NamespaceHandle h;
                      uint64_t bytes = 0;
-                     uint32_t n = 0;
-                     if (!r.Handle(&h) || !r.Get(&bytes) || !r.Count(&n, kKeyBytes)) return Malformed("reserve");
-                     if (uint64_t{n} * kOutcomeBytes + 1 + 2 + kMaxMessageBytes > out.size()) {
+                     std::vector<BlockKey> keys;
+                     if (!r.Handle(&h) || !r.Get(&bytes) || !GetKeys(r, &keys)) return Malformed("reserve");
+                     if (keys.size() * kOutcomeBytes + 1 + 2 + kMaxMessageBytes > out.size()) {
                        return InvalidArgument("reserve of too many keys for one answer");
                      }
-                     std::vector<BlockKey> keys(n);
-                     for (BlockKey& k : keys) r.Key(&k);
                      CXLKV_ASSIGN_OR_RETURN(auto res, index.ReserveMany(h, keys, bytes));
                      // Each key's status message, deduplicated, as many as fit after the
                      // records (the first always does); a key whose message did not fit
@@ -195,11 +191,9 @@ std::map<uint32_t, rpc::Handler> MetaService::Handlers() {
     WireReader r(req.payload);
     CXLKV_RETURN_IF_ERROR(act(req, r, "peek"));
     NamespaceHandle h;
-    uint32_t n = 0;
-    if (!r.Handle(&h) || !r.Count(&n, kKeyBytes)) return Malformed("peek");
-    if (uint64_t{n} * kPeekBytes > out.size()) return InvalidArgument("peek of too many keys for one answer");
-    std::vector<BlockKey> keys(n);
-    for (BlockKey& k : keys) r.Key(&k);
+    std::vector<BlockKey> keys;
+    if (!r.Handle(&h) || !GetKeys(r, &keys)) return Malformed("peek");
+    if (keys.size() * kPeekBytes > out.size()) return InvalidArgument("peek of too many keys for one answer");
     CXLKV_ASSIGN_OR_RETURN(auto peeks, index.Peek(h, keys));
     WireWriter w(out);
     for (const KeyPeek& p : peeks) {
@@ -216,10 +210,8 @@ std::map<uint32_t, rpc::Handler> MetaService::Handlers() {
                        WireReader r(req.payload);
                        CXLKV_RETURN_IF_ERROR(act(req, r, "evict"));
                        NamespaceHandle h;
-                       uint32_t n = 0;
-                       if (!r.Handle(&h) || !r.Count(&n, kKeyBytes)) return Malformed("evict");
-                       std::vector<BlockKey> keys(n);
-                       for (BlockKey& k : keys) r.Key(&k);
+                       std::vector<BlockKey> keys;
+                       if (!r.Handle(&h) || !GetKeys(r, &keys)) return Malformed("evict");
                        CXLKV_ASSIGN_OR_RETURN(uint64_t evicted, index.EvictKeys(h, keys));
                        WireWriter w(out);
                        w.Put(evicted);

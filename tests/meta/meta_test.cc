@@ -71,6 +71,19 @@ bool WaitServingNode(Pool& pool, int node, std::chrono::milliseconds timeout) {
   return false;
 }
 
+// A child that opens the pool as `node` (so it stands by for the service), waits until it
+// serves, replies 1, and stays until any command (then exits 0).
+Child ForkServingHost(const std::string& path, uint32_t node, uint64_t sim_seed = 0) {
+  return Child::Fork([path, node, sim_seed](int in, int out) {
+    auto pool = OpenOrNull({path}, node, sim_seed);
+    if (!pool || !WaitServingNode(*pool, static_cast<int>(node), std::chrono::seconds(20))) return 1;
+    Put(out, 1);
+    uint64_t cmd;
+    Get(in, &cmd);
+    return 0;
+  });
+}
+
 BlockKey KeyOf(uint64_t i) { return BlockKey{Mix(i + 1), Mix(i + 1000003)}; }
 
 // Reserve + write + commit of one block whose bytes are a function of its key. Ok, or the
@@ -234,14 +247,7 @@ TEST(Meta, FourWriterProcessesCommitEachKeyExactlyOnce) {
 TEST(Meta, ServiceKilledIsTakenOverAndNothingPublishedIsLost) {
   TempRegionPath path("meta-kill");
   ASSERT_TRUE(CreateCentralPool(path.path()).ok());
-  Child server = Child::Fork([&path](int in, int out) {
-    auto pool = OpenOrNull({path.path()}, 1);
-    if (!pool || !WaitServingNode(*pool, 1, std::chrono::seconds(10))) return 1;
-    Put(out, 1);
-    uint64_t cmd;
-    Get(in, &cmd);
-    return 0;
-  });
+  Child server = ForkServingHost(path.path(), 1);
   Child client = Child::Fork([&path](int in, int out) {
     auto pool = OpenClientOnly(path.path(), 3);
     if (!pool) return 1;
@@ -323,14 +329,7 @@ TEST(Meta, ServiceKilledIsTakenOverAndNothingPublishedIsLost) {
 TEST(Meta, ServicePausedPastItsLeaseIsFencedAndReplaced) {
   TempRegionPath path("meta-pause");
   ASSERT_TRUE(CreateCentralPool(path.path()).ok());
-  Child server = Child::Fork([&path](int in, int out) {
-    auto pool = OpenOrNull({path.path()}, 1);
-    if (!pool || !WaitServingNode(*pool, 1, std::chrono::seconds(10))) return 1;
-    Put(out, 1);
-    uint64_t cmd;
-    Get(in, &cmd);
-    return 0;
-  });
+  Child server = ForkServingHost(path.path(), 1);
   uint64_t ready = 0;
   ASSERT_TRUE(server.Receive(&ready));
   auto pool = OpenOrNull({path.path()}, 2);
@@ -691,14 +690,7 @@ TEST(Meta, RoundTripsUnderTheSimulatorWithManySeeds) {
   for (uint64_t seed : {11u, 23u, 37u, 41u}) {
     TempRegionPath path("meta-sim");
     ASSERT_TRUE(CreateCentralPool(path.path()).ok());
-    Child server = Child::Fork([&path, seed](int in, int out) {
-      auto pool = OpenOrNull({path.path()}, 1, seed * 3 + 1);
-      if (!pool || !WaitServingNode(*pool, 1, std::chrono::seconds(20))) return 1;
-      Put(out, 1);
-      uint64_t cmd;
-      Get(in, &cmd);
-      return 0;
-    });
+    Child server = ForkServingHost(path.path(), 1, seed * 3 + 1);
     uint64_t ready = 0;
     ASSERT_TRUE(server.Receive(&ready)) << "seed " << seed;
     auto pool = OpenClientOnly(path.path(), 2, seed);
