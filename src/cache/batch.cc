@@ -28,7 +28,7 @@ std::vector<Index::Probe> Index::FindMany(std::span<const BlockKey> keys) {
   for (size_t i = 0; i < keys.size(); ++i) {
     offs[i] = layout_.entry(SlotAt(StripeOf(keys[i]), keys[i].hi % layout_.h.slots_per_stripe));
   }
-  meta_.InvalidateEach(offs, sizeof(Entry));  // P2, one fence for the whole batch
+  if (!CacheIsTable()) meta_.InvalidateEach(offs, sizeof(Entry));  // P2, one fence for the whole batch
   for (size_t i = 0; i < keys.size(); ++i) {
     Entry e = meta_.ReadStruct<Entry>(offs[i]);
     EntryState s = StateOf(e.state);
@@ -106,7 +106,7 @@ bool Index::ClaimLocked(const NamespaceHandle& ns, const BlockKey& key, uint64_t
     std::sort(ready.begin(), ready.end());
     for (auto [stamp, slot] : ready) {
       uint64_t off, n;
-      if (TryEvictLocked(slot, GenOf(meta_.Fetch(layout_.entry(slot))), &off, &n)) break;
+      if (TryEvictLocked(slot, GenOf(FetchTableWord(layout_.entry(slot))), &off, &n)) break;
     }
     p = Find(key);
   }
@@ -338,7 +338,7 @@ Status Index::CommitMany(std::span<Reservation> rs) {
     offs.clear();
     mine.clear();
     for (size_t k = g; k < end; ++k) offs.push_back(layout_.entry(live[order[k]]->slot));
-    meta_.InvalidateEach(offs, sizeof(Entry));  // P2: a reclaim on another node rewrote it
+    if (!CacheIsTable()) meta_.InvalidateEach(offs, sizeof(Entry));  // P2: a reclaim on another node rewrote it
     for (size_t k = g; k < end; ++k) {
       Reservation& r = *live[order[k]];
       const uint64_t off = offs[k - g];
@@ -418,7 +418,7 @@ Status Index::AbortMany(std::span<Reservation> rs) {
     }
     for (size_t k = g; k < end; ++k) {
       Reservation& r = *open[k];
-      if (meta_.Fetch(layout_.entry(r.slot)) != StateWord(r.generation, kWriting)) {
+      if (FetchTableWord(layout_.entry(r.slot)) != StateWord(r.generation, kWriting)) {
         fail(NotFound("reservation was reclaimed: this node was presumed dead (its lease expired)"));
         continue;
       }

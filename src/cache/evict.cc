@@ -19,7 +19,7 @@ void Index::ScanEntries(Fn fn) {
   std::vector<Entry> batch(kScanBatch);
   for (uint64_t first = 0; first < entries; first += kScanBatch) {
     uint64_t n = std::min(kScanBatch, entries - first);
-    meta_.Invalidate(layout_.entry(first), n * sizeof(Entry));
+    if (!CacheIsTable()) meta_.Invalidate(layout_.entry(first), n * sizeof(Entry));
     meta_.Read(layout_.entry(first), batch.data(), n * sizeof(Entry));
     for (uint64_t i = 0; i < n; ++i) fn(first + i, batch[i]);
   }
@@ -31,7 +31,7 @@ void Index::ScanPinRow(uint32_t node, Fn fn) {
   std::vector<uint64_t> pins(kScanBatch);
   for (uint64_t first = 0; first < entries; first += kScanBatch) {
     uint64_t n = std::min(kScanBatch, entries - first);
-    meta_.Invalidate(layout_.pin(node, first), n * 8);
+    if (!CacheIsTable()) meta_.Invalidate(layout_.pin(node, first), n * 8);
     meta_.Read(layout_.pin(node, first), pins.data(), n * 8);
     for (uint64_t i = 0; i < n; ++i) fn(first + i, pins[i]);
   }
@@ -44,10 +44,10 @@ void Index::TombstoneLocked(uint64_t slot, uint64_t gen) {
   const uint32_t n = layout_.h.slots_per_stripe;
   const uint64_t stripe = slot / n;
   uint64_t i = slot % n;
-  if (StateOf(meta_.Fetch(layout_.entry(SlotAt(stripe, (i + 1) % n)))) != kEmpty) return;
+  if (StateOf(FetchTableWord(layout_.entry(SlotAt(stripe, (i + 1) % n)))) != kEmpty) return;
   for (uint32_t k = 0; k < n; ++k) {
     uint64_t s = SlotAt(stripe, i);
-    uint64_t w = meta_.Fetch(layout_.entry(s));
+    uint64_t w = FetchTableWord(layout_.entry(s));
     if (StateOf(w) != kTombstone) break;
     meta_.Publish(layout_.entry(s), StateWord(GenOf(w), kEmpty));  // keeps the generation
     i = (i + n - 1) % n;
@@ -56,14 +56,14 @@ void Index::TombstoneLocked(uint64_t slot, uint64_t gen) {
 
 bool Index::AnyPins(uint64_t slot) {
   for (uint32_t node = 0; node < layout_.h.max_nodes; ++node) {
-    if (PinCount(meta_.Fetch(layout_.pin(node, slot))) != 0) return true;  // P2: node wrote it
+    if (PinCount(FetchTableWord(layout_.pin(node, slot))) != 0) return true;  // P2: node wrote it
   }
   return false;
 }
 
 bool Index::TryEvictLocked(uint64_t slot, uint64_t gen, uint64_t* payload, uint64_t* bytes) {
   const uint64_t off = layout_.entry(slot);
-  if (meta_.Fetch(off) != StateWord(gen, kReady)) return false;
+  if (FetchTableWord(off) != StateWord(gen, kReady)) return false;
   meta_.Publish(off, StateWord(gen, kEvicting));
   MaybeCrash(CrashPoint::kEvictAfterMark);
   // EVICTING is flushed; a pinner whose pin we do not see now will see EVICTING and back off.
@@ -185,7 +185,7 @@ Result<uint64_t> Index::EvictAll() {
     CXLKV_RETURN_IF_ERROR(LockStripe(stripe));
     for (uint32_t i = 0; i < layout_.h.slots_per_stripe; ++i) {
       const uint64_t slot = SlotAt(stripe, i);
-      uint64_t w = meta_.Fetch(layout_.entry(slot));
+      uint64_t w = FetchTableWord(layout_.entry(slot));
       uint64_t payload, bytes;
       if (StateOf(w) == kReady && TryEvictLocked(slot, GenOf(w), &payload, &bytes)) ++evicted;
     }
@@ -196,12 +196,30 @@ Result<uint64_t> Index::EvictAll() {
 
 uint64_t Index::UsedBytes() {
   uint64_t claimed = 0, released = 0;
+  const bool central = CacheIsTable();
   for (uint32_t node = 0; node < layout_.h.max_nodes; ++node) {
+    if (central && node != node_.id()) continue;  // other rows: the sums RefreshOtherRows took
     meta_.Invalidate(layout_.counter(node, kLookups), kCounterRowBytes);
     claimed += meta_.Load(layout_.counter(node, kBytesClaimed));
     released += meta_.Load(layout_.counter(node, kBytesReleased));
   }
+  if (central) {
+    claimed += others_claimed_.load(std::memory_order_relaxed);
+    released += others_released_.load(std::memory_order_relaxed);
+  }
   return claimed > released ? claimed - released : 0;
+}
+
+void Index::RefreshOtherRows() {
+  uint64_t claimed = 0, released = 0;
+  for (uint32_t node = 0; node < layout_.h.max_nodes; ++node) {
+    if (node == node_.id()) continue;
+    meta_.Invalidate(layout_.counter(node, kLookups), kCounterRowBytes);
+    claimed += meta_.Load(layout_.counter(node, kBytesClaimed));
+    released += meta_.Load(layout_.counter(node, kBytesReleased));
+  }
+  others_claimed_.store(claimed, std::memory_order_relaxed);
+  others_released_.store(released, std::memory_order_relaxed);
 }
 
 void Index::Recover(uint32_t node, uint64_t inc) {
@@ -284,6 +302,13 @@ void Index::AbandonOpenReservations() {
 
 void Index::BecomeCentralWriter(std::function<Status()> fence) {
   std::lock_guard<std::mutex> g(central_mu_);  // no operation in flight while the role changes
+  if (fence && !central_writer()) {
+    // The lines this process cached before the role (as a client, or in an earlier role) may
+    // predate the last writer's: drop them all once, then the cache is the table (CacheIsTable).
+    meta_.Invalidate(layout_.entry(0), layout_.entries() * sizeof(Entry));
+    meta_.Invalidate(layout_.pin(0, 0), uint64_t{layout_.h.max_nodes} * layout_.entries() * 8);
+    RefreshOtherRows();
+  }
   central_fence_ = std::move(fence);
   pinned_life_.assign(layout_.h.max_nodes, kUnknownLife);
   central_writer_.store(static_cast<bool>(central_fence_), std::memory_order_release);
@@ -334,6 +359,7 @@ uint64_t Index::ReclaimWriter(uint32_t node, uint64_t inc, int64_t slot) {
 
 uint64_t Index::SweepCentral(bool repair_all) {
   if (!central_writer()) return 0;
+  RefreshOtherRows();
   // 1. WRITING entries whose writer's life is over: found without the lock, re-checked under it.
   struct Stale {
     uint64_t slot, state;

@@ -138,7 +138,7 @@ uint64_t Index::NowStamp() const {
 
 Entry Index::ReadEntry(uint64_t slot) {
   uint64_t off = layout_.entry(slot);
-  meta_.Invalidate(off, sizeof(Entry));  // P2: other nodes write entries
+  if (!CacheIsTable()) meta_.Invalidate(off, sizeof(Entry));  // P2: other nodes write entries
   return meta_.ReadStruct<Entry>(off);
 }
 
@@ -191,7 +191,7 @@ Result<LookupResult> Index::Lookup(const NamespaceHandle& ns, std::span<const Bl
   for (size_t i = 0; i < keys.size(); ++i) {
     offs[i] = layout_.entry(SlotAt(StripeOf(keys[i]), keys[i].hi % layout_.h.slots_per_stripe));
   }
-  meta_.InvalidateEach(offs, sizeof(Entry));
+  if (!CacheIsTable()) meta_.InvalidateEach(offs, sizeof(Entry));
   std::vector<uint64_t> slots, states;
   slots.reserve(keys.size());
   states.reserve(keys.size());
@@ -239,7 +239,7 @@ Result<LookupResult> Index::Lookup(const NamespaceHandle& ns, std::span<const Bl
     if (!test_skip_pin_flush_.load(std::memory_order_relaxed)) [[likely]] meta_.FlushEach(pin_offs, 8);
     for (size_t i = 0; i < pinned; ++i) offs[i] = layout_.entry(slots[i]);
     offs.resize(pinned);
-    meta_.InvalidateEach(offs, 8);
+    if (!CacheIsTable()) meta_.InvalidateEach(offs, 8);
     size_t valid = 0;
     while (valid < pinned && meta_.Load(offs[valid]) == states[valid]) ++valid;
     if (valid < pinned) {
@@ -315,13 +315,11 @@ Status Index::Abort(Reservation& r) {
 }
 
 bool Index::WriterLive(uint64_t writer) {
-  for (const sync::NodeView& v : node_.Nodes()) {
-    if (v.id != WriterNode(writer)) continue;
-    if (v.incarnation == 0) return true;  // not observed yet: assume live (never reclaim early)
-    if (WriterInc(v.incarnation) != WriterInc(writer)) return false;  // restarted: that life ended
-    return v.live;
-  }
-  return false;
+  const std::optional<sync::NodeView> v = node_.ViewOf(WriterNode(writer));
+  if (!v) return false;
+  if (v->incarnation == 0) return true;  // not observed yet: assume live (never reclaim early)
+  if (WriterInc(v->incarnation) != WriterInc(writer)) return false;  // restarted: that life ended
+  return v->live;
 }
 
 Result<alloc::ObjectOffset> Index::AllocatePayload(uint64_t bytes) {

@@ -91,7 +91,9 @@ class Index final : public IndexApi {
   // Evicts unpinned READY entries, least recently used first, until `bytes` are freed.
   // Returns the bytes freed (less when not enough is evictable).
   uint64_t EvictLru(uint64_t bytes);
-  // Payload bytes of WRITING, READY and EVICTING entries, from every node's counters.
+  // Payload bytes of WRITING, READY and EVICTING entries, from every node's counters. A
+  // central writer reads its own node's row and the other rows' sums of the last sweep: only
+  // service lives write these counters, and a row of a life that no longer serves is final.
   uint64_t UsedBytes();
 
   // Recovery handler (the manager's process): reclaims `node`'s WRITING entries of life `inc`,
@@ -119,6 +121,13 @@ class Index final : public IndexApi {
   // replaces the stripe lock's check before every commit. An empty `fence` ends the role.
   void BecomeCentralWriter(std::function<Status()> fence);
   bool central_writer() const { return central_writer_.load(std::memory_order_acquire); }
+  // Rule P2 (invalidate before reading what others write) for entries and pin words. A central
+  // writer is their only writer: BecomeCentralWriter invalidates them all once, and from then on
+  // the lines in its cache are the table, so its reads skip the invalidate (Beluga's service
+  // keeps the index in its own cache). Everyone else invalidates every read.
+  bool CacheIsTable() const { return central_writer(); }
+  // One word of an entry or a pin row, read under rule P2 (see CacheIsTable).
+  uint64_t FetchTableWord(uint64_t off) { return CacheIsTable() ? meta_.Load(off) : meta_.Fetch(off); }
   // The client the central writer acts for in the next operations (the service's thread only):
   // its writer word goes on reservations, its node's row of pin words takes its pins.
   // Refused (kLeaseExpired) when that life is over in this process's view: a paused client's
@@ -237,6 +246,9 @@ class Index final : public IndexApi {
   std::atomic<bool> central_writer_{false};
   std::function<Status()> central_fence_;
   std::mutex central_mu_;  // the stripe locks of a central writer: one operation at a time
+  // Central writer: the byte counters of every other node's row, summed by RefreshOtherRows.
+  std::atomic<uint64_t> others_claimed_{0}, others_released_{0};
+  void RefreshOtherRows();
   uint32_t actor_node_ = 0;
   uint64_t actor_writer_ = 0;
   // Per node, the life whose pins its row holds (kUnknownLife until a sweep or request says).

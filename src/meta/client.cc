@@ -170,14 +170,14 @@ Result<LookupResult> CentralIndex::Lookup(const NamespaceHandle& ns, std::span<c
 
 void CentralIndex::Release(std::span<const BlockPin> pins) {
   if (pins.empty()) return;
-  const size_t per = KeysPerRequest(0, 0) * kKeyBytes / kPinBytes;
+  const size_t per = KeysPerRequest(0, 0) * kKeyBytes / kReleaseBytes;
   Scratch& s = ThreadScratch(16384, 16384);
   for (size_t at = 0; at < pins.size();) {
     const size_t n = std::min(std::max<size_t>(per, 1), pins.size() - at);
     WireWriter w(s.request);
     w.Put(Writer());
     w.Put(static_cast<uint32_t>(n));
-    for (size_t i = 0; i < n; ++i) PutPin(w, pins[at + i]);
+    for (size_t i = 0; i < n; ++i) w.Put(pins[at + i].slot);
     if (auto got = Call(kRelease, {s.request.data(), w.size()}, s.answer); !got.ok()) {
       // The pins stay until this node's life ends (then the service drops them): space, not
       // correctness, is what a lost release costs.

@@ -115,9 +115,9 @@ std::map<uint32_t, rpc::Handler> MetaService::Handlers() {
                      WireReader r(req.payload);
                      CXLKV_RETURN_IF_ERROR(act(req, r, "release"));
                      uint32_t n = 0;
-                     if (!r.Count(&n, kPinBytes)) return Malformed("release");
+                     if (!r.Count(&n, kReleaseBytes)) return Malformed("release");
                      std::vector<BlockPin> pins(n);
-                     for (BlockPin& p : pins) GetPin(r, &p);
+                     for (BlockPin& p : pins) r.Get(&p.slot);
                      index.Release(pins);
                      return size_t{0};
                    },

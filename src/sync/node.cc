@@ -189,6 +189,12 @@ std::vector<NodeView> Node::Nodes() {
   return out;
 }
 
+std::optional<NodeView> Node::ViewOf(uint32_t node) {
+  std::lock_guard<std::mutex> lock(view_mu_);
+  if (node >= observed_.size()) return std::nullopt;
+  return observed_[node].view;
+}
+
 void Node::LiveIncarnations(std::vector<uint32_t>& out) {
   out.assign(max_nodes_, 0);
   std::lock_guard<std::mutex> lock(view_mu_);

@@ -35,6 +35,7 @@
 #include <future>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <thread>
 #include <vector>
@@ -131,6 +132,7 @@ class Node {
   bool is_manager() const { return manager_running_.load(); }
   bool leaving() const { return stop_.load(); }  // the destructor has begun
   std::vector<NodeView> Nodes();  // this process's current view of every node
+  std::optional<NodeView> ViewOf(uint32_t node);  // ... of one node (none past max_nodes): no copy of the rest
   // True when `node` runs life `incarnation` (compared modulo `inc_mask`) and, reading its line
   // now, has not left, and its heartbeat moved within half a lease. Stricter than `live`: a
   // caller about to hand work to that node (a remote free) stops doing so well before the
