@@ -14,7 +14,7 @@
 // The serving thread polls the ring head of every open channel (one line each; the presence
 // lines, one per node, are re-read every millisecond or so), answers what it finds in batches
 // (one fence for all responses of a batch, one for all their state words) and, when idle,
-// spins a short hot window, then sleeps in growing steps up to `max_idle_sleep` (two cores:
+// polls a short hot window (yielding the core between polls), then sleeps in growing steps up to `max_idle_sleep` (two cores:
 // an idle server costs almost nothing). Before publishing anything it checks that it still
 // holds the lock in a valid lease (a fence): a server paused past its lease publishes nothing
 // and stands by again.
