@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "daemon/admin.h"
+#include "daemon/node_lock.h"
 #include "daemon/node_status.h"
 #include "pool/pool_internal.h"
 #include "util/host_port.h"
@@ -122,7 +123,7 @@ Daemon::~Daemon() {
 // The kernel drops it when the holder dies, however it dies. The inode check closes the race
 // with a holder that unlinks the file between our open and our flock.
 Status Daemon::TakeNodeLock(const std::string& pool_id) {
-  lock_path_ = options_.lock_dir + "/cxlkvd-" + pool_id + "-node" + std::to_string(options_.node_id) + ".lock";
+  lock_path_ = NodeLockPath(options_.lock_dir, pool_id, options_.node_id);
   for (int attempt = 0; attempt < 5; ++attempt) {
     int fd = ::open(lock_path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (fd < 0) return IoError("cannot open " + lock_path_ + ": " + std::strerror(errno));

@@ -44,7 +44,7 @@ struct DaemonOptions {
   bool may_host_manager = true;       // default true
   bool serve_admin = true;            // serve (or stand by for) the pool's admin service. Default true.
   std::string metrics_address;        // "HOST:PORT" for GET /metrics; port 0 picks one; "" = off. Default off.
-  std::string lock_dir = "/dev/shm";  // where the one-daemon-per-node lock file lives. Default /dev/shm.
+  std::string lock_dir = "/dev/shm";  // where the one-daemon-per-node lock file lives (node_lock.h). Default /dev/shm.
   std::string tcp_address;            // "IPV4:PORT" of the TCP front (hosts outside the CXL domain);
                                       // port 0 picks one; "" = off. Default off.
 };

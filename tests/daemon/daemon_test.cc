@@ -11,6 +11,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <regex>
 #include <set>
 #include <string>
@@ -511,6 +512,53 @@ TEST(Cxlkvd, TheMetadataServiceMovesToAnotherDaemonWhenItsDaemonIsKilled) {
   ::unlink(data.c_str());
   ::kill(standby->pid, SIGTERM);
   EXPECT_EQ(standby->Wait(), 0);
+  Output check = Sh(Cli() + " check --path " + path.path());
+  EXPECT_EQ(check.code, 0) << check.out;
+}
+
+// A CLI command joins the node whose cxlkvd runs on this host as one more process of it: no
+// node life of its own starts or ends. Without a daemon it takes a node of its own, as before.
+TEST(Cxlkvd, CliCommandsJoinTheLocalDaemonsNodeAndWorkWithoutIt) {
+  TempRegionPath path("cxlkvdcli");
+  MakePool(path.path());
+  const std::string data = path.path() + "-data";
+  {
+    std::ofstream f(data, std::ios::binary);
+    for (int i = 0; i < 3000; ++i) f.put(static_cast<char>(i * 13));
+  }
+  // The nodes that ever joined: id -> state.
+  auto nodes = [&] {
+    Output stat = Sh(Cli() + " stat --watch-ms 50 --json --path " + path.path());
+    std::map<int, std::string> out;
+    if (stat.code != 0) return out;
+    auto j = nlohmann::json::parse(stat.out.substr(stat.out.find('{')));
+    for (const auto& n : j["nodes"]) out[n["id"].get<int>()] = n["state"].get<std::string>();
+    return out;
+  };
+  {
+    DaemonProcess d = DaemonProcess::Start(path.path(), 2);
+    ASSERT_NE(d.first_line.find("running"), std::string::npos) << d.first_line;
+    Output put = Sh(Cli() + " put --path " + path.path() + " --key with-daemon --data " + data);
+    ASSERT_EQ(put.code, 0) << put.out;
+    const std::string out = path.path() + "-out";
+    Output get = Sh(Cli() + " get --path " + path.path() + " --key with-daemon --out " + out);
+    ASSERT_EQ(get.code, 0) << get.out;
+    EXPECT_EQ(Sh("cmp " + data + " " + out).code, 0) << "bytes differ";
+    ::unlink(out.c_str());
+    EXPECT_EQ(Sh(Cli() + " ping --path " + path.path()).code, 0);
+    const std::map<int, std::string> joined = nodes();
+    EXPECT_EQ(joined, (std::map<int, std::string>{{2, "live"}})) << "a CLI command started a node life of its own";
+    ::kill(d.pid, SIGTERM);
+    ASSERT_EQ(d.Wait(), 0);
+  }
+  // No daemon (its lock file went with it): a node of the CLI's own.
+  Output put = Sh(Cli() + " put --path " + path.path() + " --key without-daemon --data " + data);
+  ASSERT_EQ(put.code, 0) << put.out;
+  const std::map<int, std::string> joined = nodes();
+  EXPECT_EQ(joined.size(), 2u);
+  EXPECT_EQ(joined.count(2), 1u);
+  for (const auto& [id, state] : joined) EXPECT_EQ(state, "left") << "node " << id;
+  ::unlink(data.c_str());
   Output check = Sh(Cli() + " check --path " + path.path());
   EXPECT_EQ(check.code, 0) << check.out;
 }

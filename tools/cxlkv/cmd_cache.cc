@@ -8,16 +8,19 @@
 #include <vector>
 
 #include "commands.h"
+#include "daemon/node_lock.h"
 #include "pool/pool_internal.h"
 #include "region/region_internal.h"
 #include "sync/node.h"
 
 namespace cxlkv::cli {
 
-// Joins as `node`, or (node < 0) as a node id nobody uses: never-used or departed ids first
-// (highest first), silent ones (a killed process's) only after them — joining a silent id means
-// watching it for a lease to be sure it is not live elsewhere. A CLI command is a short-lived
-// client: it recovers nobody (the pool's long-lived processes do) and so leaves at once.
+// Joins as `node`, or (node < 0) as one more process of the node whose cxlkvd runs on this
+// host (no node life of its own to start and end), or without a daemon as a node id nobody
+// uses: never-used or departed ids first (highest first), silent ones (a killed process's) only
+// after them — joining a silent id means watching it for a lease to be sure it is not live
+// elsewhere. A CLI command is a short-lived client: it recovers nobody (the pool's long-lived
+// processes do) and so leaves at once.
 Result<std::unique_ptr<Pool>> OpenAsNode(const std::string& paths, int node) {
   PoolOpenOptions o;
   o.recovers = false;
@@ -25,6 +28,17 @@ Result<std::unique_ptr<Pool>> OpenAsNode(const std::string& paths, int node) {
   if (node >= 0) {
     o.node_id = static_cast<uint32_t>(node);
     return Pool::Open(SplitPaths(paths), o);
+  }
+  {
+    auto region = Region::Attach(SplitPaths(paths)[0]);
+    if (!region.ok()) return region.status();
+    const RegionInfo info = (*region)->info();
+    region->reset();
+    if (auto local = daemon::LocalDaemonNode(info.pool_id, info.max_nodes)) {
+      o.node_id = *local;
+      auto p = Pool::Open(SplitPaths(paths), o);
+      if (p.ok()) return p;  // else (the daemon just stopped, say) a node of its own, as without one
+    }
   }
   auto region = Region::Attach(SplitPaths(paths)[0]);
   if (!region.ok()) return region.status();
