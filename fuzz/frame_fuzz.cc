@@ -2,7 +2,9 @@
 // peer can send. The input is cut into reads at places the first bytes choose, as a socket
 // delivers them; the decoder must never crash, never hold more than one frame's worth of
 // bytes (header + its payload limit), refuse a malformed stream for good once it has, and
-// every frame it decodes must encode back to exactly the bytes it was decoded from.
+// every frame it decodes must encode back to exactly the bytes it was decoded from. A frame of
+// the `kv` service also goes through its request decoder (src/rpc/kv_frames.h): whatever it
+// accepts is within the limits and encodes back to the same payload.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -12,6 +14,7 @@
 #include <vector>
 
 #include "rpc/frame.h"
+#include "rpc/kv_frames.h"
 
 namespace {
 
@@ -20,6 +23,25 @@ constexpr uint32_t kLimit = 4096;
 [[noreturn]] void Fail(const char* what) {
   std::fprintf(stderr, "frame_fuzz: %s\n", what);
   std::abort();
+}
+
+void CheckKvRequest(const cxlkv::rpc::Frame& f) {
+  using namespace cxlkv::rpc;
+  auto r = DecodeKvRequest(f.code, f.payload);
+  if (!r.ok()) {
+    if (r.status().message().empty()) Fail("a kv request refused without a reason");
+    return;
+  }
+  if (r->model.empty() || r->model.size() > kMaxKvModelBytes) Fail("a kv model id out of range");
+  if (r->keys.empty() || r->keys.size() > kMaxKvKeys) Fail("a kv key count out of range");
+  std::vector<std::string> keys;
+  for (const auto& k : r->keys) {
+    if (k.empty() || k.size() > kMaxKvKeyBytes) Fail("a kv key out of range");
+    keys.emplace_back(k.begin(), k.end());
+  }
+  if ((f.code == kKvPut) == r->block.empty()) Fail("a kv block where none belongs, or none where one does");
+  const std::vector<uint8_t> again = EncodeKvRequest(r->model, keys, r->block);
+  if (again != f.payload) Fail("a kv request re-encodes differently");
 }
 
 }  // namespace
@@ -50,6 +72,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (failed) Fail("a frame after an error");
       if (r == cxlkv::rpc::FrameDecoder::Result::kNeedMore) break;
       if (f.payload.size() > kLimit) Fail("a payload over the limit");
+      if (f.service == static_cast<uint8_t>(cxlkv::rpc::FrameService::kKv)) CheckKvRequest(f);
       std::vector<uint8_t> again;
       cxlkv::rpc::EncodeFrame(f, again);
       const size_t len = consumed - frame_start;

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -95,8 +96,17 @@ Result<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options) {
     CXLKV_ASSIGN_OR_RETURN(d->tcp_admin_client_, rpc::RpcClient::Open(*d->pool_, kAdminService));
     rpc::TcpFrontOptions to;
     to.address = options.tcp_address;
-    static_assert(static_cast<uint8_t>(rpc::FrameService::kAdmin) == 0);
-    CXLKV_ASSIGN_OR_RETURN(d->tcp_, rpc::TcpFront::Start({d->tcp_admin_client_.get()}, to));
+    if (options.tcp_max_frame < 4096) return InvalidArgument("--tcp-max-frame under 4 KiB cannot carry a block");
+    to.max_payload = options.tcp_max_frame;
+    // Room for two answers of the largest size before a peer that does not read is dropped.
+    to.max_output_bytes = std::max<size_t>(to.max_output_bytes, 2 * size_t{options.tcp_max_frame} + (64 << 10));
+    static_assert(static_cast<uint8_t>(rpc::FrameService::kAdmin) == 0 && static_cast<uint8_t>(rpc::FrameService::kKv) == 1);
+    d->kv_front_ = std::make_unique<KvFront>(*d->pool_);
+    std::vector<rpc::LocalService> local(rpc::kFrameServices);
+    local[static_cast<uint8_t>(rpc::FrameService::kKv)] = [kv = d->kv_front_.get()](uint32_t op, std::span<const uint8_t> req) {
+      return kv->Handle(op, req);
+    };
+    CXLKV_ASSIGN_OR_RETURN(d->tcp_, rpc::TcpFront::Start({d->tcp_admin_client_.get(), nullptr}, to, std::move(local)));
   }
   if (!options.metrics_address.empty()) CXLKV_RETURN_IF_ERROR(d->StartMetrics());
   return d;
@@ -109,7 +119,8 @@ Daemon::~Daemon() {
     http_->stop();
     if (http_thread_.joinable()) http_thread_.join();
   }
-  tcp_.reset();
+  tcp_.reset();  // before the kv front it calls
+  kv_front_.reset();
   tcp_admin_client_.reset();
   admin_.reset();
   pool_.reset();

@@ -26,6 +26,7 @@
 
 #include "cxlkv/pool.h"
 #include "cxlkv/status.h"
+#include "daemon/kv_front.h"
 #include "rpc/client.h"
 #include "rpc/server.h"
 #include "rpc/frame.h"
@@ -47,6 +48,8 @@ struct DaemonOptions {
   std::string lock_dir = "/dev/shm";  // where the one-daemon-per-node lock file lives (node_lock.h). Default /dev/shm.
   std::string tcp_address;            // "IPV4:PORT" of the TCP front (hosts outside the CXL domain);
                                       // port 0 picks one; "" = off. Default off.
+  uint32_t tcp_max_frame = 4u << 20;  // largest frame payload the TCP front takes: a block put or
+                                      // got over TCP must fit. Default 4 MiB.
 };
 
 class Daemon {
@@ -85,6 +88,7 @@ class Daemon {
   std::unique_ptr<Pool> pool_;
   std::unique_ptr<rpc::RpcServer> admin_;
   std::unique_ptr<rpc::RpcClient> tcp_admin_client_;  // the TCP front's way to the admin service
+  std::unique_ptr<KvFront> kv_front_;  // the TCP front's `kv` service (runs on its loop thread)
   std::unique_ptr<rpc::TcpFront> tcp_;
   std::unique_ptr<httplib::Server> http_;
   std::thread http_thread_;

@@ -35,8 +35,9 @@ inline constexpr size_t kFrameHeaderBytes = 24;
 
 enum class FrameService : uint8_t {
   kAdmin = 0,  // the pool's admin service (daemon/admin.h)
+  kKv = 1,     // the KV cache's data operations, blocks inside the frames (kv_frames.h)
 };
-inline constexpr uint8_t kFrameServices = 1;
+inline constexpr uint8_t kFrameServices = 2;
 
 struct Frame {
   uint8_t service = 0;

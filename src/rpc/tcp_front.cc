@@ -21,6 +21,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr size_t kReadChunk = 16 << 10;
+constexpr std::chrono::milliseconds kLinger{1000};  // how long a refused peer may go on sending
 
 }  // namespace
 
@@ -35,6 +36,12 @@ struct TcpFront::Connection {
   bool eof = false;          // the peer closed its side: answer what is in flight, then close
   bool closing = false;      // close once `out` is sent (after an error frame)
   bool dead = false;         // close now
+  // After an error frame: our side shut, the peer's bytes read and dropped for a while before
+  // the close, so the close does not reset the connection (and lose the error frame) while the
+  // peer is still sending the frame we refused.
+  bool lingering = false;
+  Clock::time_point linger_until;
+  size_t discarded = 0;
 
   Connection(uint64_t i, int f, uint32_t max_payload) : id(i), fd(f), decoder(max_payload) {}
 };
@@ -47,7 +54,8 @@ struct TcpFront::Call {
   Clock::time_point deadline;
 };
 
-Result<std::unique_ptr<TcpFront>> TcpFront::Start(std::vector<RpcClient*> services, const TcpFrontOptions& options) {
+Result<std::unique_ptr<TcpFront>> TcpFront::Start(std::vector<RpcClient*> services, const TcpFrontOptions& options,
+                                                  std::vector<LocalService> local) {
   const std::string& a = options.address;
   CXLKV_ASSIGN_OR_RETURN(auto hp, util::ParseHostPort(a, "TCP address"));
   sockaddr_in addr{};
@@ -56,7 +64,7 @@ Result<std::unique_ptr<TcpFront>> TcpFront::Start(std::vector<RpcClient*> servic
   if (::inet_pton(AF_INET, hp.host.c_str(), &addr.sin_addr) != 1) {
     return InvalidArgument("TCP host in '" + a + "' is not an IPv4 address");
   }
-  auto front = std::unique_ptr<TcpFront>(new TcpFront(std::move(services), options));
+  auto front = std::unique_ptr<TcpFront>(new TcpFront(std::move(services), std::move(local), options));
   front->listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (front->listener_ < 0) return IoError(std::string("socket: ") + std::strerror(errno));
   int one = 1;
@@ -73,8 +81,8 @@ Result<std::unique_ptr<TcpFront>> TcpFront::Start(std::vector<RpcClient*> servic
   return front;
 }
 
-TcpFront::TcpFront(std::vector<RpcClient*> services, const TcpFrontOptions& options)
-    : services_(std::move(services)), options_(options) {}
+TcpFront::TcpFront(std::vector<RpcClient*> services, std::vector<LocalService> local, const TcpFrontOptions& options)
+    : services_(std::move(services)), local_(std::move(local)), options_(options) {}
 
 TcpFront::~TcpFront() {
   stop_.store(true);
@@ -101,7 +109,7 @@ void TcpFront::Loop() {
     fds.push_back({listener_, POLLIN, 0});
     for (auto& c : connections_) {
       short ev = 0;
-      if (!c->eof && !c->closing && c->queued.empty()) ev |= POLLIN;
+      if ((!c->eof && !c->closing && c->queued.empty()) || c->lingering) ev |= POLLIN;
       if (c->out.size() > c->out_sent) ev |= POLLOUT;
       fds.push_back({c->fd, ev, 0});
     }
@@ -112,6 +120,7 @@ void TcpFront::Loop() {
     // A frame waiting for an RPC slot is retried at least every millisecond, answers or not.
     for (auto& c : connections_) {
       if (!c->queued.empty() && timeout != 0) timeout = 1;
+      if (c->lingering && (timeout < 0 || timeout > 50)) timeout = 50;  // to see its deadline pass
     }
     if (::poll(fds.data(), fds.size(), timeout) < 0 && errno != EINTR) break;
     if (fds[0].revents) {
@@ -124,6 +133,10 @@ void TcpFront::Loop() {
     for (size_t i = 0; i + 2 < fds.size() && i < connections_.size(); ++i) {
       Connection& c = *connections_[i];
       const short re = fds[i + 2].revents;
+      if (c.lingering) {
+        if ((re & (POLLIN | POLLHUP | POLLERR)) && !Discard(c)) c.dead = true;
+        continue;
+      }
       if ((re & (POLLIN | POLLHUP | POLLERR)) && !ReadFrom(c)) c.dead = true;
       if ((re & POLLOUT) && !WriteTo(c)) c.dead = true;
     }
@@ -137,9 +150,16 @@ void TcpFront::Loop() {
     for (auto& c : connections_) {
       if (c->out.size() > c->out_sent && !c->dead && !WriteTo(*c)) c->dead = true;
     }
-    std::erase_if(connections_, [](const std::unique_ptr<Connection>& c) {
+    const auto now = Clock::now();
+    std::erase_if(connections_, [now](const std::unique_ptr<Connection>& c) {
       const bool flushed = c->out.size() == c->out_sent;
-      const bool done = c->dead || (c->closing && flushed) || (c->eof && flushed && c->inflight == 0 && c->queued.empty());
+      if (c->closing && flushed && !c->lingering && !c->dead) {
+        ::shutdown(c->fd, SHUT_WR);  // the error frame is out: the peer sees our end
+        c->lingering = true;
+        c->linger_until = now + kLinger;
+      }
+      const bool done = c->dead || (c->lingering && now >= c->linger_until) ||
+                        (c->eof && flushed && c->inflight == 0 && c->queued.empty());
       if (done) ::close(c->fd);
       return done;
     });
@@ -160,6 +180,17 @@ void TcpFront::Accept() {
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     connections_.push_back(std::make_unique<Connection>(next_connection_++, fd, options_.max_payload));
   }
+}
+
+// A lingering connection's input: dropped. False (close now) at the peer's end of the stream,
+// on an error, or past twice a frame's worth of bytes (a peer that never stops sending).
+bool TcpFront::Discard(Connection& c) {
+  uint8_t buf[kReadChunk];
+  ssize_t n = ::recv(c.fd, buf, sizeof buf, MSG_DONTWAIT);
+  if (n == 0) return false;
+  if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+  c.discarded += static_cast<size_t>(n);
+  return c.discarded <= 2 * (size_t{options_.max_payload} + kFrameHeaderBytes);
 }
 
 // Reads what the peer sent and decodes whole frames into the queue. False: close now.
@@ -191,6 +222,16 @@ bool TcpFront::ReadFrom(Connection& c) {
 void TcpFront::SubmitQueued(Connection& c) {
   while (!c.queued.empty() && !c.closing && !c.dead) {
     Frame& f = c.queued.front();
+    if (f.service < local_.size() && local_[f.service]) {
+      Result<std::vector<uint8_t>> answer = local_[f.service](f.code, f.payload);
+      if (answer.ok()) {
+        Reply(c, f.id, f.service, Status::Ok(), *answer);
+      } else {
+        Reply(c, f.id, f.service, answer.status(), {});
+      }
+      c.queued.pop_front();
+      continue;
+    }
     RpcClient* client = f.service < services_.size() ? services_[f.service] : nullptr;
     if (client == nullptr) {
       Reply(c, f.id, f.service, InvalidArgument("no service " + std::to_string(f.service) + " behind this TCP front"), {});

@@ -9,7 +9,8 @@
 // payload limit), it stops reading while a decoded frame waits for a free RPC slot, and a peer
 // that does not read its answers is dropped once they exceed `max_output_bytes`. A malformed
 // stream (bad magic, version, reserved flags, oversized length) gets an error frame and the
-// connection is closed; a bad service or opcode gets an error frame and the connection goes on.
+// connection is closed (after a lingering second in which what the peer still sends is read
+// and dropped, so the close does not reset the connection before the error frame is read); a bad service or opcode gets an error frame and the connection goes on.
 // Nothing a peer sends stops the loop from serving the others.
 //
 // Thread-safety: Start and the destructor from one thread; stats from any.
@@ -19,6 +20,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -45,11 +47,17 @@ struct TcpFrontStats {
   uint64_t dropped = 0;      // connections closed for a malformed stream or unread output
 };
 
+// A service the front answers itself, on its loop thread, instead of forwarding: for requests
+// whose work needs the caller's bytes in this process (the daemon's KV data operations). Returns
+// the answer's payload, or the error to send.
+using LocalService = std::function<Result<std::vector<uint8_t>>(uint32_t opcode, std::span<const uint8_t> request)>;
+
 class TcpFront {
  public:
-  // `services[s]` forwards frames whose service byte is s (null: no such service). The clients
-  // must outlive the front.
-  static Result<std::unique_ptr<TcpFront>> Start(std::vector<RpcClient*> services, const TcpFrontOptions& options);
+  // `services[s]` forwards frames whose service byte is s (null: no such service), unless
+  // `local[s]` is set: then the front runs it. The clients must outlive the front.
+  static Result<std::unique_ptr<TcpFront>> Start(std::vector<RpcClient*> services, const TcpFrontOptions& options,
+                                                 std::vector<LocalService> local = {});
   ~TcpFront();  // stops the loop and closes every connection
   TcpFront(const TcpFront&) = delete;
   TcpFront& operator=(const TcpFront&) = delete;
@@ -60,16 +68,18 @@ class TcpFront {
  private:
   struct Connection;
   struct Call;
-  TcpFront(std::vector<RpcClient*> services, const TcpFrontOptions& options);
+  TcpFront(std::vector<RpcClient*> services, std::vector<LocalService> local, const TcpFrontOptions& options);
   void Loop();
   void Accept();
   bool ReadFrom(Connection& c);
+  bool Discard(Connection& c);
   void SubmitQueued(Connection& c);
   void Reply(Connection& c, uint64_t id, uint8_t service, const Status& status, std::span<const uint8_t> payload);
   bool WriteTo(Connection& c);
   void CollectAnswers(bool* any);
 
   std::vector<RpcClient*> services_;
+  std::vector<LocalService> local_;
   TcpFrontOptions options_;
   int listener_ = -1;
   int wake_[2] = {-1, -1};

@@ -34,7 +34,8 @@ int main(int argc, char** argv) {
   app.add_option("--node", o.node_id, "this host's node id")->required();
   app.add_option("--lease-ms", o.lease_ms, "liveness lease in ms (default 2000)");
   app.add_option("--metrics", o.metrics_address, "serve Prometheus /metrics on HOST:PORT (port 0: any); off by default");
-  app.add_option("--tcp", o.tcp_address, "serve the RPC services over TCP on IPV4:PORT (port 0: any), for hosts outside the CXL domain; off by default");
+  app.add_option("--tcp", o.tcp_address, "serve the RPC services and the KV cache's blocks over TCP on IPV4:PORT (port 0: any), for hosts outside the CXL domain; off by default");
+  app.add_option("--tcp-max-frame", o.tcp_max_frame, "largest frame payload (a block put or got over TCP) in bytes")->capture_default_str();
   app.add_flag("--no-admin", no_admin, "do not serve or stand by for the pool's admin RPC service");
   app.add_flag("--no-manager", no_manager, "never host the lock manager on this node");
   app.add_option("--lock-dir", o.lock_dir, "where the one-daemon-per-node lock file lives (default /dev/shm)");
