@@ -27,6 +27,10 @@ const std::vector<Suite>& Suites() {
        "shared-memory RPC: 64-byte round trip at queue depth 1 vs a cache-line ping-pong and vs TCP loopback; "
        "single-server-thread throughput at queue depth 128",
        &RunRpcBench},
+      {"tier",
+       "capacity tiers: SSD tier read/write GB/s at 256 KiB and 2 MiB, queue depth 1 and 32, vs fio on the same "
+       "file and vs a file-per-object store; CRC-32C cost; DRAM+SSD with placement vs each alone",
+       &RunTierBench},
   };
   return suites;
 }

@@ -1,0 +1,110 @@
+#include "tier/device.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace cxlkv::tier {
+
+std::string_view TierKindName(TierKind kind) {
+  switch (kind) {
+    case TierKind::kMem: return "mem";
+    case TierKind::kSsd: return "ssd";
+  }
+  return "unknown";
+}
+
+uint64_t PayloadBytes(std::span<const std::span<const std::byte>> payload) {
+  uint64_t n = 0;
+  for (const auto& piece : payload) n += piece.size();
+  return n;
+}
+
+void GatherPayload(std::span<const std::span<const std::byte>> payload, std::byte* dst) {
+  for (const auto& piece : payload) {
+    if (piece.empty()) continue;
+    std::memcpy(dst, piece.data(), piece.size());
+    dst += piece.size();
+  }
+}
+
+Device::Device(TierKind kind, uint32_t index, uint64_t slot_bytes, uint64_t slot_count, std::string name)
+    : kind_(kind), index_(index), slot_bytes_(slot_bytes), name_(name), allocator_(slot_count, std::move(name)) {}
+
+DeviceStats Device::stats() const {
+  DeviceStats s;
+  s.writes = writes_.load(std::memory_order_relaxed);
+  s.write_bytes = write_bytes_.load(std::memory_order_relaxed);
+  s.write_errors = write_errors_.load(std::memory_order_relaxed);
+  s.reads = reads_.load(std::memory_order_relaxed);
+  s.read_bytes = read_bytes_.load(std::memory_order_relaxed);
+  s.read_errors = read_errors_.load(std::memory_order_relaxed);
+  s.miss_empty = miss_empty_.load(std::memory_order_relaxed);
+  s.miss_corrupt = miss_corrupt_.load(std::memory_order_relaxed);
+  s.miss_stale = miss_stale_.load(std::memory_order_relaxed);
+  return s;
+}
+
+Status Device::CheckWrite(const WriteItem& item, uint32_t* payload_bytes) const {
+  if (item.slot >= slot_count()) {
+    return InvalidArgument(name_ + ": slot " + std::to_string(item.slot) + " is out of range (the device has " +
+                           std::to_string(slot_count()) + " slots)");
+  }
+  uint64_t n = PayloadBytes(item.payload);
+  if (n > payload_capacity()) {
+    return InvalidArgument(name_ + ": a payload of " + std::to_string(n) + " bytes does not fit a slot of " +
+                           std::to_string(slot_bytes_) + " bytes (" + std::to_string(payload_capacity()) +
+                           " after the header): use a device with larger slots");
+  }
+  *payload_bytes = static_cast<uint32_t>(n);
+  return Status::Ok();
+}
+
+Status Device::CheckRead(const ReadItem& item) const {
+  if (item.slot >= slot_count()) {
+    return InvalidArgument(name_ + ": slot " + std::to_string(item.slot) + " is out of range (the device has " +
+                           std::to_string(slot_count()) + " slots)");
+  }
+  return Status::Ok();
+}
+
+uint64_t Device::ReadSpan(const ReadItem& item) const {
+  uint64_t want = kSlotHeaderBytes + std::min<uint64_t>(item.dst.size(), payload_capacity());
+  return want;
+}
+
+Status Device::FinishRead(ReadItem& item, const std::byte* image, size_t readable) {
+  uint64_t limit = std::min<uint64_t>(item.dst.size(), payload_capacity());
+  uint32_t n = 0;
+  item.verdict = CheckSlot(image, readable, limit, item.expect, verify_crc(), &n);
+  switch (item.verdict) {
+    case SlotVerdict::kValid:
+      if (n > 0) std::memcpy(item.dst.data(), image + kSlotHeaderBytes, n);
+      item.payload_bytes = n;
+      reads_.fetch_add(1, std::memory_order_relaxed);
+      read_bytes_.fetch_add(n, std::memory_order_relaxed);
+      return Status::Ok();
+    case SlotVerdict::kEmpty:
+      miss_empty_.fetch_add(1, std::memory_order_relaxed);
+      return Corrupted("miss: " + name_ + " slot " + std::to_string(item.slot) + " is empty");
+    case SlotVerdict::kCorrupt:
+      miss_corrupt_.fetch_add(1, std::memory_order_relaxed);
+      return Corrupted("miss: " + name_ + " slot " + std::to_string(item.slot) +
+                       " failed validation (bad header, length or CRC-32C: corrupt or torn)");
+    case SlotVerdict::kStale:
+      miss_stale_.fetch_add(1, std::memory_order_relaxed);
+      return Corrupted("miss: " + name_ + " slot " + std::to_string(item.slot) +
+                       " holds another key, namespace or generation (reused)");
+  }
+  return Internal("unknown slot verdict");
+}
+
+void Device::CountWrite(const Status& s, uint64_t bytes) {
+  if (s.ok()) {
+    writes_.fetch_add(1, std::memory_order_relaxed);
+    write_bytes_.fetch_add(bytes, std::memory_order_relaxed);
+  } else {
+    write_errors_.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
+}  // namespace cxlkv::tier

@@ -1,0 +1,104 @@
+// The OS behind one seam for the capacity tiers: every system call an SSD device makes (open,
+// fallocate, pread/pwrite, fdatasync, fadvise, the block-device size ioctl, io_uring set-up and
+// its submissions) goes through IoPlatform, so tests substitute a fault-injecting platform
+// (tests/tier/fault_io_platform.h) that refuses io_uring with EPERM, buffer registration with
+// ENOMEM, O_DIRECT with EINVAL, or turns a write into ENOSPC, an EINTR or a short transfer.
+// One implementation: io_platform_linux.cc (liburing for the ring).
+//
+// Convention (as region::Platform): integer calls return >= 0 on success and -errno on failure;
+// errno is never read by callers.
+// Thread-safety: the default IoPlatform is stateless and safe from any thread. An IoRing is used
+// by one thread at a time (the device's I/O path holds its lock around it).
+#ifndef CXLKV_SRC_TIER_IO_PLATFORM_H_
+#define CXLKV_SRC_TIER_IO_PLATFORM_H_
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "cxlkv/status.h"
+
+namespace cxlkv::tier {
+
+// What an SSD device path is.
+struct DeviceFileFacts {
+  bool exists = false;
+  bool is_block_device = false;
+  bool is_regular = false;
+  uint64_t size = 0;             // st_size, or BLKGETSIZE64 for a block device
+  uint64_t fs_free_bytes = 0;    // space left on the file system holding a regular file
+  bool on_tmpfs = false;         // where O_DIRECT may be refused (kernels before 6.6)
+};
+
+// One read or write submitted to an IoRing.
+struct RingOp {
+  bool write = false;
+  int fd = -1;               // the registered file's index when fixed_file, else a descriptor
+  bool fixed_file = false;
+  void* buf = nullptr;
+  uint32_t len = 0;
+  uint64_t offset = 0;
+  int buf_index = -1;        // >= 0: a registered buffer (read/write_fixed), buf lies inside it
+  uint64_t user_data = 0;
+};
+
+struct RingCompletion {
+  uint64_t user_data = 0;
+  int32_t res = 0;           // bytes transferred, or -errno
+};
+
+// A submission/completion queue pair (io_uring). Queue → Submit (one system call per batch) →
+// Peek/Wait for completions.
+class IoRing {
+ public:
+  virtual ~IoRing() = default;
+  // Registers one file as fixed file 0 (skips the per-I/O fget/fput).
+  virtual int RegisterFile(int fd) = 0;
+  // Registers [base, base+len) as fixed buffer 0 (pinned once, not per I/O). May fail with
+  // -ENOMEM under a low RLIMIT_MEMLOCK.
+  virtual int RegisterBuffer(void* base, size_t len) = 0;
+  // Adds an op to the submission queue; false when the queue is full (submit first).
+  virtual bool Queue(const RingOp& op) = 0;
+  // Submits everything queued: one io_uring_enter. Returns the count or -errno.
+  virtual int Submit() = 0;
+  // Takes one completion if one is ready: 1, or 0 when none is.
+  virtual int Peek(RingCompletion* out) = 0;
+  // Blocks until one completion is ready and takes it: 0, or -errno.
+  virtual int Wait(RingCompletion* out) = 0;
+};
+
+class IoPlatform {
+ public:
+  virtual ~IoPlatform() = default;
+
+  // The real operating system.
+  static IoPlatform& Default();
+
+  virtual int Open(const std::string& path, int flags, mode_t mode);
+  virtual int Close(int fd);
+  virtual int Unlink(const std::string& path);
+  // Facts about `path` (exists=false when it does not; other errors as -errno).
+  virtual int Stat(const std::string& path, DeviceFileFacts* out);
+  // Facts about an open descriptor (size from BLKGETSIZE64 for a block device).
+  virtual int Fstat(int fd, DeviceFileFacts* out);
+  // Reserves [0, size) on the file's file system (fallocate mode 0).
+  virtual int Fallocate(int fd, uint64_t size);
+  virtual ssize_t Pread(int fd, void* buf, size_t len, uint64_t offset);
+  virtual ssize_t Pwrite(int fd, const void* buf, size_t len, uint64_t offset);
+  virtual int Fdatasync(int fd);
+  // posix_fadvise(POSIX_FADV_DONTNEED): drops clean cached pages of the range.
+  virtual int DropCache(int fd, uint64_t offset, uint64_t len);
+  // An io_uring of `depth` entries, or the -errno io_uring_queue_init gave (-EPERM under a
+  // seccomp filter, -ENOSYS on a kernel without io_uring).
+  virtual int CreateRing(unsigned depth, std::unique_ptr<IoRing>* out);
+};
+
+// "No such file or directory (ENOENT)" for a negative errno return.
+std::string IoErrnoText(int neg_errno);
+
+}  // namespace cxlkv::tier
+
+#endif  // CXLKV_SRC_TIER_IO_PLATFORM_H_
