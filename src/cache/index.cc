@@ -253,15 +253,18 @@ Result<LookupResult> Index::Lookup(const NamespaceHandle& ns, std::span<const Bl
     out.pins.resize(valid);
   }
   out.hit_blocks = out.pins.size();
-  if (pin) {
-    Add(kLookups, 1);
-    Add(kLookupBlocks, keys.size());
-    Add(kHitBlocks, out.hit_blocks);
-    Add(kHitTokens, out.hit_blocks * ns.block_size);
-    Add(kMissBlocks, keys.size() - out.hit_blocks);
-    if (out.hit_blocks == 0) Add(kZeroHitLookups, 1);
-  }
+  // A central writer answers for a client, which counts its lookup on its own node's row.
+  if (pin && !central_writer()) CountLookup(ns, keys.size(), out.hit_blocks);
   return out;
+}
+
+void Index::CountLookup(const NamespaceHandle& ns, size_t asked, size_t hit) {
+  Add(kLookups, 1);
+  Add(kLookupBlocks, asked);
+  Add(kHitBlocks, hit);
+  Add(kHitTokens, hit * ns.block_size);
+  Add(kMissBlocks, asked - hit);
+  if (hit == 0) Add(kZeroHitLookups, 1);
 }
 
 void Index::Release(std::span<const BlockPin> pins) {

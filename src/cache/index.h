@@ -110,6 +110,9 @@ class Index final : public IndexApi {
   void AppendReachable(std::vector<uint64_t>& out);
   // Publishes this node's counters (the membership thread calls it every beat).
   void PublishCounters();
+  // Counts one pinning lookup of `asked` keys that hit `hit` on this node's row (the hit-rate
+  // counters). Lookup does it itself, except as a central writer: the client counts its own.
+  void CountLookup(const NamespaceHandle& ns, size_t asked, size_t hit);
 
   uint64_t NowStamp() const;
 

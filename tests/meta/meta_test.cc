@@ -12,6 +12,7 @@
 
 #include "../cache/cache_test_util.h"
 #include "alloc/chunk_table.h"
+#include "cache/inspect.h"
 #include "child.h"
 #include "meta/client.h"
 #include "meta/protocol.h"
@@ -140,6 +141,12 @@ TEST(Meta, InitRecordsTheModeAndTheCacheWorksThroughTheService) {
   auto hit = cache.Lookup(*ns, keys);
   ASSERT_TRUE(hit.ok()) << hit.status().ToString();
   EXPECT_EQ(hit->hit_blocks, 250u);
+  {  // One lookup, counted once however many requests it took (300 keys: three).
+    auto stat = cache::Stat(*pool->impl().regions[0], {cache::NodeStatus::kLive});
+    EXPECT_EQ(stat["totals"]["lookups"].get<uint64_t>(), 1u);
+    EXPECT_EQ(stat["totals"]["lookup_blocks"].get<uint64_t>(), 300u);
+    EXPECT_EQ(stat["totals"]["hit_blocks"].get<uint64_t>(), 250u);
+  }
   std::vector<uint8_t> got(kBlock);
   for (size_t i = 0; i < hit->pins.size(); ++i) {
     ASSERT_TRUE(cache.Read(hit->pins[i], 0, got.data(), kBlock).ok());
@@ -204,6 +211,13 @@ TEST(Meta, FourWriterProcessesCommitEachKeyExactlyOnce) {
           return 4;
         }
       }
+      // w + 1 lookups: each counts on this writer's node row (hit rates per node), once each.
+      const std::vector<BlockKey> three = {KeyOf(0), KeyOf(1), KeyOf(2)};
+      for (int l = 0; l <= w; ++l) {
+        auto hit = (*cache)->Lookup(*ns, three);
+        if (!hit.ok()) return 5;
+        (*cache)->Release(hit->pins);
+      }
       Put(out, won);
       Get(in, &go);
       return 0;
@@ -227,6 +241,14 @@ TEST(Meta, FourWriterProcessesCommitEachKeyExactlyOnce) {
     c.Send(1);
   }
   for (Child& c : writers) EXPECT_EQ(c.Wait(), 0);
+  {  // The service (node 0) counted no lookup; each writer's node its own.
+    auto stat = cache::Stat(*pool->impl().regions[0], std::vector<cache::NodeStatus>(8, cache::NodeStatus::kLive));
+    EXPECT_EQ(stat["per_node"]["0"]["lookups"].get<uint64_t>(), 0u) << stat["per_node"].dump();
+    for (int w = 0; w < kWriters; ++w) {
+      EXPECT_EQ(stat["per_node"][std::to_string(w + 1)]["lookups"].get<uint64_t>(), static_cast<uint64_t>(w + 1))
+          << "writer " << w << ": " << stat["per_node"].dump();
+    }
+  }
   // A key that was busy (its writer between reserve and commit) may still be absent: put it now.
   KvCache& cache = **pool->Cache();
   auto ns = cache.Namespace(TestNamespace());
