@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 #include <string>
 
@@ -191,6 +192,26 @@ TEST(Cli, BenchRpcQuickReportsTheRoundTripNextToItsLimits) {
                            "rpc_64B_qd128"}) {
     EXPECT_TRUE(names.count(want)) << want;
   }
+}
+
+TEST(Cli, BenchTierQuickReportsTheSsdTierNextToFio) {
+  auto r = Cli("bench tier --json --quick");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.stdout_only);
+  EXPECT_EQ(j["suite"], "tier");
+  std::map<std::string, nlohmann::json> by_name;
+  for (const auto& fig : j["results"]) by_name[fig["name"].get<std::string>()] = fig;
+  for (const char* want : {"ssd_write/256KiB/qd1", "ssd_read/256KiB/qd32", "ssd_read/2MiB/qd32",
+                           "vs_file_per_object/read/256KiB", "crc_cost/ssd_read/256KiB", "combined/256KiB"}) {
+    ASSERT_TRUE(by_name.count(want)) << want;
+    EXPECT_GT(by_name[want]["median"].get<double>(), 0) << want;
+  }
+  // fio is installed by scripts/setup: the SSD figures stand next to it, with a ratio.
+  if (j["fio"].get<std::string>().rfind("fio (", 0) == 0) {
+    EXPECT_EQ(by_name["ssd_read/256KiB/qd32"]["reference"], "fio_read/256KiB/qd32");
+    EXPECT_GT(by_name["ssd_read/256KiB/qd32"]["ratio"].get<double>(), 0);
+  }
+  EXPECT_TRUE(by_name.count("tier_file_cached")) << "the page-cache figure is missing";
 }
 
 TEST(Cli, DemoComparesFourConfigurationsWithIdenticalTokens) {
