@@ -87,7 +87,8 @@ Result<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options) {
   if (options.serve_admin) {
     rpc::RpcServerOptions so;
     so.geometry = AdminGeometry();
-    so.hot_window = std::chrono::microseconds(50);  // admin calls are rare: sleep soon
+    so.hot_window = std::chrono::microseconds(50);  // admin calls are rare: sleep soon,
+    so.max_idle_sleep = std::chrono::milliseconds(5);  // and long (each wake-up costs ~25 us here)
     CXLKV_ASSIGN_OR_RETURN(d->admin_, rpc::RpcServer::Start(*d->pool_, kAdminService, AdminOps(*d), so));
   }
   if (!options.tcp_address.empty()) {
