@@ -286,7 +286,9 @@ TEST(Cxlkvd, CliCommandsJoinTheLocalDaemonsNodeAndWorkWithoutIt) {
   }
   // The nodes that ever joined: id -> state.
   auto nodes = [&] {
-    Output stat = Sh(Cli() + " stat --watch-ms 50 --json --path " + path.path());
+    // Watch a lease's worth of beats: under a sanitizer a beat can take longer than 50 ms, and
+    // a node whose beat was not seen reads as silent.
+    Output stat = Sh(Cli() + " stat --watch-ms " + std::to_string(kTestLeaseMs) + " --json --path " + path.path());
     std::map<int, std::string> out;
     if (stat.code != 0) return out;
     auto j = nlohmann::json::parse(stat.out.substr(stat.out.find('{')));
