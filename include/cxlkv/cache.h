@@ -19,6 +19,7 @@
 #ifndef CXLKV_CACHE_H_
 #define CXLKV_CACHE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -31,6 +32,7 @@ namespace cxlkv {
 
 namespace cache {
 class IndexApi;
+class CapacityPromoter;
 }
 
 // A 128-bit block key (xxh3-128). Opaque: compare, hash, store.
@@ -82,13 +84,18 @@ struct BlockPin {
   uint64_t generation = 0;
   uint64_t offset = 0;            // pool offset of the payload
   uint64_t bytes = 0;
-  uint32_t tier = 0;              // 0: the shared region (later: pooled DRAM, SSD)
+  uint32_t tier = 0;              // 0: the shared region (a pin is always on tier 0: blocks on
+                                  // capacity tiers are brought in before they are pinned)
   uint64_t checksum = 0;          // xxh3-64 of the payload, 0 when checksums are off
 };
 
 struct LookupResult {
   size_t hit_blocks = 0;          // the longest prefix of `keys` that is READY
   std::vector<BlockPin> pins;     // one per hit block, in key order
+  // READY blocks right after the hit, the first of them on a capacity tier (node DRAM, SSD):
+  // present in the pool but not in the region. KvCache::Lookup brings them in (the owner's
+  // cxlkvd promotes them) and extends the hit; what it could not bring in ends the hit.
+  size_t capacity_run = 0;
 };
 
 // A WRITING entry this process owns until Commit or Abort.
@@ -150,10 +157,12 @@ class KvCache {
   // An engine's own block hash (vLLM, SGLang), folded into the namespace.
   static BlockKey KeyFromEngineHash(const NamespaceHandle& ns, std::span<const uint8_t> hash);
 
-  // Longest READY prefix of `keys`, pinned. Errors: kInvalidArgument (a key of another
+  // Longest READY prefix of `keys`, pinned; blocks found on capacity tiers are brought into the
+  // region first (promoted by their owner's cxlkvd). Errors: kInvalidArgument (a key of another
   // namespace, a stale handle).
   Result<LookupResult> Lookup(const NamespaceHandle& ns, std::span<const BlockKey> keys);
-  // Length of the READY prefix without pinning (for schedulers; may be stale at once).
+  // Length of the READY prefix without pinning, capacity tiers included (for schedulers; may be
+  // stale at once, and a lookup may hit less when a capacity block cannot be brought in).
   Result<size_t> Exists(const NamespaceHandle& ns, std::span<const BlockKey> keys);
   void Release(std::span<const BlockPin> pins);
 
@@ -201,9 +210,13 @@ class KvCache {
   Result<uint64_t> EvictAll();
 
   cache::IndexApi& index() { return index_; }
+  // Internal: what brings blocks on capacity tiers into the region for Lookup (src/tier
+  // installs it with the pool; null: such blocks end a hit).
+  void SetCapacityPromoter(cache::CapacityPromoter* promoter) { promoter_.store(promoter, std::memory_order_release); }
 
  private:
   cache::IndexApi& index_;
+  std::atomic<cache::CapacityPromoter*> promoter_{nullptr};
 };
 
 }  // namespace cxlkv

@@ -72,6 +72,16 @@ bool Index::TryEvictLocked(uint64_t slot, uint64_t gen, uint64_t* payload, uint6
     return false;
   }
   Entry e = ReadEntry(slot);
+  if (e.tier != kTierRegion) {
+    // A capacity entry holds no region space: it goes, and its device slot is the owner's to
+    // reclaim (the owner's cxlkvd reconciles its slots with the entries that name them).
+    TombstoneLocked(slot, gen);
+    Add(kEvictions, 1);
+    Add(kTierDrops, 1);
+    *payload = 0;
+    *bytes = 0;
+    return true;
+  }
   // Free while the entry still names the payload (EVICTING counts as reachable for the
   // allocator's recovery, so that recovery cannot free it too), then tombstone. A crash in
   // between leaves EVICTING, which repair tombstones without freeing again. In central mode too:
@@ -94,7 +104,23 @@ uint64_t Index::RepairStripeLocked(uint32_t stripe, const DeadWriter* dead, std:
     EntryState s = StateOf(e.state);
     bool leftover_eviction = s == kEvicting;  // only a dead lock holder leaves one
     bool dead_writer = s == kWriting && dead != nullptr && dead->Matches(e.writer);
+    // A block in a dead process's node-DRAM tier died with it; one on its SSD tier lives on
+    // (the node's next cxlkvd adopts it, docs/tiers.md).
+    bool dead_dram = s == kReady && e.tier == kTierMem && dead != nullptr && dead->Matches(e.writer);
+    if (dead_dram) {
+      TombstoneLocked(slot, GenOf(e.state));
+      Add(kTierDrops, 1);
+      ++repaired;
+      continue;
+    }
     if (!leftover_eviction && !dead_writer) continue;
+    if (leftover_eviction && e.tier != kTierRegion) {
+      // A move cut short after it wrote the capacity location: the region payload, if it had
+      // one, was freed before; the device slot is the owner's to reconcile.
+      TombstoneLocked(slot, GenOf(e.state));
+      ++repaired;
+      continue;
+    }
     // The dead writer's payload is unreachable: the allocator's recovery of its life frees it,
     // or, for one dead process of a live node, the caller.
     TombstoneLocked(slot, GenOf(e.state));
@@ -117,35 +143,43 @@ uint64_t Index::RepairStripeLocked(uint32_t stripe, const DeadWriter* dead, std:
   return repaired;
 }
 
-uint64_t Index::EvictLru(uint64_t target) {
-  if (target == 0) return 0;
-  struct Candidate {
-    uint64_t stamp, slot, gen, bytes;
-    bool pinned;
-  };
-  std::vector<Candidate> cands;
+std::vector<Index::TierBlock> Index::LruReady(const std::function<bool(const Entry&)>& want, bool skip_pinned) {
+  std::vector<TierBlock> cands;
   std::vector<uint64_t> slot_to_cand(layout_.entries(), UINT64_MAX);
   ScanEntries([&](uint64_t slot, const Entry& e) {
-    if (StateOf(e.state) != kReady) return;
+    if (StateOf(e.state) != kReady || !want(e)) return;
     slot_to_cand[slot] = cands.size();
-    cands.push_back({e.stamp_us, slot, GenOf(e.state), e.bytes, false});
+    cands.push_back({slot, GenOf(e.state), BlockKey{e.key_lo, e.key_hi}, e.ns, e.tier, e.payload, e.bytes, e.writer,
+                     e.stamp_us});
   });
-  if (cands.empty()) return 0;
+  if (cands.empty()) return cands;
   // Last access = the latest stamp any node left in its pin word (pin or release time).
+  std::vector<bool> pinned(cands.size(), false);
   for (uint32_t node = 0; node < layout_.h.max_nodes; ++node) {
     ScanPinRow(node, [&](uint64_t slot, uint64_t word) {
       if (word == 0 || slot_to_cand[slot] == UINT64_MAX) return;
-      Candidate& c = cands[slot_to_cand[slot]];
-      c.stamp = std::max(c.stamp, PinStamp(word));
-      c.pinned |= PinCount(word) != 0;
+      const uint64_t c = slot_to_cand[slot];
+      cands[c].stamp = std::max(cands[c].stamp, PinStamp(word));
+      if (PinCount(word) != 0) pinned[c] = true;
     });
   }
-  std::erase_if(cands, [](const Candidate& c) { return c.pinned; });
-  std::sort(cands.begin(), cands.end(), [](const Candidate& a, const Candidate& b) { return a.stamp < b.stamp; });
+  std::vector<TierBlock> out;
+  out.reserve(cands.size());
+  for (size_t i = 0; i < cands.size(); ++i) {
+    if (!pinned[i] || !skip_pinned) out.push_back(cands[i]);
+  }
+  std::stable_sort(out.begin(), out.end(), [](const TierBlock& a, const TierBlock& b) { return a.stamp < b.stamp; });
+  return out;
+}
+
+uint64_t Index::EvictLru(uint64_t target) {
+  if (target == 0) return 0;
+  // Region entries only: a capacity entry frees no region space.
+  std::vector<TierBlock> cands = LruReady([](const Entry& e) { return e.tier == kTierRegion; });
   // The oldest entries that cover the target, grouped by stripe: one lock per stripe.
-  std::map<uint32_t, std::vector<const Candidate*>> by_stripe;
+  std::map<uint32_t, std::vector<const TierBlock*>> by_stripe;
   uint64_t planned = 0;
-  for (const Candidate& c : cands) {
+  for (const TierBlock& c : cands) {
     if (planned >= target) break;
     by_stripe[layout_.stripe_of(c.slot)].push_back(&c);
     planned += c.bytes;
@@ -153,7 +187,7 @@ uint64_t Index::EvictLru(uint64_t target) {
   uint64_t freed = 0;
   for (auto& [stripe, list] : by_stripe) {
     if (!LockStripe(stripe).ok()) continue;
-    for (const Candidate* c : list) {
+    for (const TierBlock* c : list) {
       uint64_t payload, bytes;
       if (TryEvictLocked(c->slot, c->gen, &payload, &bytes)) freed += bytes;
     }
@@ -262,6 +296,7 @@ void Index::AppendReachable(std::vector<uint64_t>& out) {
   const bool writing_counts = central();
   ScanEntries([&](uint64_t, const Entry& e) {
     EntryState s = StateOf(e.state);
+    if (e.tier != kTierRegion) return;  // a device location, not a pool object
     if (s == kReady || s == kEvicting || (writing_counts && s == kWriting)) out.push_back(e.payload);
   });
 }

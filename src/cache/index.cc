@@ -31,7 +31,8 @@ const char* CounterName(Counter c) {
       "lookups", "lookup_blocks", "hit_blocks", "hit_tokens", "miss_blocks", "zero_hit_lookups",
       "inserts", "insert_bytes", "duplicates", "busy", "aborts", "evictions", "evicted_bytes",
       "reclaimed", "bytes_claimed", "bytes_released", "read_bytes", "write_bytes",
-      "checksum_failures", "full_errors"};
+      "checksum_failures", "full_errors", "spills", "spilled_bytes", "promotes", "promoted_bytes",
+      "capacity_hits", "capacity_misses", "tier_drops"};
   return c < kCounterCount ? kNames[c] : "invalid";
 }
 
@@ -183,6 +184,11 @@ bool Index::PinAddLocal(uint64_t slot, int64_t delta, uint64_t stamp) {
 }
 
 Result<LookupResult> Index::Lookup(const NamespaceHandle& ns, std::span<const BlockKey> keys, bool pin) {
+  return LookupImpl(ns, keys, pin, /*count=*/true);
+}
+
+Result<LookupResult> Index::LookupImpl(const NamespaceHandle& ns, std::span<const BlockKey> keys, bool pin,
+                                       bool count) {
   CXLKV_RETURN_IF_ERROR(CheckHandle(ns));
   LookupResult out;
   // 1. Every key's home slot at once: one batch of invalidations, so the misses overlap.
@@ -214,6 +220,12 @@ Result<LookupResult> Index::Lookup(const NamespaceHandle& ns, std::span<const Bl
                              "ChainKeys/KeyFromEngineHash of the namespace you look up in");
     }
     if (StateOf(e.state) != kReady) break;
+    // A block on a capacity tier ends the pinned hit; the READY run from it on is reported so
+    // KvCache can have the owners bring it in (docs/tiers.md, "Promote on hit").
+    if (e.tier != kTierRegion || out.capacity_run != 0) {
+      ++out.capacity_run;
+      continue;
+    }
     // Untrusted (issue 12): a READY entry's payload is handed out as a pointer; it must lie in
     // a data area of this pool, or the region is damaged.
     if (e.bytes == 0 || !allocator_.Contains(alloc::ObjectOffset(e.payload), e.bytes)) [[unlikely]] {
@@ -249,13 +261,31 @@ Result<LookupResult> Index::Lookup(const NamespaceHandle& ns, std::span<const Bl
         pin_offs.push_back(layout_.pin(PinRow(), slots[i]));
       }
       meta_.FlushEach(pin_offs, 8);
+      out.capacity_run = 0;  // the hit ended before the capacity run
     }
     out.pins.resize(valid);
   }
   out.hit_blocks = out.pins.size();
   // A central writer answers for a client, which counts its lookup on its own node's row.
-  if (pin && !central_writer()) CountLookup(ns, keys.size(), out.hit_blocks);
+  if (pin && count && !central_writer()) CountLookup(ns, keys.size(), out.hit_blocks);
   return out;
+}
+
+Result<LookupResult> Index::LookupMore(const NamespaceHandle& ns, std::span<const BlockKey> keys,
+                                       size_t earlier_hits, size_t capacity_run) {
+  CXLKV_ASSIGN_OR_RETURN(LookupResult more, LookupImpl(ns, keys, /*pin=*/true, /*count=*/false));
+  if (!central_writer()) {
+    // The first part counted these keys as missed: move the ones hit now to the hits.
+    const uint64_t hit = more.hit_blocks;
+    Add(kHitBlocks, hit);
+    Add(kHitTokens, hit * ns.block_size);
+    Add(kMissBlocks, uint64_t{0} - hit);  // counters are sums mod 2^64: this subtracts
+    if (earlier_hits == 0 && hit != 0) Add(kZeroHitLookups, ~uint64_t{0});
+    const uint64_t brought = std::min<uint64_t>(hit, capacity_run);
+    Add(kCapacityHits, brought);
+    Add(kCapacityMisses, capacity_run - brought);
+  }
+  return more;
 }
 
 void Index::CountLookup(const NamespaceHandle& ns, size_t asked, size_t hit) {

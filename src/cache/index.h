@@ -52,6 +52,9 @@ class Index final : public IndexApi {
   Result<NamespaceHandle> RegisterNamespace(const KeyNamespace& ns) override;
 
   Result<LookupResult> Lookup(const NamespaceHandle& ns, std::span<const BlockKey> keys, bool pin) override;
+  Result<LookupResult> LookupImpl(const NamespaceHandle& ns, std::span<const BlockKey> keys, bool pin, bool count);
+  Result<LookupResult> LookupMore(const NamespaceHandle& ns, std::span<const BlockKey> keys, size_t earlier_hits,
+                                  size_t capacity_run) override;
   void Release(std::span<const BlockPin> pins) override;
   Result<Reservation> Reserve(const NamespaceHandle& ns, const BlockKey& key, uint64_t bytes) override;
   Status Commit(Reservation& r) override;
@@ -145,9 +148,57 @@ class Index final : public IndexApi {
   // entries reclaimed.
   uint64_t SweepCentral(bool repair_all);
 
+  // ---- capacity tiers (tiering.cc; docs/tiers.md, "Global lookup table") ----
+  // A READY entry as the tier layer sees it when moving it between the region and a device.
+  struct TierBlock {
+    uint64_t slot = 0;
+    uint64_t gen = 0;          // the generation it was READY at
+    BlockKey key;
+    uint32_t ns = 0;           // namespace slot
+    uint16_t tier = 0;         // EntryTier
+    uint64_t location = 0;     // pool offset (tier 0) or TierLocation
+    uint32_t bytes = 0;
+    uint64_t writer = 0;       // on a capacity tier: the owning cxlkvd process
+    uint64_t stamp = 0;        // last access, µs since the epoch (commit, pin or release)
+  };
+  // The least recently used unpinned READY region entries, oldest first, covering `bytes` (at
+  // most `max` of them). A hint: MoveMany checks each again under its stripe lock.
+  // Blocks larger than `max_block_bytes` are passed over (no device slot holds them).
+  std::vector<TierBlock> SpillCandidates(uint64_t bytes, size_t max, uint64_t max_block_bytes);
+  // READY capacity entries owned by a process of `node` (any life), least recently used first.
+  std::vector<TierBlock> CapacityEntriesOf(uint32_t node);
+  // The READY capacity entries among `keys`, lock-free (a hint), in key order.
+  std::vector<TierBlock> FindCapacity(std::span<const BlockKey> keys);
+  // A move of one READY block to another tier.
+  struct TierMove {
+    TierBlock from;            // as read: slot, gen, tier and location must still hold
+    uint16_t to_tier = 0;
+    uint64_t to_location = 0;
+    bool moved = false;        // out
+  };
+  // Makes each entry name its new place, under its stripe lock (one lock per stripe touched):
+  // still READY at `from.gen` with `from`'s tier and location, and unpinned → EVICTING, the new
+  // place written and flushed, READY at gen + 1; a region payload left behind is freed. A move
+  // not made (changed, pinned, lock not granted) stays `moved = false`: the caller undoes its side
+  // (frees the device slot it wrote, or the region copy it made). Fenced by the stripe lock.
+  // REQUIRES: the payload at the new place is complete (written and flushed or on the device).
+  void MoveMany(std::span<TierMove> moves);
+  // Tombstones capacity entries still READY at their generation and location (the owner freed
+  // or lost their slots). Returns how many.
+  uint64_t DropCapacity(std::span<const TierBlock> blocks);
+  // Region space for a block being promoted, evicting at the watermarks as a reserve does.
+  Result<uint64_t> AllocateRegionPayload(uint64_t bytes);
+  void FreeRegionPayload(uint64_t offset) { FreePayloadNow(offset); }
+  // The writer word this process puts on what it writes (a capacity entry's owner).
+  uint64_t WriterOfThisProcess() const { return MyWriterWord(); }
+  // The budget the watermarks are fractions of.
+  uint64_t capacity_bytes() const { return capacity_; }
+  // One counter summed over every node's row (each row invalidated first: P2).
+  uint64_t SumCounter(Counter c);
+
   // Test hook: the process kills itself (SIGKILL) at this point of the protocol, to prove the
   // recovery paths. Never set outside tests.
-  enum class CrashPoint { kNone, kReserveHoldingLock, kEvictAfterMark };
+  enum class CrashPoint { kNone, kReserveHoldingLock, kEvictAfterMark, kMoveAfterMark, kMoveAfterFields };
   void TestCrashAt(CrashPoint p) { crash_at_.store(p); }
   // Stripe-lock acquisitions by this process (tests count lock round trips per batch).
   uint64_t stripe_locks_taken() const { return stripe_locks_taken_.load(std::memory_order_relaxed); }
@@ -210,6 +261,12 @@ class Index final : public IndexApi {
   // (offset, bytes) to free after the lock is released, or bytes = 0 when pinned or changed.
   bool TryEvictLocked(uint64_t slot, uint64_t gen, uint64_t* payload, uint64_t* bytes);
   bool AnyPins(uint64_t slot);
+  // READY entries that `want` accepts, with their last access (the latest of the entry's stamp
+  // and every node's pin-word stamp), least recently used first; pinned ones left out when
+  // `skip_pinned`.
+  std::vector<TierBlock> LruReady(const std::function<bool(const Entry&)>& want, bool skip_pinned = true);
+  // REQUIRES: stripe lock held. One move of MoveMany.
+  bool MoveLocked(const TierMove& m);
   // Every entry / every pin word of `node`'s row, read in batches (one invalidate + read each).
   template <typename Fn>
   void ScanEntries(Fn fn);  // fn(slot, const Entry&)

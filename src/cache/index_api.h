@@ -20,6 +20,14 @@ class IndexApi {
   virtual Result<NamespaceHandle> RegisterNamespace(const KeyNamespace& ns) = 0;
   // pin = false: the length of the READY prefix only (Exists).
   virtual Result<LookupResult> Lookup(const NamespaceHandle& ns, std::span<const BlockKey> keys, bool pin) = 0;
+  // The second look of a lookup whose first answer had a capacity run (KvCache brought those
+  // blocks in): pins like Lookup, and counts only what it adds to the first look's figures.
+  virtual Result<LookupResult> LookupMore(const NamespaceHandle& ns, std::span<const BlockKey> keys,
+                                          size_t earlier_hits, size_t capacity_run) {
+    (void)earlier_hits;
+    (void)capacity_run;
+    return Lookup(ns, keys, /*pin=*/true);
+  }
   virtual void Release(std::span<const BlockPin> pins) = 0;
   virtual Result<Reservation> Reserve(const NamespaceHandle& ns, const BlockKey& key, uint64_t bytes) = 0;
   virtual Status Commit(Reservation& r) = 0;
@@ -41,6 +49,15 @@ class IndexApi {
   virtual void CountRead(uint64_t bytes) = 0;
   virtual void CountWrite(uint64_t bytes) = 0;
   virtual void CountChecksumFailure() = 0;
+};
+
+// Brings blocks that the index holds on capacity tiers into the region (their owners' cxlkvd
+// promote them), so a lookup can pin them. Installed on a KvCache by the layer that reaches the
+// owners (src/tier); best effort: a block not brought in simply ends the hit.
+class CapacityPromoter {
+ public:
+  virtual ~CapacityPromoter() = default;
+  virtual void BringIn(const NamespaceHandle& ns, std::span<const BlockKey> keys) = 0;
 };
 
 }  // namespace cxlkv::cache

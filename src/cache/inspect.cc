@@ -71,7 +71,7 @@ nlohmann::json Stat(Region& first, const std::vector<NodeStatus>& nodes) {
     EntryState st = StateOf(e.state);
     if (st <= kTombstone) ++by_state[st];
     if (!Live(st)) continue;
-    live_bytes += e.bytes;
+    if (e.tier == kTierRegion) live_bytes += e.bytes;
     auto& t = tiers[std::to_string(e.tier)];
     if (t.is_null()) t = {{"entries", 0}, {"bytes", 0}};
     t["entries"] = t["entries"].get<uint64_t>() + 1;
@@ -155,7 +155,7 @@ void Check(const std::vector<Region*>& regions, const std::vector<NodeStatus>& n
       continue;
     }
     if (!Live(st)) continue;
-    live_bytes += e.bytes;
+    if (e.tier == kTierRegion) live_bytes += e.bytes;
     if (st == kEvicting) problems.push_back(where + "eviction left half done (its evictor died; the next holder of the stripe lock finishes it)");
     if (st == kWriting && !node_live(WriterNode(e.writer))) {
       problems.push_back(where + "written by node " + std::to_string(WriterNode(e.writer)) +
@@ -176,6 +176,17 @@ void Check(const std::vector<Region*>& regions, const std::vector<NodeStatus>& n
     }
     if (e.ns >= kMaxNamespaces || s.namespaces[e.ns].state != 2) {
       problems.push_back(where + "names namespace " + std::to_string(e.ns) + ", which is not registered");
+    }
+    if (e.tier != kTierRegion) {
+      // A capacity entry names a device slot of its owner, which only that node can verify
+      // (cxlkvd validates every slot it reads); here: a known tier, a READY state, no pins.
+      if (!IsCapacityTier(e.tier)) {
+        problems.push_back(where + "names tier " + std::to_string(e.tier) + ", which is not a tier");
+      } else if (st == kWriting) {
+        problems.push_back(where + "is being written on a capacity tier (only READY blocks move there)");
+      }
+      if (e.bytes == 0) problems.push_back(where + "a capacity block of 0 bytes");
+      continue;
     }
     region::Offset<void> off(e.payload);
     if (e.bytes == 0 || off.region_index() >= regions.size() ||

@@ -55,12 +55,27 @@ BlockKey KvCache::KeyFromEngineHash(const NamespaceHandle& ns, std::span<const u
 }
 
 Result<LookupResult> KvCache::Lookup(const NamespaceHandle& ns, std::span<const BlockKey> keys) {
-  return index_.Lookup(ns, keys, /*pin=*/true);
+  CXLKV_ASSIGN_OR_RETURN(LookupResult hit, index_.Lookup(ns, keys, /*pin=*/true));
+  cache::CapacityPromoter* promoter = promoter_.load(std::memory_order_acquire);
+  if (hit.capacity_run == 0 || promoter == nullptr) {
+    hit.capacity_run = 0;
+    return hit;
+  }
+  // The hit stopped at a block on a capacity tier: have the owners bring the run in, then pin
+  // on from there. Whatever was not brought in ends the hit, as a miss would.
+  const std::span<const BlockKey> rest = keys.subspan(hit.hit_blocks);
+  promoter->BringIn(ns, rest.first(hit.capacity_run));
+  auto more = index_.LookupMore(ns, rest, hit.hit_blocks, hit.capacity_run);
+  hit.capacity_run = 0;
+  if (!more.ok()) return hit;  // the first part stands: its pins are the caller's
+  hit.pins.insert(hit.pins.end(), more->pins.begin(), more->pins.end());
+  hit.hit_blocks = hit.pins.size();
+  return hit;
 }
 
 Result<size_t> KvCache::Exists(const NamespaceHandle& ns, std::span<const BlockKey> keys) {
   CXLKV_ASSIGN_OR_RETURN(auto r, index_.Lookup(ns, keys, /*pin=*/false));
-  return r.hit_blocks;
+  return r.hit_blocks + r.capacity_run;
 }
 
 void KvCache::Release(std::span<const BlockPin> pins) { index_.Release(pins); }

@@ -21,7 +21,7 @@
 namespace cxlkv::cache {
 
 inline constexpr uint64_t kIndexMagic = 0x5844494b564c5843ull;  // "CXLKVIDX"
-inline constexpr uint32_t kIndexVersion = 2;  // 2: writer words name the process slot
+inline constexpr uint32_t kIndexVersion = 3;  // 2: writer words name the process slot; 3: capacity tiers
 inline constexpr uint32_t kMaxNamespaces = 64;
 inline constexpr uint64_t kIndexHeaderBytes = 4096;
 inline constexpr uint64_t kMaxBlockBytes = 0xffffffffull;
@@ -74,14 +74,31 @@ struct NamespaceSlot {
 static_assert(sizeof(KvLayoutSignature) == 40);
 static_assert(sizeof(NamespaceSlot) == 256);
 
+// Where an entry's payload lives (Unified KV pooling Table I: the index is the one lookup table
+// over every device). Tier 0 is the pool's regions; a capacity tier is a device of one node,
+// served by that node's cxlkvd (docs/tiers.md, "Global lookup table").
+enum EntryTier : uint16_t {
+  kTierRegion = 0,  // payload: pool offset
+  kTierMem = 1,     // payload: TierLocation in the owner's node-DRAM device (dies with its process)
+  kTierSsd = 2,     // payload: TierLocation in the owner's SSD device (survives its process)
+};
+inline bool IsCapacityTier(uint16_t t) { return t == kTierMem || t == kTierSsd; }
+// A capacity location: device index of the owner (16 bits) | slot of that device (48 bits).
+inline uint64_t TierLocation(uint32_t device, uint64_t slot) {
+  return (uint64_t{device & 0xffff} << 48) | (slot & 0xffffffffffffull);
+}
+inline uint32_t LocationDevice(uint64_t loc) { return static_cast<uint32_t>(loc >> 48); }
+inline uint64_t LocationSlot(uint64_t loc) { return loc & 0xffffffffffffull; }
+
 struct Entry {
   uint64_t state;             // StateWord(gen, state)
   uint64_t key_lo, key_hi;
-  uint64_t payload;           // pool offset
+  uint64_t payload;           // tier 0: pool offset; a capacity tier: TierLocation
   uint32_t bytes;             // payload length (a block is < 4 GiB)
-  uint16_t tier;              // 0: this pool's regions (later: pooled DRAM, SSD)
+  uint16_t tier;              // EntryTier
   uint16_t ns;                // namespace slot
-  uint64_t writer;            // WriterWord: node, process slot and life of the reserver
+  uint64_t writer;            // WriterWord: node, process slot and life of the reserver; on a
+                              // capacity tier, of the cxlkvd process that owns the device
   uint64_t checksum;
   uint64_t stamp_us;          // commit time (the access stamp before any pin)
 };
@@ -126,6 +143,13 @@ enum Counter : uint32_t {
   kWriteBytes,
   kChecksumFailures,
   kFullErrors,
+  kSpills,             // blocks this node moved from the region to a capacity tier
+  kSpilledBytes,
+  kPromotes,           // blocks this node moved from a capacity tier back to the region
+  kPromotedBytes,
+  kCapacityHits,       // blocks a lookup found on a capacity tier and brought in
+  kCapacityMisses,     // ... and could not (owner gone, slot invalid, region full)
+  kTierDrops,          // capacity entries dropped (tier full, owner's DRAM gone, invalid slot)
   kCounterCount,
 };
 inline constexpr uint64_t kCounterRowBytes = 256;

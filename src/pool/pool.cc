@@ -145,9 +145,11 @@ Result<std::vector<std::unique_ptr<Region>>> AttachAll(const std::vector<std::st
 
 namespace {
 pool::CentralMetadataFactory central_factory = nullptr;
+pool::CapacityPromoterFactory promoter_factory = nullptr;
 }  // namespace
 
 void pool::RegisterCentralMetadata(CentralMetadataFactory factory) { central_factory = factory; }
+void pool::RegisterCapacityPromoter(CapacityPromoterFactory factory) { promoter_factory = factory; }
 
 Result<std::unique_ptr<Pool>> Pool::Open(const std::vector<std::string>& paths,
                                          const PoolOpenOptions& options) {
@@ -203,6 +205,10 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::vector<std::string>& paths,
   // every handler, in order.
   impl->node->StartRecovery();
   auto pool = std::make_unique<Pool>(std::move(impl));
+  if (pool->impl_->cache && promoter_factory != nullptr) {
+    pool->impl_->promoter = promoter_factory(*pool);
+    pool->impl_->cache->SetCapacityPromoter(pool->impl_->promoter.get());
+  }
   if (pool->impl_->index && pool->impl_->index->central()) {
     Impl& im = *pool->impl_;
     if (central_factory == nullptr) {
@@ -225,6 +231,7 @@ Pool::Pool(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Pool::~Pool() {
   // The service's client and standby first: they call into the node and the index.
   impl_->cache.reset();
+  impl_->promoter.reset();  // its RPC clients use the node
   {
     std::lock_guard<std::mutex> g(impl_->central_mu);
     impl_->central.reset();

@@ -37,6 +37,12 @@ using CentralMetadataFactory = Result<std::unique_ptr<CentralMetadata>> (*)(Pool
 // Installed once per program, before pools are opened (a static initializer of src/meta).
 void RegisterCentralMetadata(CentralMetadataFactory factory);
 
+// What brings blocks on capacity tiers into the region for a lookup (src/tier: it asks the
+// owning node's cxlkvd over the RPC). Registered like the central metadata; a decentralized
+// pool's cache gets one at open.
+using CapacityPromoterFactory = std::unique_ptr<cache::CapacityPromoter> (*)(Pool& pool);
+void RegisterCapacityPromoter(CapacityPromoterFactory factory);
+
 }  // namespace pool
 
 class Pool::Impl {
@@ -47,6 +53,7 @@ class Pool::Impl {
   std::unique_ptr<alloc::Allocator> allocator;
   std::unique_ptr<cache::Index> index;   // null when the pool has no prefix index
   std::unique_ptr<KvCache> cache;
+  std::unique_ptr<cache::CapacityPromoter> promoter;  // installed on `cache`; reset after it
   // Central metadata only: the service's client (and standby), and the cache over it.
   std::unique_ptr<pool::CentralMetadata> central;  // set and reset under central_mu
   std::mutex central_mu;  // the node's process-recovery thread uses `central` too

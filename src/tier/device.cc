@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "region/coherence.h"
+
 namespace cxlkv::tier {
 
 std::string_view TierKindName(TierKind kind) {
@@ -78,7 +80,13 @@ Status Device::FinishRead(ReadItem& item, const std::byte* image, size_t readabl
   item.verdict = CheckSlot(image, readable, limit, item.expect, verify_crc(), &n);
   switch (item.verdict) {
     case SlotVerdict::kValid:
-      if (n > 0) std::memcpy(item.dst.data(), image + kSlotHeaderBytes, n);
+      // Into shared memory: non-temporal stores, so the bytes reach memory before the entry
+      // that names them is published (rule P3); into private memory: a plain copy.
+      if (n > 0 && item.dst_shared) {
+        region::NtCopy(item.dst.data(), image + kSlotHeaderBytes, n);
+      } else if (n > 0) {
+        std::memcpy(item.dst.data(), image + kSlotHeaderBytes, n);
+      }
       item.payload_bytes = n;
       reads_.fetch_add(1, std::memory_order_relaxed);
       read_bytes_.fetch_add(n, std::memory_order_relaxed);

@@ -45,6 +45,7 @@ struct ReadItem {
   uint64_t slot = 0;
   SlotTag expect;
   std::span<std::byte> dst;   // at least the block's payload size
+  bool dst_shared = false;    // dst is in the shared region: copied with non-temporal stores
   // Out:
   uint32_t payload_bytes = 0;          // on success: bytes written to dst
   SlotVerdict verdict = SlotVerdict::kEmpty;
@@ -84,6 +85,8 @@ class Device {
   Status FreeSlots(std::span<const uint64_t> slots) { return allocator_.Free(slots); }
   Status MarkSlotAllocated(uint64_t slot) { return allocator_.MarkAllocated(slot); }
   uint64_t free_slots() const { return allocator_.free_count(); }
+  Status ResetUsedSlots(const std::vector<bool>& used) { return allocator_.ResetUsed(used); }
+  bool SlotAllocated(uint64_t slot) const { return allocator_.IsAllocated(slot); }
 
   // One line for the log and `cxlkv stat`: kind, where, size, and the I/O path in use with every
   // fallback taken and why.

@@ -55,4 +55,23 @@ uint64_t SlotAllocator::free_count() const {
   return free_.size();
 }
 
+Status SlotAllocator::ResetUsed(const std::vector<bool>& used) {
+  if (used.size() != count_) {
+    return InvalidArgument(what_ + ": " + std::to_string(used.size()) + " slot flags given for " +
+                           std::to_string(count_) + " slots");
+  }
+  std::lock_guard lock(mu_);
+  used_ = used;
+  free_.clear();
+  for (uint64_t s = count_; s > 0; --s) {
+    if (!used_[s - 1]) free_.push_back(s - 1);  // the lowest on top, as at construction
+  }
+  return Status::Ok();
+}
+
+bool SlotAllocator::IsAllocated(uint64_t slot) const {
+  std::lock_guard lock(mu_);
+  return slot < count_ && used_[slot];
+}
+
 }  // namespace cxlkv::tier

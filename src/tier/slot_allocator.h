@@ -31,6 +31,11 @@ class SlotAllocator {
   // Marks a slot allocated (a restart that replays its log); InvalidArgument if it is not free.
   Status MarkAllocated(uint64_t slot);
 
+  // Makes exactly the slots with used[slot] set allocated (a restart that adopts what the index
+  // names), in one pass. InvalidArgument when `used` is not count() long.
+  Status ResetUsed(const std::vector<bool>& used);
+  bool IsAllocated(uint64_t slot) const;
+
   uint64_t count() const { return count_; }
   uint64_t free_count() const;
 

@@ -1,0 +1,148 @@
+// Index: the global lookup table's side of the capacity tiers (Unified KV pooling Table I; issue
+// 14). An entry names where its block lives — the region (a pool offset) or a device of one node
+// (tier, device, slot; the writer word names the owning cxlkvd process) — and moves between them
+// only under its stripe lock, through EVICTING, so a reader never sees a half-moved entry:
+//
+//   EVICTING(g)  →  new tier and location written and flushed  →  READY(g + 1)
+//
+// The generation bump tells every reader that pinned or looked at the old place that the entry
+// changed (docs/protocol.md, rule P4). A block on a capacity tier is never pinned: a lookup that
+// reaches one stops there and has the owner bring it back into the region first (KvCache).
+// Crash analysis (docs/tiers.md, "Moves and crashes"): a mover that dies leaves EVICTING, which
+// the stripe's repair tombstones; a region payload still named is reclaimed if unreachable, a
+// device slot is the owner's to reconcile.
+#include <algorithm>
+#include <map>
+
+#include "cache/index.h"
+
+namespace cxlkv::cache {
+
+std::vector<Index::TierBlock> Index::SpillCandidates(uint64_t bytes, size_t max, uint64_t max_block_bytes) {
+  std::vector<TierBlock> lru =
+      LruReady([max_block_bytes](const Entry& e) { return e.tier == kTierRegion && e.bytes <= max_block_bytes; });
+  size_t n = 0;
+  uint64_t covered = 0;
+  while (n < lru.size() && n < max && covered < bytes) covered += lru[n++].bytes;
+  lru.resize(n);
+  return lru;
+}
+
+std::vector<Index::TierBlock> Index::CapacityEntriesOf(uint32_t node) {
+  // Pinned ones too: a capacity entry is never pinned by a lookup, and a stale pin word must
+  // not hide a slot from its owner.
+  return LruReady([node](const Entry& e) { return IsCapacityTier(e.tier) && WriterNode(e.writer) == node; },
+                  /*skip_pinned=*/false);
+}
+
+std::vector<Index::TierBlock> Index::FindCapacity(std::span<const BlockKey> keys) {
+  std::vector<TierBlock> out;
+  std::vector<Probe> found = FindMany(keys);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const Probe& p = found[i];
+    if (p.found < 0) continue;
+    const Entry& e = p.entry;
+    if (StateOf(e.state) != kReady || !IsCapacityTier(e.tier)) continue;
+    out.push_back({static_cast<uint64_t>(p.found), GenOf(e.state), keys[i], e.ns, e.tier, e.payload, e.bytes, e.writer,
+                   e.stamp_us});
+  }
+  return out;
+}
+
+bool Index::MoveLocked(const TierMove& m) {
+  const uint64_t off = layout_.entry(m.from.slot);
+  if (FetchTableWord(off) != StateWord(m.from.gen, kReady)) return false;
+  Entry e = ReadEntry(m.from.slot);
+  if (e.key_lo != m.from.key.lo || e.key_hi != m.from.key.hi || e.tier != m.from.tier ||
+      e.payload != m.from.location) {
+    return false;
+  }
+  meta_.Publish(off, StateWord(m.from.gen, kEvicting));
+  MaybeCrash(CrashPoint::kMoveAfterMark);
+  // EVICTING is flushed: a pinner whose pin we do not see now sees EVICTING and backs off.
+  if (AnyPins(m.from.slot)) {
+    meta_.Publish(off, StateWord(m.from.gen, kReady));
+    return false;
+  }
+  if (e.tier == kTierRegion) {
+    // Freed while the entry still names it (EVICTING is reachable for the allocator's
+    // recovery, so it cannot free it too), as an eviction does.
+    FreePayloadNow(e.payload);
+    Add(kBytesReleased, e.bytes);
+    Add(kSpills, 1);
+    Add(kSpilledBytes, e.bytes);
+  }
+  if (m.to_tier == kTierRegion) {
+    Add(kBytesClaimed, e.bytes);
+    Add(kPromotes, 1);
+    Add(kPromotedBytes, e.bytes);
+    e.stamp_us = NowStamp();  // brought in for a reader: recently used
+  }
+  e.tier = m.to_tier;
+  e.payload = m.to_location;
+  e.writer = MyWriterWord();
+  e.state = StateWord(m.from.gen, kEvicting);
+  meta_.WriteStruct(off, e);
+  meta_.Flush(off, sizeof(Entry));  // P1: the new place reaches memory before READY does
+  MaybeCrash(CrashPoint::kMoveAfterFields);
+  meta_.Publish(off, StateWord(m.from.gen + 1, kReady));
+  return true;
+}
+
+void Index::MoveMany(std::span<TierMove> moves) {
+  std::map<uint32_t, std::vector<TierMove*>> by_stripe;
+  for (TierMove& m : moves) {
+    m.moved = false;
+    if (m.from.slot < layout_.entries()) by_stripe[layout_.stripe_of(m.from.slot)].push_back(&m);
+  }
+  bool any = false;
+  for (auto& [stripe, list] : by_stripe) {
+    if (!LockStripe(stripe).ok()) continue;  // not moved: the caller undoes its side
+    for (TierMove* m : list) {
+      m->moved = MoveLocked(*m);
+      any |= m->moved;
+    }
+    UnlockStripe(stripe);
+  }
+  if (any) PublishCounters();
+}
+
+uint64_t Index::DropCapacity(std::span<const TierBlock> blocks) {
+  std::map<uint32_t, std::vector<const TierBlock*>> by_stripe;
+  for (const TierBlock& b : blocks) {
+    if (b.slot < layout_.entries() && IsCapacityTier(b.tier)) by_stripe[layout_.stripe_of(b.slot)].push_back(&b);
+  }
+  uint64_t dropped = 0;
+  for (auto& [stripe, list] : by_stripe) {
+    if (!LockStripe(stripe).ok()) continue;
+    for (const TierBlock* b : list) {
+      if (FetchTableWord(layout_.entry(b->slot)) != StateWord(b->gen, kReady)) continue;
+      Entry e = ReadEntry(b->slot);
+      if (e.tier != b->tier || e.payload != b->location) continue;
+      TombstoneLocked(b->slot, b->gen);
+      ++dropped;
+    }
+    UnlockStripe(stripe);
+  }
+  if (dropped != 0) {
+    Add(kTierDrops, dropped);
+    PublishCounters();
+  }
+  return dropped;
+}
+
+uint64_t Index::SumCounter(Counter c) {
+  uint64_t sum = 0;
+  for (uint32_t node = 0; node < layout_.h.max_nodes; ++node) {
+    meta_.Invalidate(layout_.counter(node, c), 8);
+    sum += meta_.Load(layout_.counter(node, c));
+  }
+  return sum;
+}
+
+Result<uint64_t> Index::AllocateRegionPayload(uint64_t bytes) {
+  CXLKV_ASSIGN_OR_RETURN(alloc::ObjectOffset off, AllocatePayload(bytes));
+  return off.raw();
+}
+
+}  // namespace cxlkv::cache

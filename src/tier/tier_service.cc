@@ -1,0 +1,160 @@
+// The tier service and the promoter every pool's cache uses (tier_service.h).
+#include "tier/tier_service.h"
+
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "pool/pool_internal.h"
+#include "rpc/client.h"
+
+namespace cxlkv::tier {
+
+namespace {
+
+template <typename T>
+void Put(std::vector<uint8_t>& out, T v) {
+  const size_t at = out.size();
+  out.resize(at + sizeof v);
+  std::memcpy(out.data() + at, &v, sizeof v);
+}
+
+template <typename T>
+T Get(std::span<const uint8_t> bytes, size_t at) {
+  T v;
+  std::memcpy(&v, bytes.data() + at, sizeof v);
+  return v;
+}
+
+}  // namespace
+
+std::string TierServiceName(uint32_t node) { return "tier-" + std::to_string(node); }
+
+std::vector<uint8_t> EncodePromoteRequest(std::span<const BlockKey> keys) {
+  std::vector<uint8_t> out;
+  out.reserve(4 + keys.size() * 16);
+  Put<uint32_t>(out, static_cast<uint32_t>(keys.size()));
+  for (const BlockKey& k : keys) {
+    Put(out, k.lo);
+    Put(out, k.hi);
+  }
+  return out;
+}
+
+Result<std::vector<BlockKey>> DecodePromoteRequest(std::span<const uint8_t> bytes) {
+  if (bytes.size() < 4) return InvalidArgument("promote request of " + std::to_string(bytes.size()) + " bytes: no key count");
+  const uint32_t n = Get<uint32_t>(bytes, 0);
+  if (n > kPromoteKeysPerCall * 4 || bytes.size() != 4 + uint64_t{n} * 16) {
+    return InvalidArgument("promote request claims " + std::to_string(n) + " keys in " + std::to_string(bytes.size()) +
+                           " bytes (at most " + std::to_string(kPromoteKeysPerCall * 4) + " keys of 16 bytes)");
+  }
+  std::vector<BlockKey> keys(n);
+  for (uint32_t i = 0; i < n; ++i) keys[i] = {Get<uint64_t>(bytes, 4 + i * 16), Get<uint64_t>(bytes, 12 + i * 16)};
+  return keys;
+}
+
+std::vector<uint8_t> EncodePromoteResult(const PromoteResult& r) {
+  std::vector<uint8_t> out;
+  Put(out, r.promoted);
+  Put(out, r.missed);
+  Put(out, r.not_mine);
+  return out;
+}
+
+Result<PromoteResult> DecodePromoteResult(std::span<const uint8_t> bytes) {
+  if (bytes.size() != 24) return Corrupted("promote answer of " + std::to_string(bytes.size()) + " bytes, expected 24");
+  return PromoteResult{Get<uint64_t>(bytes, 0), Get<uint64_t>(bytes, 8), Get<uint64_t>(bytes, 16)};
+}
+
+Result<std::unique_ptr<rpc::RpcServer>> StartTierService(Pool& pool, TierStore& store) {
+  std::map<uint32_t, rpc::Handler> ops;
+  // Idempotent: promoting a block twice finds it in the region the second time (not_mine).
+  ops[kTierPromote] = {[&store](const rpc::Request& req, std::span<uint8_t> out) -> Result<size_t> {
+                         CXLKV_ASSIGN_OR_RETURN(std::vector<BlockKey> keys, DecodePromoteRequest(req.payload));
+                         std::vector<uint8_t> answer = EncodePromoteResult(store.Promote(keys));
+                         if (answer.size() > out.size()) return NoSpace("promote answer exceeds its slot");
+                         std::memcpy(out.data(), answer.data(), answer.size());
+                         return answer.size();
+                       },
+                       /*idempotent=*/true};
+  rpc::RpcServerOptions so;
+  so.geometry.request_bytes = 2048;   // 4 + 64 keys × 16 bytes, with room to spare
+  so.geometry.response_bytes = 256;
+  so.hot_window = std::chrono::microseconds(200);
+  so.max_idle_sleep = std::chrono::microseconds(2000);  // idle: ~500 wake-ups a second at most
+  return rpc::RpcServer::Start(pool, TierServiceName(pool.impl().node->id()), std::move(ops), so);
+}
+
+namespace {
+
+// The calling side: asks each capacity block's owner to bring it in.
+class RemotePromoter final : public cache::CapacityPromoter {
+ public:
+  explicit RemotePromoter(Pool& pool) : pool_(pool), index_(*pool.impl().index) {}
+
+  void BringIn(const NamespaceHandle&, std::span<const BlockKey> keys) override {
+    std::map<uint32_t, std::vector<BlockKey>> by_owner;
+    for (const auto& b : index_.FindCapacity(keys)) by_owner[cache::WriterNode(b.writer)].push_back(b.key);
+    for (auto& [node, owned] : by_owner) {
+      rpc::RpcClient* client = ClientFor(node);
+      if (client == nullptr) continue;
+      for (size_t at = 0; at < owned.size(); at += kPromoteKeysPerCall) {
+        const size_t n = std::min(kPromoteKeysPerCall, owned.size() - at);
+        std::vector<uint8_t> req = EncodePromoteRequest(std::span<const BlockKey>(owned).subspan(at, n));
+        auto answer = client->Call(kTierPromote, req);
+        if (!answer.ok()) {
+          MarkDown(node);
+          break;
+        }
+      }
+    }
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  rpc::RpcClient* ClientFor(uint32_t node) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto down = down_until_.find(node);
+    if (down != down_until_.end() && Clock::now() < down->second) return nullptr;
+    const std::optional<sync::NodeView> v = pool_.impl().node->ViewOf(node);
+    if (v && v->incarnation != 0 && !v->live) return nullptr;  // its blocks wait for its next cxlkvd
+    auto& client = clients_[node];
+    if (!client) {
+      rpc::RpcClientOptions o;
+      o.timeout = std::chrono::milliseconds(3000);
+      auto c = rpc::RpcClient::Open(pool_, TierServiceName(node), o);
+      if (!c.ok()) {
+        down_until_[node] = Clock::now() + std::chrono::seconds(1);
+        return nullptr;
+      }
+      client = std::move(*c);
+    }
+    return client.get();
+  }
+
+  void MarkDown(uint32_t node) {
+    std::lock_guard<std::mutex> g(mu_);
+    down_until_[node] = Clock::now() + std::chrono::seconds(1);
+  }
+
+  Pool& pool_;
+  cache::Index& index_;
+  std::mutex mu_;
+  std::map<uint32_t, std::unique_ptr<rpc::RpcClient>> clients_;  // guarded by mu_
+  std::map<uint32_t, Clock::time_point> down_until_;             // guarded by mu_
+};
+
+std::unique_ptr<cache::CapacityPromoter> MakePromoter(Pool& pool) {
+  if (!pool.impl().index) return nullptr;
+  return std::make_unique<RemotePromoter>(pool);
+}
+
+[[maybe_unused]] const bool kInstalled = [] {
+  pool::RegisterCapacityPromoter(&MakePromoter);
+  return true;
+}();
+
+}  // namespace
+}  // namespace cxlkv::tier

@@ -1,0 +1,44 @@
+// The capacity tiers over the shared-memory RPC (docs/tiers.md, "Promote on hit").
+//
+// Each node's cxlkvd serves "tier-<node>" for its TierStore: a promote request names block keys;
+// the owner reads them from its devices straight into fresh region space and moves their
+// entries back to the region (TierStore::Promote). The shared region is the transport: nothing
+// but the keys and three counts cross the RPC.
+//
+// The calling side is a cache::CapacityPromoter that this file registers with the pool layer, so
+// every decentralized pool's KvCache::Lookup asks the owners of the capacity blocks it meets.
+// An owner that is not live, has no service or fails a call is left alone for a second: its
+// blocks end hits (misses) instead of stalling lookups.
+// Thread-safety: StartTierService's server runs on its own thread; the promoter is thread-safe.
+#ifndef CXLKV_SRC_TIER_TIER_SERVICE_H_
+#define CXLKV_SRC_TIER_TIER_SERVICE_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cxlkv/pool.h"
+#include "rpc/server.h"
+#include "tier/tier_store.h"
+
+namespace cxlkv::tier {
+
+inline constexpr uint32_t kTierPromote = 1;       // keys → promoted, missed, not_mine (u64 each)
+inline constexpr size_t kPromoteKeysPerCall = 64;  // bounds one request's service time
+
+std::string TierServiceName(uint32_t node);
+
+// Request and answer of kTierPromote. Decoding checks lengths against the bytes (untrusted).
+std::vector<uint8_t> EncodePromoteRequest(std::span<const BlockKey> keys);
+Result<std::vector<BlockKey>> DecodePromoteRequest(std::span<const uint8_t> bytes);
+std::vector<uint8_t> EncodePromoteResult(const PromoteResult& r);
+Result<PromoteResult> DecodePromoteResult(std::span<const uint8_t> bytes);
+
+// Serves "tier.<this node>" for `store` until the server is destroyed (before the store).
+Result<std::unique_ptr<rpc::RpcServer>> StartTierService(Pool& pool, TierStore& store);
+
+}  // namespace cxlkv::tier
+
+#endif  // CXLKV_SRC_TIER_TIER_SERVICE_H_

@@ -1,0 +1,147 @@
+// The capacity tiers of one node (Unified KV pooling §IV; issue 14): its node-DRAM and SSD
+// devices behind the shared region, run by the node's cxlkvd. The prefix index is the one
+// lookup table over every device (Table I): an entry names the region, or a tier, device and
+// slot of this node (docs/tiers.md, "Global lookup table").
+//
+//   spill    the region's least recently used unpinned blocks, when its use passes
+//            `spill_start_pct` of the cache budget, are written to the devices (split by
+//            Algorithm 1 in proportion to bandwidth; one worker per device, in parallel) and
+//            their entries moved there (Index::MoveMany); the region space is freed. Spilling
+//            runs ahead of need, so a writer's reserve rarely has to drop a block.
+//   promote  a lookup that meets a block on a capacity tier asks the owning node's service
+//            (tier-<node>, over the shared-memory RPC) to bring it in: the owner reads the slot
+//            straight into fresh region space, validating key, namespace and generation (a
+//            corrupt, torn or reused slot is a counted miss, its entry dropped), and moves the
+//            entry back; the reader then pins it like any block.
+//   full     a device without free slots drops its own least recently used blocks first.
+//   adopt    at open, SSD blocks this node's earlier cxlkvd left in the index are taken over
+//            (their slots marked used); DRAM blocks of an earlier process are dropped (their
+//            bytes died with it). Reconcile() repeats this and frees slots no entry names.
+//
+// Thread-safety: all methods are thread-safe; moves are serialized by one mutex, so spill,
+// promote and reconcile never see each other's slots half-owned.
+#ifndef CXLKV_SRC_TIER_TIER_STORE_H_
+#define CXLKV_SRC_TIER_TIER_STORE_H_
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cache/index.h"
+#include "cxlkv/pool.h"
+#include "tier/device.h"
+
+namespace cxlkv::tier {
+
+// One device of the node, as given on the command line: "dram:SIZE", "dram:SIZE:numa=N",
+// "ssd:PATH:SIZE" (SIZE: 64G, 512M, ...; 0 reopens an existing SSD file at its size).
+struct TierSpec {
+  TierKind kind = TierKind::kMem;
+  std::string path;       // ssd only
+  uint64_t bytes = 0;
+  int numa_node = -1;     // dram only
+};
+Result<TierSpec> ParseTierSpec(std::string_view text);
+
+struct TierStoreOptions {
+  std::vector<TierSpec> tiers;            // required: at least one
+  uint64_t slot_bytes = (2u << 20) + 4096;  // per device slot, header included: blocks up to
+                                            // 2 MiB by default (larger ones are not spilled)
+  uint32_t spill_start_pct = 80;          // of the cache budget: spill when the region's use passes it
+  uint32_t spill_target_pct = 70;         // ... down to this
+  size_t spill_batch = 64;                // blocks per spill round (one placement, one move batch)
+  bool background = true;                 // run the spill thread (tests drive Spill themselves)
+  std::chrono::milliseconds spill_poll{10};       // how often the spill thread looks at the region's use
+  std::chrono::milliseconds reconcile_every{2000};
+};
+
+// What a promote request did.
+struct PromoteResult {
+  uint64_t promoted = 0;
+  uint64_t missed = 0;     // slot invalid (entry dropped), device error, region full
+  uint64_t not_mine = 0;   // not on this node's devices (moved or owned elsewhere)
+};
+
+class TierStore {
+ public:
+  // Opens every device (an unusable path fails with what to do), probes bandwidths, adopts
+  // what the index names on this node, and starts the spill thread. The pool must have a
+  // decentralized prefix index.
+  static Result<std::unique_ptr<TierStore>> Open(Pool& pool, const TierStoreOptions& options);
+  ~TierStore();
+  TierStore(const TierStore&) = delete;
+  TierStore& operator=(const TierStore&) = delete;
+
+  // Spills up to `bytes` of the region's least recently used unpinned blocks. Returns the
+  // blocks moved.
+  Result<uint64_t> Spill(uint64_t bytes);
+  // Spills while the region's use is above spill_start_pct, down to spill_target_pct.
+  Result<uint64_t> SpillToWatermark();
+  // Brings these keys' blocks on this node's devices into the region.
+  PromoteResult Promote(std::span<const BlockKey> keys);
+  // Takes over this node's capacity entries, drops the ones whose bytes are gone, frees slots
+  // no entry names. Returns the entries dropped.
+  uint64_t Reconcile();
+
+  const std::vector<std::unique_ptr<Device>>& devices() const { return devices_; }
+  // Per device: kind, Describe(), slots used/free, bandwidth, counters; and the store's own.
+  nlohmann::json Stats() const;
+
+ private:
+  TierStore(Pool& pool, cache::Index& index, const TierStoreOptions& options);
+  // REQUIRES: move_mu_ held.
+  Result<uint64_t> SpillLocked(uint64_t bytes);
+  uint64_t ReconcileLocked(bool adopt);
+  // Slots for `n` blocks on `device`, dropping its least recently used blocks if it is full.
+  Result<std::vector<uint64_t>> TakeSlots(Device& device, size_t n);
+  // Runs jobs[i] on device i's worker, all at once; returns when all are done.
+  void RunOnDevices(std::vector<std::function<void()>>& jobs);
+  void WorkerLoop(size_t device);
+  void SpillLoop();
+  bool Mine(const cache::Index::TierBlock& b) const;
+  // The region use at which the watermarks apply: the cache budget, or lower where evictions
+  // showed the region fills before it.
+  uint64_t EffectiveCapacity();
+
+  Pool& pool_;
+  cache::Index& index_;
+  const TierStoreOptions options_;
+  const uint32_t node_;
+  std::vector<std::unique_ptr<Device>> devices_;
+
+  std::mutex move_mu_;  // one move batch at a time (spill, promote, reconcile)
+
+  // One I/O worker per device: jobs_[i] runs on worker i.
+  struct Worker {
+    std::thread thread;
+    std::function<void()> job;  // guarded by work_mu_
+  };
+  std::vector<Worker> workers_;
+  std::mutex work_mu_;
+  std::condition_variable work_cv_, done_cv_;
+  size_t pending_ = 0;  // guarded by work_mu_
+  bool stop_ = false;   // guarded by work_mu_ (and the spill thread's wait)
+
+  std::mutex cap_mu_;
+  uint64_t effective_cap_ = 0;       // guarded by cap_mu_
+  uint64_t seen_evictions_ = ~0ull;  // guarded by cap_mu_: the evictions counter last read
+
+  std::thread spill_thread_;
+  std::condition_variable spill_cv_;
+
+  // The store's counters.
+  std::atomic<uint64_t> spilled_{0}, spill_failed_{0}, promoted_{0}, promote_missed_{0}, dropped_full_{0},
+      dropped_lost_{0}, freed_orphans_{0}, adopted_{0};
+};
+
+}  // namespace cxlkv::tier
+
+#endif  // CXLKV_SRC_TIER_TIER_STORE_H_

@@ -1,0 +1,424 @@
+// The capacity tiers behind the region (issue 14): the index as the one lookup table over every
+// device, spill on pressure, promote on hit, a full device, invalid slots, an owner's restart,
+// a mover killed mid-move, and another node's blocks brought in through its service.
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "../cache/cache_test_util.h"
+#include "child.h"
+#include "tier/tier_service.h"
+#include "tier/tier_store.h"
+#include "tier_test_util.h"
+
+namespace cxlkv::tier {
+namespace {
+
+using cxlkv::testing::Child;
+using cxlkv::testing::OpenCache;
+
+constexpr uint64_t kBlock = 256 << 10;
+constexpr uint64_t kSlot = kBlock + 4096;
+
+struct Blocks {
+  std::vector<int32_t> tokens;
+  std::vector<BlockKey> keys;
+};
+
+// `n` blocks of one chain, each holding the bytes FillForKey gives its key.
+Blocks PutChain(KvCache& cache, const NamespaceHandle& ns, uint64_t doc, size_t n) {
+  Blocks b;
+  b.tokens = cxlkv::testing::Tokens(doc, 16 * n, 0, 0);
+  b.keys = cache.ChainKeys(ns, b.tokens);
+  std::vector<uint8_t> data(kBlock);
+  for (const BlockKey& k : b.keys) {
+    cxlkv::testing::FillForKey(k, data.data(), data.size());
+    Status s = cache.Put(ns, k, data.data(), data.size());
+    EXPECT_TRUE(s.ok() || s.code() == StatusCode::kAlreadyExists) << s.ToString();
+  }
+  return b;
+}
+
+// Looks the chain up (bringing in what sits on tiers), checks every hit block's bytes, releases.
+// Returns the hit length.
+size_t LookupAndVerify(KvCache& cache, const NamespaceHandle& ns, const std::vector<BlockKey>& keys) {
+  auto hit = cache.Lookup(ns, keys);
+  EXPECT_TRUE(hit.ok()) << hit.status().ToString();
+  if (!hit.ok()) return 0;
+  std::vector<uint8_t> back(kBlock);
+  for (size_t i = 0; i < hit->pins.size(); ++i) {
+    EXPECT_EQ(hit->pins[i].tier, 0u);
+    EXPECT_TRUE(cache.Read(hit->pins[i], 0, back.data(), back.size()).ok());
+    EXPECT_TRUE(cxlkv::testing::MatchesKey(keys[i], back.data(), back.size())) << "block " << i << " differs";
+  }
+  cache.Release(hit->pins);
+  return hit->hit_blocks;
+}
+
+std::map<uint16_t, size_t> EntriesByTier(Pool& pool) {
+  std::map<uint16_t, size_t> by;
+  for (const cache::Entry& e : cxlkv::testing::LiveEntries(pool)) ++by[e.tier];
+  return by;
+}
+
+void ExpectCheckClean(const std::string& path) {
+  auto regions = pool::AttachAll({path});
+  ASSERT_TRUE(regions.ok());
+  for (const auto& p : pool::Check(*regions)) ADD_FAILURE() << p;
+}
+
+TierStoreOptions Options(const std::vector<TierSpec>& tiers) {
+  TierStoreOptions o;
+  o.tiers = tiers;
+  o.slot_bytes = kSlot;
+  o.background = false;
+  return o;
+}
+
+TierSpec Dram(uint64_t bytes) { return TierSpec{TierKind::kMem, "", bytes, -1}; }
+TierSpec Ssd(const std::string& path, uint64_t bytes) { return TierSpec{TierKind::kSsd, path, bytes, -1}; }
+
+TEST(TierSpec, ParsesDramAndSsdAndRefusesWhatItCannotRead) {
+  auto d = ParseTierSpec("dram:8G");
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->kind, TierKind::kMem);
+  EXPECT_EQ(d->bytes, 8ull << 30);
+  auto n = ParseTierSpec("dram:512M:numa=1");
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(n->numa_node, 1);
+  auto s = ParseTierSpec("ssd:/data/a:b/kv.tier:64G");
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->path, "/data/a:b/kv.tier");
+  EXPECT_EQ(s->bytes, 64ull << 30);
+  for (const char* bad : {"dram", "dram:", "dram:zero", "ssd:64G", "ssd::64G", "tape:1G", "dram:1G:numa=x"}) {
+    auto r = ParseTierSpec(bad);
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(r.status().message().find("expected dram:SIZE"), std::string::npos) << r.status().ToString();
+  }
+}
+
+// Every block spilled to node DRAM and an SSD file (split by measured bandwidth), then looked up:
+// each is brought back into the region by the owner's service and reads back identical.
+void SpillAndPromoteEverything(uint64_t sim_seed) {
+  cxlkv::testing::TempRegionPath path("tier-spill");
+  ASSERT_TRUE(cxlkv::testing::CreateCachePool(path.path(), 64 << 20, 2048).ok());
+  testing::ScratchDir dir;
+  auto o = OpenCache(path.path(), 0, sim_seed);
+  ASSERT_TRUE(o.cache);
+  auto store = TierStore::Open(*o.pool, Options({Dram(16 << 20), Ssd(dir.File("kv.tier"), 16 << 20)}));
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  auto service = StartTierService(*o.pool, **store);
+  ASSERT_TRUE(service.ok()) << service.status().ToString();
+  Blocks b = PutChain(*o.cache, o.ns, 1, 40);
+
+  auto spilled = (*store)->Spill(~0ull);
+  ASSERT_TRUE(spilled.ok()) << spilled.status().ToString();
+  EXPECT_EQ(*spilled, 40u);
+  auto tiers = EntriesByTier(*o.pool);
+  EXPECT_EQ(tiers[cache::kTierRegion], 0u);
+  EXPECT_GT(tiers[cache::kTierMem], 0u) << "placement gave DRAM nothing";
+  EXPECT_EQ(tiers[cache::kTierMem] + tiers[cache::kTierSsd], 40u);
+  EXPECT_EQ(*o.cache->Exists(o.ns, b.keys), 40u);  // present in the pool, on some tier
+  ExpectCheckClean(path.path());
+
+  EXPECT_EQ(LookupAndVerify(*o.cache, o.ns, b.keys), 40u);
+  EXPECT_EQ(EntriesByTier(*o.pool)[cache::kTierRegion], 40u);
+  const nlohmann::json st = (*store)->Stats();
+  EXPECT_EQ(st["spilled"], 40u);
+  EXPECT_EQ(st["promoted"], 40u);
+  for (const auto& d : st["devices"]) EXPECT_EQ(d["used_slots"], 0u) << d.dump();
+  service->reset();
+  ExpectCheckClean(path.path());
+}
+
+TEST(Tiering, SpilledBlocksReadBackIdenticalFromDramAndSsd) { SpillAndPromoteEverything(0); }
+
+TEST(Tiering, SpillAndPromoteUnderTheNonCoherentSimulator) {
+  for (uint64_t seed : {3, 17, 41}) {
+    SCOPED_TRACE(seed);
+    SpillAndPromoteEverything(seed);
+  }
+}
+
+// A device with no free slot drops its own least recently used blocks to take new ones.
+TEST(Tiering, AFullDeviceDropsItsLeastRecentlyUsedBlocks) {
+  cxlkv::testing::TempRegionPath path("tier-full");
+  ASSERT_TRUE(cxlkv::testing::CreateCachePool(path.path(), 64 << 20, 2048).ok());
+  auto o = OpenCache(path.path(), 0);
+  ASSERT_TRUE(o.cache);
+  auto store = TierStore::Open(*o.pool, Options({Dram(8 * kSlot)}));
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  auto service = StartTierService(*o.pool, **store);
+  ASSERT_TRUE(service.ok());
+  Blocks old_chain = PutChain(*o.cache, o.ns, 1, 6);
+  ASSERT_EQ(*(*store)->Spill(~0ull), 6u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(2));  // the second chain is newer
+  Blocks new_chain = PutChain(*o.cache, o.ns, 2, 6);
+  ASSERT_EQ(*(*store)->Spill(~0ull), 6u);
+  // 12 blocks through 8 slots: the 4 oldest of the first chain went.
+  auto tiers = EntriesByTier(*o.pool);
+  EXPECT_EQ(tiers[cache::kTierMem], 8u);
+  EXPECT_EQ((*store)->Stats()["dropped_full"], 4u);
+  EXPECT_EQ(*o.cache->Exists(o.ns, old_chain.keys), 0u);  // its head is gone: no prefix left
+  EXPECT_EQ(LookupAndVerify(*o.cache, o.ns, new_chain.keys), 6u);
+  service->reset();
+  ExpectCheckClean(path.path());
+}
+
+// A flipped byte in an SSD slot: that block is a counted miss, its entry dropped and its slot
+// freed; the chain's hit ends there and the blocks before it read back identical.
+TEST(Tiering, ACorruptSlotIsAMissAndItsEntryIsDropped) {
+  cxlkv::testing::TempRegionPath path("tier-corrupt");
+  ASSERT_TRUE(cxlkv::testing::CreateCachePool(path.path(), 64 << 20, 2048).ok());
+  testing::ScratchDir dir;
+  auto o = OpenCache(path.path(), 0);
+  ASSERT_TRUE(o.cache);
+  auto store = TierStore::Open(*o.pool, Options({Ssd(dir.File("kv.tier"), 16 * kSlot)}));
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  auto service = StartTierService(*o.pool, **store);
+  ASSERT_TRUE(service.ok());
+  Blocks b = PutChain(*o.cache, o.ns, 3, 8);
+  ASSERT_EQ(*(*store)->Spill(~0ull), 8u);
+  // Block 5's slot: find it in the index, flip one payload byte on disk.
+  uint64_t slot = ~0ull;
+  for (const cache::Entry& e : cxlkv::testing::LiveEntries(*o.pool)) {
+    if (e.key_lo == b.keys[5].lo && e.key_hi == b.keys[5].hi) slot = cache::LocationSlot(e.payload);
+  }
+  ASSERT_NE(slot, ~0ull);
+  int fd = ::open(dir.File("kv.tier").c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  const off_t at = static_cast<off_t>(slot * kSlot + kSlotHeaderBytes + 1000);
+  uint8_t byte = 0;
+  ASSERT_EQ(::pread(fd, &byte, 1, at), 1);
+  byte ^= 0x10;
+  ASSERT_EQ(::pwrite(fd, &byte, 1, at), 1);
+  ::close(fd);
+
+  EXPECT_EQ(LookupAndVerify(*o.cache, o.ns, b.keys), 5u);
+  const nlohmann::json st = (*store)->Stats();
+  EXPECT_EQ(st["devices"][0]["miss_corrupt"], 1u);
+  EXPECT_EQ(st["dropped_lost"], 1u);
+  // The whole run was brought in: blocks 6 and 7 are in the region, behind the gap.
+  EXPECT_EQ(st["promoted"], 7u);
+  EXPECT_EQ(st["devices"][0]["used_slots"], 0u);
+  EXPECT_EQ(*o.cache->Exists(o.ns, b.keys), 5u);
+  EXPECT_EQ(*o.cache->Exists(o.ns, std::span<const BlockKey>(b.keys).subspan(6)), 2u);
+  service->reset();
+  ExpectCheckClean(path.path());
+}
+
+// The owner's process ends; its next process adopts the SSD blocks (they read back identical)
+// and the node-DRAM blocks, whose bytes died with the first process, are gone from the index.
+TEST(Tiering, ANewOwnerProcessAdoptsSsdBlocksAndDropsTheDeadOnesDram) {
+  cxlkv::testing::TempRegionPath path("tier-adopt");
+  ASSERT_TRUE(cxlkv::testing::CreateCachePool(path.path(), 64 << 20, 2048).ok());
+  testing::ScratchDir dir;
+  const std::string file = dir.File("kv.tier");
+  auto first = cxlkv::testing::RunForked(1, [&](int) {
+    auto o = OpenCache(path.path(), 1);
+    CHILD_CHECK(o.cache, "open");
+    auto store = TierStore::Open(*o.pool, Options({Dram(16 << 20), Ssd(file, 16 << 20)}));
+    CHILD_CHECK(store.ok(), "%s", store.status().ToString().c_str());
+    PutChain(*o.cache, o.ns, 4, 30);
+    auto n = (*store)->Spill(~0ull);
+    CHILD_CHECK(n.ok() && *n == 30, "spilled %llu", static_cast<unsigned long long>(n.ok() ? *n : 0));
+    return 0;
+  });
+  ASSERT_EQ(first[0], 0);
+  auto o = OpenCache(path.path(), 1);
+  ASSERT_TRUE(o.cache);
+  auto keys = o.cache->ChainKeys(o.ns, cxlkv::testing::Tokens(4, 16 * 30, 0, 0));
+  auto store = TierStore::Open(*o.pool, Options({Dram(16 << 20), Ssd(file, 16 << 20)}));
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  auto service = StartTierService(*o.pool, **store);
+  ASSERT_TRUE(service.ok());
+  auto tiers = EntriesByTier(*o.pool);
+  EXPECT_EQ(tiers[cache::kTierMem], 0u) << "DRAM blocks of a dead process stayed indexed";
+  ASSERT_GT(tiers[cache::kTierSsd], 0u);
+  EXPECT_EQ((*store)->Stats()["adopted"], tiers[cache::kTierSsd]);
+  // Every SSD block reads back identical (a lookup per block: the DRAM ones left gaps).
+  size_t read = 0;
+  for (const BlockKey& k : keys) {
+    auto hit = o.cache->Lookup(o.ns, {&k, 1});
+    ASSERT_TRUE(hit.ok());
+    if (hit->hit_blocks == 0) continue;
+    std::vector<uint8_t> back(kBlock);
+    ASSERT_TRUE(o.cache->Read(hit->pins[0], 0, back.data(), back.size()).ok());
+    EXPECT_TRUE(cxlkv::testing::MatchesKey(k, back.data(), back.size()));
+    o.cache->Release(hit->pins);
+    ++read;
+  }
+  EXPECT_EQ(read, tiers[cache::kTierSsd]);
+  service->reset();
+  ExpectCheckClean(path.path());
+}
+
+// A mover killed after it marked an entry EVICTING, or after it wrote the new place but before
+// READY: the stripe's repair drops the half-moved entry, nothing else changes, every other
+// block still reads back identical, and `cxlkv check` is clean.
+void KilledMidMove(cache::Index::CrashPoint point, bool promote) {
+  cxlkv::testing::TempRegionPath path("tier-kill");
+  ASSERT_TRUE(cxlkv::testing::CreateCachePool(path.path(), 64 << 20, 2048).ok());
+  testing::ScratchDir dir;
+  const std::string file = dir.File("kv.tier");
+  Child survivor = Child::Fork([&](int in, int out) {
+    auto o = OpenCache(path.path(), 0);
+    if (!o.cache || !cxlkv::testing::Put(out, 1)) return 1;
+    uint64_t done;
+    (void)cxlkv::testing::Get(in, &done);
+    return 0;
+  });
+  uint64_t ready;
+  ASSERT_TRUE(survivor.Receive(&ready));
+  auto mover = cxlkv::testing::RunForked(1, [&](int) {
+    auto o = OpenCache(path.path(), 1);
+    CHILD_CHECK(o.cache, "open");
+    auto store = TierStore::Open(*o.pool, Options({Ssd(file, 16 << 20)}));
+    CHILD_CHECK(store.ok(), "%s", store.status().ToString().c_str());
+    Blocks b = PutChain(*o.cache, o.ns, 5, 8);
+    if (promote) {
+      CHILD_CHECK(*(*store)->Spill(~0ull) == 8, "spill");
+      o.pool->impl().index->TestCrashAt(point);
+      (void)(*store)->Promote(b.keys);
+    } else {
+      o.pool->impl().index->TestCrashAt(point);
+      (void)(*store)->Spill(~0ull);
+    }
+    return 3;
+  });
+  ASSERT_EQ(mover[0], 128 + SIGKILL);
+  std::this_thread::sleep_for(std::chrono::milliseconds(4 * cxlkv::testing::kTestLeaseMs));
+  auto o = OpenCache(path.path(), 1);  // node 1's next life: the new owner
+  ASSERT_TRUE(o.cache);
+  auto store = TierStore::Open(*o.pool, Options({Ssd(file, 16 << 20)}));
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  auto service = StartTierService(*o.pool, **store);
+  ASSERT_TRUE(service.ok());
+  for (const cache::Entry& e : cxlkv::testing::LiveEntries(*o.pool)) {
+    EXPECT_EQ(cache::StateOf(e.state), cache::kReady) << "a half-moved entry stayed";
+  }
+  auto keys = o.cache->ChainKeys(o.ns, cxlkv::testing::Tokens(5, 16 * 8, 0, 0));
+  size_t present = 0;
+  for (const BlockKey& k : keys) {
+    auto hit = o.cache->Lookup(o.ns, {&k, 1});
+    ASSERT_TRUE(hit.ok());
+    if (hit->hit_blocks == 0) continue;
+    std::vector<uint8_t> back(kBlock);
+    ASSERT_TRUE(o.cache->Read(hit->pins[0], 0, back.data(), back.size()).ok());
+    EXPECT_TRUE(cxlkv::testing::MatchesKey(k, back.data(), back.size()));
+    o.cache->Release(hit->pins);
+    ++present;
+  }
+  EXPECT_EQ(present, 7u) << "exactly the block cut mid-move may go";
+  ASSERT_TRUE(survivor.Send(1));
+  EXPECT_EQ(survivor.Wait(), 0);
+  service->reset();
+  store->reset();
+  o.pool.reset();
+  ExpectCheckClean(path.path());
+}
+
+TEST(Tiering, ASpillKilledAfterMarkingLeavesNoHalfMovedEntry) {
+  KilledMidMove(cache::Index::CrashPoint::kMoveAfterMark, false);
+}
+TEST(Tiering, ASpillKilledAfterWritingThePlaceLeavesNoHalfMovedEntry) {
+  KilledMidMove(cache::Index::CrashPoint::kMoveAfterFields, false);
+}
+TEST(Tiering, APromoteKilledAfterWritingThePlaceLeavesNoHalfMovedEntry) {
+  KilledMidMove(cache::Index::CrashPoint::kMoveAfterFields, true);
+}
+
+// Node 1 owns the tiers and serves them; node 0 (another process) looks the chain up and reads
+// every block, brought into the region by node 1's service: the shared memory is the transport.
+TEST(Tiering, AnotherNodesBlocksAreBroughtInThroughItsService) {
+  cxlkv::testing::TempRegionPath path("tier-remote");
+  ASSERT_TRUE(cxlkv::testing::CreateCachePool(path.path(), 64 << 20, 2048).ok());
+  testing::ScratchDir dir;
+  const std::string file = dir.File("kv.tier");
+  Child owner = Child::Fork([&](int in, int out) {
+    auto o = OpenCache(path.path(), 1);
+    if (!o.cache) return 1;
+    auto store = TierStore::Open(*o.pool, Options({Dram(8 << 20), Ssd(file, 16 << 20)}));
+    if (!store.ok()) return 2;
+    auto service = StartTierService(*o.pool, **store);
+    if (!service.ok()) return 3;
+    PutChain(*o.cache, o.ns, 6, 24);
+    auto n = (*store)->Spill(~0ull);
+    if (!n.ok() || *n != 24) return 4;
+    (void)cxlkv::testing::Put(out, 1);
+    uint64_t done;
+    (void)cxlkv::testing::Get(in, &done);
+    const nlohmann::json st = (*store)->Stats();
+    return st["promoted"] == 24u ? 0 : 5;
+  });
+  uint64_t ready = 0;
+  ASSERT_TRUE(owner.Receive(&ready));
+  auto o = OpenCache(path.path(), 0);
+  ASSERT_TRUE(o.cache);
+  auto keys = o.cache->ChainKeys(o.ns, cxlkv::testing::Tokens(6, 16 * 24, 0, 0));
+  EXPECT_EQ(EntriesByTier(*o.pool)[cache::kTierRegion], 0u);
+  EXPECT_EQ(LookupAndVerify(*o.cache, o.ns, keys), 24u);
+  ASSERT_TRUE(owner.Send(1));
+  EXPECT_EQ(owner.Wait(), 0);
+}
+
+// The spill thread keeps the region under its watermark while a writer puts twice the region's
+// capacity; every block still indexed reads back identical, and most were kept (spilled, not
+// dropped).
+TEST(Tiering, TheSpillThreadMakesRoomAheadOfWriters) {
+  cxlkv::testing::TempRegionPath path("tier-thread");
+  ASSERT_TRUE(cxlkv::testing::CreateCachePool(path.path(), 32 << 20, 2048).ok());
+  testing::ScratchDir dir;
+  auto o = OpenCache(path.path(), 0);
+  ASSERT_TRUE(o.cache);
+  TierStoreOptions opts = Options({Dram(32 << 20), Ssd(dir.File("kv.tier"), 32 << 20)});
+  opts.background = true;
+  opts.spill_poll = std::chrono::milliseconds(1);
+  auto store = TierStore::Open(*o.pool, opts);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  auto service = StartTierService(*o.pool, **store);
+  ASSERT_TRUE(service.ok());
+  std::vector<BlockKey> all;
+  for (uint64_t doc = 10; doc < 26; ++doc) {
+    Blocks b = PutChain(*o.cache, o.ns, doc, 16);  // 16 × 256 KiB = 4 MiB a chain, 64 MiB in all
+    all.insert(all.end(), b.keys.begin(), b.keys.end());
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_GT((*store)->Stats()["spilled"].get<uint64_t>(), 100u);
+  size_t present = 0;
+  for (const BlockKey& k : all) {
+    auto hit = o.cache->Lookup(o.ns, {&k, 1});
+    ASSERT_TRUE(hit.ok());
+    if (hit->hit_blocks == 0) continue;
+    std::vector<uint8_t> back(kBlock);
+    ASSERT_TRUE(o.cache->Read(hit->pins[0], 0, back.data(), back.size()).ok());
+    EXPECT_TRUE(cxlkv::testing::MatchesKey(k, back.data(), back.size()));
+    o.cache->Release(hit->pins);
+    ++present;
+  }
+  EXPECT_GT(present, all.size() / 2) << "most blocks should have been spilled, not dropped";
+  service->reset();
+  store->reset();
+  ExpectCheckClean(path.path());
+}
+
+TEST(Tiering, AMissingDevicePathFailsAtOpenWithWhatToDo) {
+  cxlkv::testing::TempRegionPath path("tier-badpath");
+  ASSERT_TRUE(cxlkv::testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
+  auto o = OpenCache(path.path(), 0);
+  ASSERT_TRUE(o.cache);
+  auto store = TierStore::Open(*o.pool, Options({Ssd("/nonexistent-dir/kv.tier", 16 << 20)}));
+  ASSERT_FALSE(store.ok());
+  EXPECT_EQ(store.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(store.status().message().find("tier 0 (ssd)"), std::string::npos) << store.status().ToString();
+  EXPECT_NE(store.status().message().find("create the directory"), std::string::npos) << store.status().ToString();
+  auto none = TierStore::Open(*o.pool, Options({}));
+  EXPECT_EQ(none.status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace cxlkv::tier
