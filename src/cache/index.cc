@@ -364,7 +364,7 @@ Result<alloc::ObjectOffset> Index::AllocatePayload(uint64_t bytes) {
                            std::to_string(cap) + " bytes)");
   }
   uint64_t used = UsedBytes();
-  if (used + bytes > high) EvictLru(used + bytes - std::min(low, used + bytes));
+  if (used + bytes > high) MakeRoom(used + bytes - std::min(low, used + bytes));
   for (int attempt = 0; attempt < 4; ++attempt) {
     // The budget binds only when one was set below the pool's size; otherwise the allocator
     // is the judge (counters can drift by a block after a crash mid-eviction).
@@ -373,12 +373,23 @@ Result<alloc::ObjectOffset> Index::AllocatePayload(uint64_t bytes) {
       if (r.ok() || r.status().code() != StatusCode::kNoSpace) return r;
     }
     // Full, or fragmented: evict a watermark's worth (at least this block) and retry.
-    if (EvictLru(std::max(bytes, high - std::min(high, low))) == 0) break;
+    if (MakeRoom(std::max(bytes, high - std::min(high, low))) == 0) break;
   }
   Add(kFullErrors, 1);
   return NoSpace("pool full: no room for a block of " + std::to_string(bytes) + " bytes and nothing "
                  "evictable (" + std::to_string(UsedBytes()) + " bytes in pinned or in-flight blocks); "
                  "release pins or grow the pool");
+}
+
+uint64_t Index::MakeRoom(uint64_t bytes) {
+  // With capacity tiers, room is made by spilling (the node's cxlkvd moves the LRU blocks to its
+  // devices); only what that cannot free is dropped.
+  CapacityPromoter* tiers = room_maker_.load(std::memory_order_acquire);
+  if (tiers != nullptr) {
+    const uint64_t spilled = tiers->MakeRoom(bytes);
+    if (spilled != 0) return spilled;
+  }
+  return EvictLru(bytes);
 }
 
 void Index::MaybeCrash(CrashPoint p) {

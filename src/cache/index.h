@@ -91,6 +91,9 @@ class Index final : public IndexApi {
   // Evicts these keys of `ns` (or every READY entry when `keys` is empty and `all`) if unpinned.
   Result<uint64_t> EvictKeys(const NamespaceHandle& ns, std::span<const BlockKey> keys) override;
   Result<uint64_t> EvictAll() override;
+  // What a reserve asks to make room before it drops blocks (the pool installs its capacity
+  // promoter: a node's tiers spill instead). Null: evict.
+  void SetRoomMaker(CapacityPromoter* tiers) { room_maker_.store(tiers, std::memory_order_release); }
   // Evicts unpinned READY entries, least recently used first, until `bytes` are freed.
   // Returns the bytes freed (less when not enough is evictable).
   uint64_t EvictLru(uint64_t bytes);
@@ -316,6 +319,10 @@ class Index final : public IndexApi {
   std::vector<uint64_t> pinned_life_;
   void DropPinRow(uint32_t node);
   void MaybeCrash(CrashPoint p);
+  // Frees about `bytes` of region space: spilled by the room maker when there is one, else
+  // evicted. Returns the bytes freed.
+  uint64_t MakeRoom(uint64_t bytes);
+  std::atomic<CapacityPromoter*> room_maker_{nullptr};
 };
 
 }  // namespace cxlkv::cache

@@ -52,12 +52,15 @@ class IndexApi {
 };
 
 // Brings blocks that the index holds on capacity tiers into the region (their owners' cxlkvd
-// promote them), so a lookup can pin them. Installed on a KvCache by the layer that reaches the
+// promote them), so a lookup can pin them; and makes room by spilling rather than dropping. Installed on a KvCache by the layer that reaches the
 // owners (src/tier); best effort: a block not brought in simply ends the hit.
 class CapacityPromoter {
  public:
   virtual ~CapacityPromoter() = default;
   virtual void BringIn(const NamespaceHandle& ns, std::span<const BlockKey> keys) = 0;
+  // Asks a node's tiers to spill about `bytes` of the region's least recently used blocks, so a
+  // reserve need not drop them. Returns the bytes freed (0: no tiers reached; the caller evicts).
+  virtual uint64_t MakeRoom(uint64_t bytes) = 0;
 };
 
 }  // namespace cxlkv::cache

@@ -16,6 +16,7 @@
 #include "daemon/node_lock.h"
 #include "daemon/node_status.h"
 #include "pool/pool_internal.h"
+#include "tier/tier_service.h"
 #include "util/host_port.h"
 
 namespace cxlkv::daemon {
@@ -84,6 +85,20 @@ Result<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options) {
   po.recovers = true;
   po.prefault = true;
   CXLKV_ASSIGN_OR_RETURN(d->pool_, Pool::Open(options.paths, po));
+  if (!options.tiers.empty()) {
+    tier::TierStoreOptions to;
+    for (const std::string& text : options.tiers) {
+      CXLKV_ASSIGN_OR_RETURN(tier::TierSpec spec, tier::ParseTierSpec(text));
+      to.tiers.push_back(spec);
+    }
+    if (options.tier_slot_bytes != 0) to.slot_bytes = options.tier_slot_bytes;
+    CXLKV_ASSIGN_OR_RETURN(d->tiers_, tier::TierStore::Open(*d->pool_, to));
+    CXLKV_ASSIGN_OR_RETURN(d->tier_service_, tier::StartTierService(*d->pool_, *d->tiers_));
+    for (const auto& dev : d->tiers_->devices()) {
+      std::printf("cxlkvd: node %u: tier %s\n", options.node_id, dev->Describe().c_str());
+    }
+    std::fflush(stdout);
+  }
   if (options.serve_admin) {
     rpc::RpcServerOptions so;
     so.geometry = AdminGeometry();
@@ -124,6 +139,8 @@ Daemon::~Daemon() {
   kv_front_.reset();
   tcp_admin_client_.reset();
   admin_.reset();
+  tier_service_.reset();  // before the store it calls
+  tiers_.reset();
   pool_.reset();
   if (lock_fd_ >= 0) {
     ::unlink(lock_path_.c_str());

@@ -7,7 +7,8 @@
 //   d->reset();   // answers what it holds, clears its server words, leaves the node
 //
 // What it owns: the node's membership (heartbeat, the lock manager when elected, recovery of
-// dead nodes' lives, remote-free drains — all of them in the Pool it keeps open), the pool's
+// dead nodes' lives, remote-free drains — all of them in the Pool it keeps open), the node's
+// capacity tiers and their service (tier-<node>: spill, promote; docs/tiers.md), the pool's
 // admin RPC service (served by one daemon at a time, the others standing by), and the
 // Prometheus endpoint. One daemon per node and host: a second one for the same node is
 // refused by name (a flock on /dev/shm/cxlkvd-<pool id>-node<N>.lock, released by the kernel
@@ -31,6 +32,7 @@
 #include "rpc/server.h"
 #include "rpc/frame.h"
 #include "rpc/tcp_front.h"
+#include "tier/tier_store.h"
 
 namespace httplib {
 class Server;
@@ -50,6 +52,10 @@ struct DaemonOptions {
                                       // port 0 picks one; "" = off. Default off.
   uint32_t tcp_max_frame = 4u << 20;  // largest frame payload the TCP front takes: a block put or
                                       // got over TCP must fit. Default 4 MiB.
+  // The node's capacity tiers behind the region (docs/tiers.md): "dram:SIZE[:numa=N]",
+  // "ssd:PATH:SIZE". Default none: evicted blocks are dropped.
+  std::vector<std::string> tiers;
+  uint64_t tier_slot_bytes = 0;       // per device slot, header included; 0: TierStoreOptions' default
 };
 
 class Daemon {
@@ -74,6 +80,8 @@ class Daemon {
   // The Prometheus text exposition of this node's and the pool's figures (docs/daemon.md).
   std::string RenderMetrics();
   const rpc::RpcServer* admin() const { return admin_.get(); }
+  // The node's capacity tiers; null when none were given.
+  tier::TierStore* tiers() const { return tiers_.get(); }
   std::chrono::steady_clock::time_point started() const { return started_; }
 
  private:
@@ -86,6 +94,8 @@ class Daemon {
   int lock_fd_ = -1;
   std::string lock_path_;
   std::unique_ptr<Pool> pool_;
+  std::unique_ptr<tier::TierStore> tiers_;           // spill thread, device workers
+  std::unique_ptr<rpc::RpcServer> tier_service_;     // tier-<node>: promote requests for tiers_
   std::unique_ptr<rpc::RpcServer> admin_;
   std::unique_ptr<rpc::RpcClient> tcp_admin_client_;  // the TCP front's way to the admin service
   std::unique_ptr<KvFront> kv_front_;  // the TCP front's `kv` service (runs on its loop thread)

@@ -151,9 +151,55 @@ std::string Daemon::RenderMetrics() {
     e.Family("cxlkv_cache_pins", "gauge", "Pins held per node (blocks being read).");
     for (const auto& [n, v] : pins) e.Sample("cxlkv_cache_pins", Label("node", n), v);
   }
+  // The node's capacity tiers (docs/tiers.md).
+  if (tiers_) {
+    const nlohmann::json t = tiers_->Stats();
+    const std::pair<const char*, const char*> gauges[] = {
+        {"slots", "Slots of each capacity device of this node."},
+        {"used_slots", "Slots of each capacity device holding a block."},
+        {"bandwidth_bytes_per_s", "Each device's measured read bandwidth (placement weights, Algorithm 1)."},
+    };
+    for (const auto& [key, help] : gauges) {
+      const std::string name = std::string("cxlkv_tier_") + key;
+      e.Family(name, "gauge", help);
+      for (const auto& d : t["devices"]) {
+        e.Sample(name, Label("device", std::to_string(U(d["index"]))) + "," + Label("kind", d["kind"].get<std::string>()),
+                 U(d[key]));
+      }
+    }
+    const std::pair<const char*, const char*> device_counters[] = {
+        {"writes", "Blocks written to each device."},          {"reads", "Blocks read back from each device."},
+        {"write_errors", "Failed block writes per device."},   {"read_errors", "Failed block reads per device."},
+        {"miss_empty", "Reads that found an empty slot."},     {"miss_corrupt", "Reads that failed the CRC or a header check."},
+        {"miss_stale", "Reads that found another block or generation (a reused slot)."},
+    };
+    for (const auto& [key, help] : device_counters) {
+      const std::string name = std::string("cxlkv_tier_device_") + key + "_total";
+      e.Family(name, "counter", help);
+      for (const auto& d : t["devices"]) {
+        e.Sample(name, Label("device", std::to_string(U(d["index"]))) + "," + Label("kind", d["kind"].get<std::string>()),
+                 U(d[key]));
+      }
+    }
+    const std::pair<const char*, const char*> store_counters[] = {
+        {"spilled", "Blocks this node moved from the region to its devices."},
+        {"spill_failed", "Blocks a spill could not write (device error, no slot)."},
+        {"promoted", "Blocks this node brought back into the region for a lookup."},
+        {"promote_missed", "Blocks a promote could not bring in (invalid slot, region full, entry changed)."},
+        {"dropped_full", "Blocks dropped to make room on a full device."},
+        {"dropped_lost", "Entries dropped because their bytes were gone (invalid slot, an ended process's DRAM)."},
+        {"freed_orphan_slots", "Device slots freed because no entry named them any more."},
+    };
+    for (const auto& [key, help] : store_counters) {
+      const std::string name = std::string("cxlkv_tier_") + key + "_total";
+      e.Family(name, "counter", help);
+      e.Sample(name, "", U(t[key]));
+    }
+  }
   // Every RPC service this daemon serves or stands by for: admin, and meta on a central pool.
   std::vector<const rpc::RpcServer*> servers;
   if (admin_) servers.push_back(admin_.get());
+  if (tier_service_) servers.push_back(tier_service_.get());
   const meta::MetaService* meta_service = meta::ServiceOf(*pool_);
   if (meta_service != nullptr) servers.push_back(&meta_service->server());
   using Field = uint64_t rpc::RpcServerStats::*;

@@ -3,6 +3,7 @@
 
 #include "cache/inspect.h"
 #include "pool/pool_internal.h"
+#include "pool/status_doc.h"
 #include "region/region_internal.h"
 #include "sync/layout.h"
 #include "sync/node.h"
@@ -93,6 +94,7 @@ nlohmann::json Stat(std::vector<std::unique_ptr<Region>>& regions, const std::ve
     j["roots"].push_back({{"name", util::PrintableName(r.name.data(), r.name.size())},
                           {"offset", r.offset}, {"size", r.size}});
   }
+  j["status"] = ReadStatusDocs(regions);  // what daemons publish of themselves (their tiers)
   j["cache"] = cache::Stat(first, statuses);
   uint64_t allocated_bytes = 0;
   for (const auto& r : j["regions"]) allocated_bytes += r["allocated_bytes"].get<uint64_t>();

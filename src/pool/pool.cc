@@ -208,6 +208,7 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::vector<std::string>& paths,
   if (pool->impl_->cache && promoter_factory != nullptr) {
     pool->impl_->promoter = promoter_factory(*pool);
     pool->impl_->cache->SetCapacityPromoter(pool->impl_->promoter.get());
+    pool->impl_->index->SetRoomMaker(pool->impl_->promoter.get());
   }
   if (pool->impl_->index && pool->impl_->index->central()) {
     Impl& im = *pool->impl_;
@@ -231,6 +232,7 @@ Pool::Pool(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Pool::~Pool() {
   // The service's client and standby first: they call into the node and the index.
   impl_->cache.reset();
+  if (impl_->index) impl_->index->SetRoomMaker(nullptr);
   impl_->promoter.reset();  // its RPC clients use the node
   {
     std::lock_guard<std::mutex> g(impl_->central_mu);

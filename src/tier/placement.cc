@@ -75,4 +75,34 @@ Result<std::vector<PlacementRun>> PlaceInLayerOrder(std::span<const uint64_t> ba
   return runs;
 }
 
+PlacementCursor::PlacementCursor(std::vector<uint64_t> bandwidths)
+    : bandwidths_(std::move(bandwidths)), credit_(bandwidths_.size(), 0), placed_(bandwidths_.size(), 0) {}
+
+Result<std::vector<PlacementRun>> PlacementCursor::Next(uint64_t n) {
+  Credit total = 0;
+  for (uint64_t b : bandwidths_) total += b;
+  if (bandwidths_.empty() || total == 0) {
+    return InvalidArgument("placement needs at least one device with a bandwidth above 0");
+  }
+  std::vector<uint64_t> counts(bandwidths_.size(), 0);
+  for (uint64_t item = 0; item < n; ++item) {
+    size_t best = 0;
+    for (size_t i = 0; i < bandwidths_.size(); ++i) {
+      credit_[i] += bandwidths_[i];
+      if (credit_[i] > credit_[best]) best = i;
+    }
+    credit_[best] -= total;
+    ++counts[best];
+  }
+  std::vector<PlacementRun> runs;
+  uint64_t next = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    placed_[i] += counts[i];
+    if (counts[i] == 0) continue;
+    runs.push_back({static_cast<uint32_t>(i), next, counts[i]});
+    next += counts[i];
+  }
+  return runs;
+}
+
 }  // namespace cxlkv::tier

@@ -45,6 +45,29 @@ Result<std::vector<uint64_t>> PlacementCounts(std::span<const uint64_t> bandwidt
 // device order.
 Result<std::vector<PlacementRun>> PlaceInLayerOrder(std::span<const uint64_t> bandwidths, uint64_t n);
 
+// Algorithm 1 applied batch by batch starves the smaller devices when batches are small: a
+// batch of one item always goes to the largest p_i (a spill thread that keeps up moves a few
+// blocks at a time). A cursor carries each device's unspent share from batch to batch (smooth
+// weighted round robin in exact integers: every item adds b_i to each device's credit and the
+// device with the most credit, ties to the lowest index, takes the item and pays Σb), so over
+// any run of batches device i's count stays within one item of p_i × the items placed, and a
+// zero-bandwidth device gets nothing. Each batch is still laid out as contiguous runs in layer
+// order, in device order.
+// Thread-safety: not thread-safe (one per placing thread).
+class PlacementCursor {
+ public:
+  // InvalidArgument (at Next) when `bandwidths` is empty or all zero.
+  explicit PlacementCursor(std::vector<uint64_t> bandwidths);
+  Result<std::vector<PlacementRun>> Next(uint64_t n);
+  const std::vector<uint64_t>& placed() const { return placed_; }  // items per device so far
+
+ private:
+  __extension__ typedef __int128 Credit;  // b_i summed over items: beyond 64 bits
+  std::vector<uint64_t> bandwidths_;
+  std::vector<Credit> credit_;
+  std::vector<uint64_t> placed_;
+};
+
 }  // namespace cxlkv::tier
 
 #endif  // CXLKV_SRC_TIER_PLACEMENT_H_

@@ -78,6 +78,22 @@ Result<std::unique_ptr<rpc::RpcServer>> StartTierService(Pool& pool, TierStore& 
                          return answer.size();
                        },
                        /*idempotent=*/true};
+  ops[kTierSpill] = {[&store](const rpc::Request& req, std::span<uint8_t> out) -> Result<size_t> {
+                       if (req.payload.size() != 8) {
+                         return InvalidArgument("spill request of " + std::to_string(req.payload.size()) +
+                                                " bytes, expected 8");
+                       }
+                       const uint64_t want = Get<uint64_t>(req.payload, 0);
+                       const uint64_t before = store.RegionUsedBytes();
+                       auto moved = store.Spill(want);
+                       if (!moved.ok()) return moved.status();
+                       const uint64_t after = store.RegionUsedBytes();
+                       const uint64_t freed = before > after ? before - after : 0;
+                       if (out.size() < 8) return NoSpace("spill answer exceeds its slot");
+                       std::memcpy(out.data(), &freed, 8);
+                       return size_t{8};
+                     },
+                     /*idempotent=*/true};
   rpc::RpcServerOptions so;
   so.geometry.request_bytes = 2048;   // 4 + 64 keys × 16 bytes, with room to spare
   so.geometry.response_bytes = 256;
@@ -92,6 +108,29 @@ namespace {
 class RemotePromoter final : public cache::CapacityPromoter {
  public:
   explicit RemotePromoter(Pool& pool) : pool_(pool), index_(*pool.impl().index) {}
+
+  uint64_t MakeRoom(uint64_t bytes) override {
+    if (TierStore::InsideMove()) return TierStore::MakeRoomInsideMove(bytes);  // the store's own thread
+    // This node's tiers first (its cxlkvd), then any other node's.
+    const uint32_t self = pool_.impl().node->id();
+    const uint32_t nodes = pool_.impl().regions[0]->info().max_nodes;
+    std::vector<uint8_t> req(8);
+    std::memcpy(req.data(), &bytes, 8);
+    for (uint32_t k = 0; k < nodes; ++k) {
+      const uint32_t node = (self + k) % nodes;
+      rpc::RpcClient* client = ClientFor(node);
+      if (client == nullptr) continue;
+      auto answer = client->Call(kTierSpill, req);
+      if (!answer.ok() || answer->size() != 8) {
+        MarkDown(node);
+        continue;
+      }
+      uint64_t freed = 0;
+      std::memcpy(&freed, answer->data(), 8);
+      if (freed != 0) return freed;
+    }
+    return 0;
+  }
 
   void BringIn(const NamespaceHandle&, std::span<const BlockKey> keys) override {
     std::map<uint32_t, std::vector<BlockKey>> by_owner;

@@ -3,7 +3,9 @@
 // Each node's cxlkvd serves "tier-<node>" for its TierStore: a promote request names block keys;
 // the owner reads them from its devices straight into fresh region space and moves their
 // entries back to the region (TierStore::Promote). The shared region is the transport: nothing
-// but the keys and three counts cross the RPC.
+// but the keys and three counts cross the RPC. A spill request asks it to free region space by
+// moving the least recently used blocks to its devices: a writer that finds the region full asks
+// its own node's tiers (then any other node's) before it drops anything.
 //
 // The calling side is a cache::CapacityPromoter that this file registers with the pool layer, so
 // every decentralized pool's KvCache::Lookup asks the owners of the capacity blocks it meets.
@@ -26,6 +28,7 @@
 namespace cxlkv::tier {
 
 inline constexpr uint32_t kTierPromote = 1;       // keys → promoted, missed, not_mine (u64 each)
+inline constexpr uint32_t kTierSpill = 2;         // u64 bytes → u64 bytes freed in the region
 inline constexpr size_t kPromoteKeysPerCall = 64;  // bounds one request's service time
 
 std::string TierServiceName(uint32_t node);

@@ -6,6 +6,7 @@
 #include <map>
 
 #include "pool/pool_internal.h"
+#include "pool/status_doc.h"
 #include "tier/dram_device.h"
 #include "tier/placement.h"
 #include "tier/probe.h"
@@ -17,6 +18,15 @@ namespace cxlkv::tier {
 namespace {
 
 using Block = cache::Index::TierBlock;
+
+// The store whose move this thread is making (it holds that store's move_mu_), or null.
+thread_local TierStore* moving_store = nullptr;
+// Marks this thread as moving blocks for `store` (TierStore::InsideMove) while it lives.
+struct MoveScope {
+  explicit MoveScope(TierStore* store) : previous(moving_store) { moving_store = store; }
+  ~MoveScope() { moving_store = previous; }
+  TierStore* previous;
+};
 
 uint16_t EntryTierOf(TierKind kind) { return kind == TierKind::kMem ? cache::kTierMem : cache::kTierSsd; }
 
@@ -58,6 +68,18 @@ Result<TierSpec> ParseTierSpec(std::string_view text) {
     return spec;
   }
   return BadSpec(text, "unknown kind '" + std::string(kind) + "'");
+}
+
+bool TierStore::InsideMove() { return moving_store != nullptr; }
+
+uint64_t TierStore::MakeRoomInsideMove(uint64_t bytes) {
+  TierStore* store = moving_store;
+  if (store == nullptr) return 0;
+  // This thread holds the store's move_mu_ (MoveScope is taken with it): spill directly.
+  const uint64_t before = store->index_.UsedBytes();
+  (void)store->SpillLocked(bytes);
+  const uint64_t after = store->index_.UsedBytes();
+  return before > after ? before - after : 0;
 }
 
 TierStore::TierStore(Pool& pool, cache::Index& index, const TierStoreOptions& options)
@@ -113,10 +135,14 @@ Result<std::unique_ptr<TierStore>> TierStore::Open(Pool& pool, const TierStoreOp
     }
     if (dev->bandwidth() == 0) dev->set_bandwidth(1);
   }
+  std::vector<uint64_t> bandwidths;
+  for (auto& dev : store->devices_) bandwidths.push_back(dev->bandwidth());
+  store->placement_ = std::make_unique<PlacementCursor>(bandwidths);
   store->workers_.resize(store->devices_.size());
   for (size_t i = 0; i < store->workers_.size(); ++i) {
     store->workers_[i].thread = std::thread([s = store.get(), i] { s->WorkerLoop(i); });
   }
+  store->PublishStatus();
   if (options.background) store->spill_thread_ = std::thread([s = store.get()] { s->SpillLoop(); });
   return store;
 }
@@ -192,8 +218,44 @@ Result<std::vector<uint64_t>> TierStore::TakeSlots(Device& device, size_t n) {
   return device.AllocateSlots(n);
 }
 
+std::vector<PlacementRun> TierStore::SpreadOverflow(std::vector<PlacementRun> runs) const {
+  // A device's share beyond its free slots goes to devices with free slots, fastest first; only
+  // when every device is full does a device drop its own LRU blocks (TakeSlots).
+  std::vector<uint64_t> counts(devices_.size(), 0), room(devices_.size(), 0);
+  uint64_t overflow = 0;
+  for (const PlacementRun& r : runs) counts[r.device] += r.count;
+  for (size_t d = 0; d < devices_.size(); ++d) {
+    room[d] = devices_[d]->free_slots();
+    if (counts[d] > room[d]) {
+      overflow += counts[d] - room[d];
+      counts[d] = room[d];
+    }
+  }
+  if (overflow == 0) return runs;
+  std::vector<size_t> order(devices_.size());
+  for (size_t d = 0; d < order.size(); ++d) order[d] = d;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return devices_[a]->bandwidth() > devices_[b]->bandwidth(); });
+  for (size_t d : order) {
+    const uint64_t take = std::min(overflow, room[d] - counts[d]);
+    counts[d] += take;
+    overflow -= take;
+  }
+  // Still some: all full. They stay with the fastest device, which makes room.
+  counts[order.front()] += overflow;
+  std::vector<PlacementRun> out;
+  uint64_t next = 0;
+  for (size_t d = 0; d < counts.size(); ++d) {
+    if (counts[d] == 0) continue;
+    out.push_back({static_cast<uint32_t>(d), next, counts[d]});
+    next += counts[d];
+  }
+  return out;
+}
+
 Result<uint64_t> TierStore::Spill(uint64_t bytes) {
   std::lock_guard<std::mutex> g(move_mu_);
+  MoveScope scope(this);
   return SpillLocked(bytes);
 }
 
@@ -201,9 +263,10 @@ Result<uint64_t> TierStore::SpillLocked(uint64_t bytes) {
   const uint64_t max_block = devices_.front()->payload_capacity();
   std::vector<Block> cands = index_.SpillCandidates(bytes, options_.spill_batch, max_block);
   if (cands.empty()) return uint64_t{0};
-  std::vector<uint64_t> bandwidths;
-  for (auto& d : devices_) bandwidths.push_back(d->bandwidth());
-  CXLKV_ASSIGN_OR_RETURN(std::vector<PlacementRun> runs, PlaceInLayerOrder(bandwidths, cands.size()));
+  // Algorithm 1's split, with each device's unspent share carried to the next batch (a spill
+  // that keeps up moves a few blocks at a time: placement.h).
+  CXLKV_ASSIGN_OR_RETURN(std::vector<PlacementRun> runs, placement_->Next(cands.size()));
+  runs = SpreadOverflow(std::move(runs));
 
   // Per device: its items (slot, tag, the region bytes as one piece) and which block each is.
   struct Planned {
@@ -322,6 +385,7 @@ void TierStore::SpillLoop() {
     if (!spilled.ok()) std::fprintf(stderr, "cxlkv: tier: spill: %s\n", spilled.status().ToString().c_str());
     if (std::chrono::steady_clock::now() >= next_reconcile) {
       Reconcile();
+      PublishStatus();
       next_reconcile = std::chrono::steady_clock::now() + options_.reconcile_every;
     }
     g.lock();
@@ -333,6 +397,7 @@ void TierStore::SpillLoop() {
 PromoteResult TierStore::Promote(std::span<const BlockKey> keys) {
   PromoteResult out;
   std::lock_guard<std::mutex> g(move_mu_);
+  MoveScope scope(this);  // its reserves of region space spill directly, not through the service
   std::vector<Block> found = index_.FindCapacity(keys);
   out.not_mine = keys.size() - found.size();
   std::vector<Block> blocks;
@@ -467,6 +532,15 @@ uint64_t TierStore::ReconcileLocked(bool adopt) {
     }
   }
   return dropped;
+}
+
+void TierStore::PublishStatus() {
+  nlohmann::json doc = Stats();
+  doc["node"] = node_;
+  if (Status s = pool::PublishStatus(pool_, "tier-" + std::to_string(node_), doc); !s.ok()) {
+    std::fprintf(stderr, "cxlkv: tier: publishing node %u's tier status for 'cxlkv stat': %s\n", node_,
+                 s.ToString().c_str());
+  }
 }
 
 nlohmann::json TierStore::Stats() const {

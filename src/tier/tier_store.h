@@ -38,6 +38,7 @@
 #include "cache/index.h"
 #include "cxlkv/pool.h"
 #include "tier/device.h"
+#include "tier/placement.h"
 
 namespace cxlkv::tier {
 
@@ -72,6 +73,11 @@ struct PromoteResult {
 
 class TierStore {
  public:
+  // True on a thread inside a move of some TierStore (spill, promote): a reserve made there must
+  // not ask the tiers' service to make room (the store is busy with this very thread);
+  // MakeRoomInsideMove spills on that store directly. Returns the region bytes freed.
+  static bool InsideMove();
+  static uint64_t MakeRoomInsideMove(uint64_t bytes);
   // Opens every device (an unusable path fails with what to do), probes bandwidths, adopts
   // what the index names on this node, and starts the spill thread. The pool must have a
   // decentralized prefix index.
@@ -92,6 +98,8 @@ class TierStore {
   uint64_t Reconcile();
 
   const std::vector<std::unique_ptr<Device>>& devices() const { return devices_; }
+  // Payload bytes the region's entries hold now (every node's counters).
+  uint64_t RegionUsedBytes() { return index_.UsedBytes(); }
   // Per device: kind, Describe(), slots used/free, bandwidth, counters; and the store's own.
   nlohmann::json Stats() const;
 
@@ -100,6 +108,8 @@ class TierStore {
   // REQUIRES: move_mu_ held.
   Result<uint64_t> SpillLocked(uint64_t bytes);
   uint64_t ReconcileLocked(bool adopt);
+  // The runs with each device's share beyond its free slots moved to devices that have some.
+  std::vector<PlacementRun> SpreadOverflow(std::vector<PlacementRun> runs) const;
   // Slots for `n` blocks on `device`, dropping its least recently used blocks if it is full.
   Result<std::vector<uint64_t>> TakeSlots(Device& device, size_t n);
   // Runs jobs[i] on device i's worker, all at once; returns when all are done.
@@ -107,6 +117,8 @@ class TierStore {
   void WorkerLoop(size_t device);
   void SpillLoop();
   bool Mine(const cache::Index::TierBlock& b) const;
+  // Stats() as the pool's status document "tier-<node>", for `cxlkv stat` (pool/status_doc.h).
+  void PublishStatus();
   // The region use at which the watermarks apply: the cache budget, or lower where evictions
   // showed the region fills before it.
   uint64_t EffectiveCapacity();
@@ -118,6 +130,7 @@ class TierStore {
   std::vector<std::unique_ptr<Device>> devices_;
 
   std::mutex move_mu_;  // one move batch at a time (spill, promote, reconcile)
+  std::unique_ptr<PlacementCursor> placement_;  // guarded by move_mu_
 
   // One I/O worker per device: jobs_[i] runs on worker i.
   struct Worker {

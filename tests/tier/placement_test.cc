@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <random>
 
@@ -105,6 +106,68 @@ TEST(TierPlacement, RatiosSumToOne) {
   EXPECT_DOUBLE_EQ((*p)[0], 0.6);
   EXPECT_DOUBLE_EQ((*p)[2], 0.0);
   EXPECT_NEAR(std::accumulate(p->begin(), p->end(), 0.0), 1.0, 1e-12);
+}
+
+}  // namespace
+}  // namespace cxlkv::tier
+
+namespace cxlkv::tier {
+namespace {
+
+// Small batches (what a spill thread that keeps up produces): per-batch Algorithm 1 gives a batch
+// of one to the fastest device every time; the cursor carries the shares across batches.
+TEST(TierPlacementCursor, SmallBatchesStillSplitByBandwidth) {
+  PlacementCursor cursor({10'000, 2'000});  // DRAM and SSD as probed here, 5:1
+  for (int i = 0; i < 600; ++i) {
+    auto runs = cursor.Next(1);
+    ASSERT_TRUE(runs.ok());
+    ASSERT_EQ(runs->size(), 1u);
+  }
+  EXPECT_EQ(cursor.placed()[0], 500u);
+  EXPECT_EQ(cursor.placed()[1], 100u);
+  auto once = PlaceInLayerOrder(std::vector<uint64_t>{10'000, 2'000}, 1);
+  ASSERT_TRUE(once.ok());
+  EXPECT_EQ((*once)[0].device, 0u) << "Algorithm 1 alone: every batch of one to the fastest";
+}
+
+TEST(TierPlacementCursor, EveryDeviceStaysWithinOneItemOfItsShareOverRandomBatches) {
+  std::mt19937_64 rng(2026);
+  for (int trial = 0; trial < 2000; ++trial) {
+    const size_t devices = 1 + rng() % 5;
+    std::vector<uint64_t> bw(devices);
+    for (auto& b : bw) b = rng() % 4 == 0 ? 0 : 1 + rng() % 100'000'000'000ull;
+    if (std::all_of(bw.begin(), bw.end(), [](uint64_t b) { return b == 0; })) bw[0] = 1;
+    long double total = 0;
+    for (uint64_t b : bw) total += static_cast<long double>(b);
+    PlacementCursor cursor(bw);
+    uint64_t items = 0;
+    for (int batch = 0; batch < 20; ++batch) {
+      const uint64_t n = rng() % 9;
+      auto runs = cursor.Next(n);
+      ASSERT_TRUE(runs.ok());
+      uint64_t next = 0, sum = 0;
+      for (const PlacementRun& r : *runs) {
+        EXPECT_EQ(r.first, next) << "runs are contiguous, in layer order";
+        EXPECT_GT(bw[r.device], 0u) << "a zero-bandwidth device got items";
+        next += r.count;
+        sum += r.count;
+      }
+      EXPECT_EQ(sum, n);
+      items += n;
+      for (size_t i = 0; i < devices; ++i) {
+        const long double share = static_cast<long double>(bw[i]) / total * static_cast<long double>(items);
+        EXPECT_LT(std::abs(static_cast<long double>(cursor.placed()[i]) - share), 1.0L + 1e-9L)
+            << "device " << i << " of " << devices << " after " << items << " items";
+      }
+    }
+  }
+}
+
+TEST(TierPlacementCursor, NoBandwidthIsAnError) {
+  PlacementCursor none({0, 0});
+  EXPECT_EQ(none.Next(3).status().code(), StatusCode::kInvalidArgument);
+  PlacementCursor empty({});
+  EXPECT_EQ(empty.Next(1).status().code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -169,6 +169,29 @@ TEST(Tiering, AFullDeviceDropsItsLeastRecentlyUsedBlocks) {
   ExpectCheckClean(path.path());
 }
 
+// The fast device fills first; its share then goes to the device with room, and nothing is
+// dropped while any device has a free slot.
+TEST(Tiering, AFullDevicesShareGoesWhereThereIsRoomBeforeAnythingIsDropped) {
+  cxlkv::testing::TempRegionPath path("tier-overflow");
+  ASSERT_TRUE(cxlkv::testing::CreateCachePool(path.path(), 64 << 20, 2048).ok());
+  testing::ScratchDir dir;
+  auto o = OpenCache(path.path(), 0);
+  ASSERT_TRUE(o.cache);
+  auto store = TierStore::Open(*o.pool, Options({Dram(4 * kSlot), Ssd(dir.File("kv.tier"), 32 * kSlot)}));
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  auto service = StartTierService(*o.pool, **store);
+  ASSERT_TRUE(service.ok());
+  Blocks b = PutChain(*o.cache, o.ns, 7, 20);
+  for (int round = 0; round < 5; ++round) ASSERT_TRUE((*store)->Spill(4 * kBlock).ok());
+  auto tiers = EntriesByTier(*o.pool);
+  EXPECT_EQ(tiers[cache::kTierMem], 4u);
+  EXPECT_EQ(tiers[cache::kTierSsd], 16u);
+  EXPECT_EQ((*store)->Stats()["dropped_full"], 0u);
+  EXPECT_EQ(LookupAndVerify(*o.cache, o.ns, b.keys), 20u);
+  service->reset();
+  ExpectCheckClean(path.path());
+}
+
 // A flipped byte in an SSD slot: that block is a counted miss, its entry dropped and its slot
 // freed; the chain's hit ends there and the blocks before it read back identical.
 TEST(Tiering, ACorruptSlotIsAMissAndItsEntryIsDropped) {

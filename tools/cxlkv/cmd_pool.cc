@@ -31,8 +31,20 @@ void PrintCacheStat(const nlohmann::json& c) {
               U(t["inserts"]), util::FormatBytes(U(t["insert_bytes"])).c_str(), U(t["duplicates"]), U(t["busy"]),
               U(t["aborts"]), U(t["evictions"]), util::FormatBytes(U(t["evicted_bytes"])).c_str(),
               U(t["reclaimed"]), U(t["full_errors"]));
+  static const char* const kTierNames[] = {"region", "node DRAM", "SSD"};
   for (auto& [tier, v] : c["tiers"].items()) {
-    std::printf("  tier %s: %llu entries, %s\n", tier.c_str(), U(v["entries"]), util::FormatBytes(U(v["bytes"])).c_str());
+    const int t = std::atoi(tier.c_str());
+    std::printf("  tier %s (%s): %llu blocks, %s\n", tier.c_str(), t >= 0 && t <= 2 ? kTierNames[t] : "unknown",
+                U(v["entries"]), util::FormatBytes(U(v["bytes"])).c_str());
+  }
+  if (U(t["spills"]) + U(t["promotes"]) + U(t["capacity_hits"]) + U(t["capacity_misses"]) + U(t["tier_drops"]) != 0) {
+    const uint64_t asked = U(t["capacity_hits"]) + U(t["capacity_misses"]);
+    std::printf("  capacity tiers: spilled %llu (%s), promoted %llu (%s); lookups met %llu blocks there and "
+                "brought in %llu (%.1f%%); dropped %llu\n",
+                U(t["spills"]), util::FormatBytes(U(t["spilled_bytes"])).c_str(), U(t["promotes"]),
+                util::FormatBytes(U(t["promoted_bytes"])).c_str(), static_cast<unsigned long long>(asked),
+                U(t["capacity_hits"]), asked ? 100.0 * static_cast<double>(U(t["capacity_hits"])) / asked : 0.0,
+                U(t["tier_drops"]));
   }
   for (auto& [node, v] : c["per_node"].items()) {
     std::printf("  node %-3s %-6s lookups %llu hit %llu/%llu blocks, inserts %llu, evictions %llu, pins %llu, "
@@ -46,6 +58,28 @@ void PrintCacheStat(const nlohmann::json& c) {
                 ns["model"].get<std::string>().c_str(),
                 ns["extra"].get<std::string>().empty() ? "" : (" [" + ns["extra"].get<std::string>() + "]").c_str(),
                 U(ns["block_tokens"]), U(ns["block_bytes"]) ? util::FormatBytes(U(ns["block_bytes"])).c_str() : "any size");
+  }
+}
+
+// What each node's cxlkvd published of its capacity devices (pool/status_doc.h).
+void PrintTierStatus(const nlohmann::json& status) {
+  if (!status.is_object()) return;
+  for (auto& [name, doc] : status.items()) {
+    if (name.rfind("tier-", 0) != 0) continue;
+    if (doc.contains("unreadable")) {
+      std::printf("tiers of %s: unreadable (%s)\n", name.c_str(), doc["unreadable"].dump().c_str());
+      continue;
+    }
+    std::printf("tiers of node %llu: spilled %llu, promoted %llu (missed %llu), dropped %llu full + %llu lost\n",
+                U(doc["node"]), U(doc["spilled"]), U(doc["promoted"]), U(doc["promote_missed"]),
+                U(doc["dropped_full"]), U(doc["dropped_lost"]));
+    if (!doc["devices"].is_array()) continue;
+    for (const auto& d : doc["devices"]) {
+      std::printf("  %s\n    %llu of %llu slots used; read %llu, written %llu; misses: empty %llu, corrupt %llu, stale %llu\n",
+                  d["describe"].is_string() ? d["describe"].get<std::string>().c_str() : "?", U(d["used_slots"]),
+                  U(d["slots"]), U(d["reads"]), U(d["writes"]), U(d["miss_empty"]), U(d["miss_corrupt"]),
+                  U(d["miss_stale"]));
+    }
   }
 }
 
@@ -99,6 +133,7 @@ void AddPoolCommands(CLI::App& app, CommandResult& result) {
                   util::Hex64(r["offset"].get<uint64_t>()).c_str(), r["size"].get<unsigned long long>());
     }
     PrintCacheStat(j["cache"]);
+    PrintTierStatus(j["status"]);
   });
 
   auto check_args = std::make_shared<Args>();

@@ -3,6 +3,7 @@
 //
 //   cxlkvd --path /dev/shm/pool --node 0 [--lease-ms 2000] [--metrics 127.0.0.1:9464]
 //          [--tcp 0.0.0.0:7412] [--no-admin] [--no-manager] [--lock-dir /dev/shm]
+//          [--tier dram:8G --tier ssd:/data/kv.tier:64G] [--tier-slot 2M]
 #include <signal.h>
 
 #include <cstdio>
@@ -11,6 +12,7 @@
 #include <CLI/CLI.hpp>
 
 #include "daemon/daemon.h"
+#include "util/units.h"
 
 namespace {
 
@@ -39,6 +41,12 @@ int main(int argc, char** argv) {
   app.add_flag("--no-admin", no_admin, "do not serve or stand by for the pool's admin RPC service");
   app.add_flag("--no-manager", no_manager, "never host the lock manager on this node");
   app.add_option("--lock-dir", o.lock_dir, "where the one-daemon-per-node lock file lives (default /dev/shm)");
+  app.add_option("--tier", o.tiers,
+                 "a capacity tier of this node behind the region, repeatable: dram:SIZE[:numa=N] or ssd:PATH:SIZE "
+                 "(e.g. --tier dram:8G --tier ssd:/data/kv.tier:64G); evicted blocks spill there");
+  std::string tier_slot;
+  app.add_option("--tier-slot", tier_slot, "bytes per tier slot, header included: the largest block a tier holds "
+                                           "is this less 64 (default 2M+4K)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -47,6 +55,14 @@ int main(int argc, char** argv) {
     return 2;
   }
   o.paths = SplitPaths(paths);
+  if (!tier_slot.empty()) {
+    auto bytes = cxlkv::util::ParseByteSize(tier_slot);
+    if (!bytes.ok()) {
+      std::fprintf(stderr, "cxlkvd: error: --tier-slot: %s\n", bytes.status().ToString().c_str());
+      return 2;
+    }
+    o.tier_slot_bytes = *bytes;
+  }
   o.serve_admin = !no_admin;
   o.may_host_manager = !no_manager;
   // Block the stop signals in every thread (threads inherit the mask); main waits for them.
