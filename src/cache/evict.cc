@@ -143,11 +143,13 @@ uint64_t Index::RepairStripeLocked(uint32_t stripe, const DeadWriter* dead, std:
   return repaired;
 }
 
-std::vector<Index::TierBlock> Index::LruReady(const std::function<bool(const Entry&)>& want, bool skip_pinned) {
+std::vector<Index::TierBlock> Index::LruReady(const std::function<bool(const Entry&)>& want, bool skip_pinned,
+                                              bool with_evicting) {
   std::vector<TierBlock> cands;
   std::vector<uint64_t> slot_to_cand(layout_.entries(), UINT64_MAX);
   ScanEntries([&](uint64_t slot, const Entry& e) {
-    if (StateOf(e.state) != kReady || !want(e)) return;
+    const EntryState st = StateOf(e.state);
+    if ((st != kReady && !(with_evicting && st == kEvicting)) || !want(e)) return;
     slot_to_cand[slot] = cands.size();
     cands.push_back({slot, GenOf(e.state), BlockKey{e.key_lo, e.key_hi}, e.ns, e.tier, e.payload, e.bytes, e.writer,
                      e.stamp_us});

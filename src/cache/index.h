@@ -168,8 +168,10 @@ class Index final : public IndexApi {
   // most `max` of them). A hint: MoveMany checks each again under its stripe lock.
   // Blocks larger than `max_block_bytes` are passed over (no device slot holds them).
   std::vector<TierBlock> SpillCandidates(uint64_t bytes, size_t max, uint64_t max_block_bytes);
-  // READY capacity entries owned by a process of `node` (any life), least recently used first.
-  std::vector<TierBlock> CapacityEntriesOf(uint32_t node);
+  // READY capacity entries owned by a process of `node` (any life), least recently used first;
+  // with `with_evicting`, EVICTING ones too (an evictor may still put one back to READY: until
+  // it is gone, its slot is named).
+  std::vector<TierBlock> CapacityEntriesOf(uint32_t node, bool with_evicting = false);
   // The READY capacity entries among `keys`, lock-free (a hint), in key order.
   std::vector<TierBlock> FindCapacity(std::span<const BlockKey> keys);
   // A move of one READY block to another tier.
@@ -187,8 +189,9 @@ class Index final : public IndexApi {
   // REQUIRES: the payload at the new place is complete (written and flushed or on the device).
   void MoveMany(std::span<TierMove> moves);
   // Tombstones capacity entries still READY at their generation and location (the owner freed
-  // or lost their slots). Returns how many.
-  uint64_t DropCapacity(std::span<const TierBlock> blocks);
+  // or lost their slots). Returns how many; `dropped` (when given) says which: only their slots
+  // are surely named by nothing now.
+  uint64_t DropCapacity(std::span<const TierBlock> blocks, std::vector<bool>* dropped = nullptr);
   // Region space for a block being promoted, evicting at the watermarks as a reserve does.
   Result<uint64_t> AllocateRegionPayload(uint64_t bytes);
   void FreeRegionPayload(uint64_t offset) { FreePayloadNow(offset); }
@@ -264,10 +267,11 @@ class Index final : public IndexApi {
   // (offset, bytes) to free after the lock is released, or bytes = 0 when pinned or changed.
   bool TryEvictLocked(uint64_t slot, uint64_t gen, uint64_t* payload, uint64_t* bytes);
   bool AnyPins(uint64_t slot);
-  // READY entries that `want` accepts, with their last access (the latest of the entry's stamp
-  // and every node's pin-word stamp), least recently used first; pinned ones left out when
-  // `skip_pinned`.
-  std::vector<TierBlock> LruReady(const std::function<bool(const Entry&)>& want, bool skip_pinned = true);
+  // READY entries (and EVICTING ones when `with_evicting`) that `want` accepts, with their last
+  // access (the latest of the entry's stamp and every node's pin-word stamp), least recently used
+  // first; pinned ones left out when `skip_pinned`.
+  std::vector<TierBlock> LruReady(const std::function<bool(const Entry&)>& want, bool skip_pinned = true,
+                                  bool with_evicting = false);
   // REQUIRES: stripe lock held. One move of MoveMany.
   bool MoveLocked(const TierMove& m);
   // Every entry / every pin word of `node`'s row, read in batches (one invalidate + read each).

@@ -12,6 +12,7 @@
 // the stripe's repair tombstones; a region payload still named is reclaimed if unreachable, a
 // device slot is the owner's to reconcile.
 #include <algorithm>
+#include <atomic>
 #include <map>
 
 #include "cache/index.h"
@@ -28,11 +29,11 @@ std::vector<Index::TierBlock> Index::SpillCandidates(uint64_t bytes, size_t max,
   return lru;
 }
 
-std::vector<Index::TierBlock> Index::CapacityEntriesOf(uint32_t node) {
+std::vector<Index::TierBlock> Index::CapacityEntriesOf(uint32_t node, bool with_evicting) {
   // Pinned ones too: a capacity entry is never pinned by a lookup, and a stale pin word must
   // not hide a slot from its owner.
   return LruReady([node](const Entry& e) { return IsCapacityTier(e.tier) && WriterNode(e.writer) == node; },
-                  /*skip_pinned=*/false);
+                  /*skip_pinned=*/false, with_evicting);
 }
 
 std::vector<Index::TierBlock> Index::FindCapacity(std::span<const BlockKey> keys) {
@@ -41,7 +42,16 @@ std::vector<Index::TierBlock> Index::FindCapacity(std::span<const BlockKey> keys
   for (size_t i = 0; i < keys.size(); ++i) {
     const Probe& p = found[i];
     if (p.found < 0) continue;
-    const Entry& e = p.entry;
+    if (StateOf(p.entry.state) != kReady || !IsCapacityTier(p.entry.tier)) continue;
+    // A consistent copy: the state word before and after the fields (a move rewrites the fields
+    // between two state changes, so an unchanged word means untouched fields). A copy torn across
+    // a move would send a reader to a slot the entry no longer names.
+    const uint64_t off = layout_.entry(static_cast<uint64_t>(p.found));
+    const uint64_t before = FetchTableWord(off);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    const Entry e = meta_.ReadStruct<Entry>(off);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (meta_.Load(off) != before || e.state != before || e.key_lo != keys[i].lo || e.key_hi != keys[i].hi) continue;
     if (StateOf(e.state) != kReady || !IsCapacityTier(e.tier)) continue;
     out.push_back({static_cast<uint64_t>(p.found), GenOf(e.state), keys[i], e.ns, e.tier, e.payload, e.bytes, e.writer,
                    e.stamp_us});
@@ -107,20 +117,24 @@ void Index::MoveMany(std::span<TierMove> moves) {
   if (any) PublishCounters();
 }
 
-uint64_t Index::DropCapacity(std::span<const TierBlock> blocks) {
-  std::map<uint32_t, std::vector<const TierBlock*>> by_stripe;
-  for (const TierBlock& b : blocks) {
-    if (b.slot < layout_.entries() && IsCapacityTier(b.tier)) by_stripe[layout_.stripe_of(b.slot)].push_back(&b);
+uint64_t Index::DropCapacity(std::span<const TierBlock> blocks, std::vector<bool>* dropped_out) {
+  std::map<uint32_t, std::vector<size_t>> by_stripe;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const TierBlock& b = blocks[i];
+    if (b.slot < layout_.entries() && IsCapacityTier(b.tier)) by_stripe[layout_.stripe_of(b.slot)].push_back(i);
   }
+  if (dropped_out != nullptr) dropped_out->assign(blocks.size(), false);
   uint64_t dropped = 0;
   for (auto& [stripe, list] : by_stripe) {
     if (!LockStripe(stripe).ok()) continue;
-    for (const TierBlock* b : list) {
+    for (size_t i : list) {
+      const TierBlock* b = &blocks[i];
       if (FetchTableWord(layout_.entry(b->slot)) != StateWord(b->gen, kReady)) continue;
       Entry e = ReadEntry(b->slot);
       if (e.tier != b->tier || e.payload != b->location) continue;
       TombstoneLocked(b->slot, b->gen);
       ++dropped;
+      if (dropped_out != nullptr) (*dropped_out)[i] = true;
     }
     UnlockStripe(stripe);
   }

@@ -4,9 +4,11 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <set>
 
 #include "pool/pool_internal.h"
 #include "pool/status_doc.h"
+#include "tier/catalog.h"
 #include "tier/dram_device.h"
 #include "tier/placement.h"
 #include "tier/probe.h"
@@ -122,22 +124,23 @@ Result<std::unique_ptr<TierStore>> TierStore::Open(Pool& pool, const TierStoreOp
       o.slot_bytes = options.slot_bytes;
       auto dev = SsdDevice::Open(o);
       if (!dev.ok()) return Status(dev.status().code(), what + dev.status().message());
+      // The restart record of the SSD's slots, next to its file (catalog.h): a slot is named in
+      // the index only once the catalog says, durably, what it holds.
+      auto catalog = Catalog::Open(IoPlatform::Default(), spec.path, (*dev)->slot_count());
+      if (!catalog.ok()) return Status(catalog.status().code(), what + catalog.status().message());
+      if (!(*catalog)->replay_stats().message.empty()) {
+        std::fprintf(stderr, "cxlkv: tier: %s: %s\n", spec.path.c_str(), (*catalog)->replay_stats().message.c_str());
+      }
+      store->catalogs_.resize(i + 1);
+      store->catalogs_[i] = std::move(*catalog);
       store->devices_.push_back(std::move(*dev));
     }
   }
+  store->catalogs_.resize(store->devices_.size());
   // Adopt before the probe: the probe writes to free slots only, and the blocks an earlier
   // cxlkvd left on the SSD are not free.
   store->ReconcileLocked(/*adopt=*/true);
-  for (auto& dev : store->devices_) {
-    if (auto bw = ProbeBandwidth(*dev); !bw.ok()) {
-      std::fprintf(stderr, "cxlkv: tier: probing %s: %s (placement treats it as the slowest)\n",
-                   dev->Describe().c_str(), bw.status().ToString().c_str());
-    }
-    if (dev->bandwidth() == 0) dev->set_bandwidth(1);
-  }
-  std::vector<uint64_t> bandwidths;
-  for (auto& dev : store->devices_) bandwidths.push_back(dev->bandwidth());
-  store->placement_ = std::make_unique<PlacementCursor>(bandwidths);
+  store->ProbeLocked(/*only_unknown=*/false);
   store->workers_.resize(store->devices_.size());
   for (size_t i = 0; i < store->workers_.size(); ++i) {
     store->workers_[i].thread = std::thread([s = store.get(), i] { s->WorkerLoop(i); });
@@ -167,6 +170,42 @@ bool TierStore::Mine(const Block& b) const {
   if (cache::LocationSlot(b.location) >= devices_[dev]->slot_count()) return false;
   // A node-DRAM block lives in the memory of the process that wrote it: this one, or nobody.
   return b.tier == cache::kTierSsd || b.writer == index_.WriterOfThisProcess();
+}
+
+// ---- the restart catalogs ----
+
+Status TierStore::RecordPuts(uint32_t device, std::span<const CatalogEntry> entries) {
+  Catalog* catalog = catalogs_[device].get();
+  if (catalog == nullptr || entries.empty()) return Status::Ok();
+  std::vector<CatalogRecord> records;
+  records.reserve(entries.size());
+  for (const CatalogEntry& e : entries) records.push_back({CatalogOp::kPut, e});
+  return catalog->Append(records);
+}
+
+void TierStore::RecordFrees(uint32_t device, std::span<const uint64_t> slots) {
+  Catalog* catalog = catalogs_[device].get();
+  if (catalog == nullptr || slots.empty()) return;
+  std::vector<CatalogRecord> records;
+  records.reserve(slots.size());
+  for (uint64_t slot : slots) {
+    CatalogRecord r;
+    r.op = CatalogOp::kFree;
+    r.entry.slot = slot;
+    records.push_back(r);
+  }
+  // A free that does not reach the log is harmless: at the next start the index no longer names
+  // the slot, so adoption frees it again.
+  if (Status s = catalog->Append(records); !s.ok()) {
+    std::fprintf(stderr, "cxlkv: tier: recording %zu freed slot(s) of device %u: %s\n", slots.size(), device,
+                 s.ToString().c_str());
+  }
+}
+
+void TierStore::FreeSlots(uint32_t device, std::span<const uint64_t> slots) {
+  if (slots.empty()) return;
+  RecordFrees(device, slots);  // before the slots can be reused (a reused slot's old record goes first)
+  (void)devices_[device]->FreeSlots(slots);
 }
 
 // ---- the device workers ----
@@ -206,15 +245,21 @@ Result<std::vector<uint64_t>> TierStore::TakeSlots(Device& device, size_t n) {
   std::vector<Block> victims;
   for (const Block& b : index_.CapacityEntriesOf(node_)) {
     if (victims.size() == need) break;
-    if (Mine(b) && cache::LocationDevice(b.location) == device.index()) victims.push_back(b);
+    if (Mine(b) && cache::LocationDevice(b.location) == device.index() && !promoting_.contains(b.location)) {
+      victims.push_back(b);
+    }
   }
-  index_.DropCapacity(victims);
-  // Dropped now, or gone before (another process evicted it): either way no entry names the
-  // slot, and only this store moves entries onto its devices.
+  // Only the slots of entries this drop removed are surely named by nothing: one an evictor is
+  // just putting back to READY (EVICTING now) still names its slot; reconcile frees the rest
+  // once their entries are gone.
+  std::vector<bool> dropped;
+  index_.DropCapacity(victims, &dropped);
   std::vector<uint64_t> freed;
-  for (const Block& b : victims) freed.push_back(cache::LocationSlot(b.location));
-  (void)device.FreeSlots(freed);
-  dropped_full_.fetch_add(victims.size(), std::memory_order_relaxed);
+  for (size_t i = 0; i < victims.size(); ++i) {
+    if (dropped[i]) freed.push_back(cache::LocationSlot(victims[i].location));
+  }
+  FreeSlots(device.index(), freed);
+  dropped_full_.fetch_add(freed.size(), std::memory_order_relaxed);
   return device.AllocateSlots(n);
 }
 
@@ -288,7 +333,7 @@ Result<uint64_t> TierStore::SpillLocked(uint64_t bytes) {
       const Block& blk = cands[b];
       const uint8_t* src = index_.Payload(blk.location, blk.bytes);
       if (src == nullptr) {  // not a pool object any more (the entry changed): not moved
-        (void)dev.FreeSlots(std::span<const uint64_t>(&(*slots)[k], 1));
+        FreeSlots(run.device, std::span<const uint64_t>(&(*slots)[k], 1));
         continue;
       }
       // P2: the block may have been written by another host: drop stale lines before reading.
@@ -311,18 +356,33 @@ Result<uint64_t> TierStore::SpillLocked(uint64_t bytes) {
   std::vector<std::pair<uint32_t, uint64_t>> move_slots;  // (device, slot) per move
   for (size_t d = 0; d < devices_.size(); ++d) {
     std::vector<uint64_t> failed;
+    std::vector<size_t> ok;
+    std::vector<CatalogEntry> records;
     for (size_t k = 0; k < planned[d].size(); ++k) {
       const Planned& p = planned[d][k];
       if (k >= written[d].size() || !written[d][k].ok()) {
         failed.push_back(p.slot);
         continue;
       }
+      const Block& blk = cands[p.block];
+      ok.push_back(k);
+      records.push_back({p.slot, blk.key, blk.ns, blk.gen + 1, blk.bytes, static_cast<uint16_t>(devices_[d]->kind()), 0});
+    }
+    // Durable first (the log's fdatasync also flushes the drive's write cache), then named.
+    if (Status s = RecordPuts(static_cast<uint32_t>(d), records); !s.ok()) {
+      std::fprintf(stderr, "cxlkv: tier: %s: recording %zu spilled block(s): %s (they stay in the region)\n",
+                   devices_[d]->Describe().c_str(), records.size(), s.ToString().c_str());
+      for (size_t k : ok) failed.push_back(planned[d][k].slot);
+      ok.clear();
+    }
+    for (size_t k : ok) {
+      const Planned& p = planned[d][k];
       moves.push_back({cands[p.block], EntryTierOf(devices_[d]->kind()), cache::TierLocation(static_cast<uint32_t>(d), p.slot)});
       move_slots.push_back({static_cast<uint32_t>(d), p.slot});
     }
     if (!failed.empty()) {
       spill_failed_.fetch_add(failed.size(), std::memory_order_relaxed);
-      (void)devices_[d]->FreeSlots(failed);
+      FreeSlots(static_cast<uint32_t>(d), failed);
     }
   }
   index_.MoveMany(moves);
@@ -331,7 +391,7 @@ Result<uint64_t> TierStore::SpillLocked(uint64_t bytes) {
     if (moves[i].moved) {
       ++moved;
     } else {  // pinned or changed meanwhile: the block stays in the region; the copy goes
-      (void)devices_[move_slots[i].first]->FreeSlots(std::span<const uint64_t>(&move_slots[i].second, 1));
+      FreeSlots(move_slots[i].first, std::span<const uint64_t>(&move_slots[i].second, 1));
     }
   }
   spilled_.fetch_add(moved, std::memory_order_relaxed);
@@ -411,6 +471,14 @@ PromoteResult TierStore::Promote(std::span<const BlockKey> keys) {
     }
   }
   if (blocks.empty()) return out;
+  // The spills this promote may make for room (below, and in its reserves) must not drop the
+  // blocks it is bringing in: their slots would be reused under the reads.
+  promoting_.clear();
+  for (const Block& b : blocks) promoting_.insert(b.location);
+  struct ClearPromoting {
+    std::set<uint64_t>& set;
+    ~ClearPromoting() { set.clear(); }
+  } clear_promoting{promoting_};
   // Room first, by spilling others (a reserve at the high watermark would drop them instead).
   const uint64_t cap = EffectiveCapacity();
   const uint64_t used = index_.UsedBytes();
@@ -472,18 +540,22 @@ PromoteResult TierStore::Promote(std::span<const BlockKey> keys) {
     const uint64_t loc = moves[i].from.location;
     if (moves[i].moved) {
       ++out.promoted;
-      (void)devices_[cache::LocationDevice(loc)]->FreeSlots(std::vector<uint64_t>{cache::LocationSlot(loc)});
+      FreeSlots(cache::LocationDevice(loc), std::vector<uint64_t>{cache::LocationSlot(loc)});
     } else {
       index_.FreeRegionPayload(move_payload[i]);
       ++out.missed;
     }
   }
   if (!invalid.empty()) {
-    index_.DropCapacity(invalid);
-    for (const Block& b : invalid) {
-      (void)devices_[cache::LocationDevice(b.location)]->FreeSlots(std::vector<uint64_t>{cache::LocationSlot(b.location)});
+    // Only a slot whose entry this drop removed is surely named by nothing (the entry may have
+    // moved since the lock-free look): the others are left to the entry, or to reconcile.
+    std::vector<bool> dropped;
+    index_.DropCapacity(invalid, &dropped);
+    for (size_t i = 0; i < invalid.size(); ++i) {
+      if (!dropped[i]) continue;
+      FreeSlots(cache::LocationDevice(invalid[i].location), std::vector<uint64_t>{cache::LocationSlot(invalid[i].location)});
+      dropped_lost_.fetch_add(1, std::memory_order_relaxed);
     }
-    dropped_lost_.fetch_add(invalid.size(), std::memory_order_relaxed);
   }
   promoted_.fetch_add(out.promoted, std::memory_order_relaxed);
   promote_missed_.fetch_add(out.missed, std::memory_order_relaxed);
@@ -494,14 +566,39 @@ PromoteResult TierStore::Promote(std::span<const BlockKey> keys) {
 
 uint64_t TierStore::Reconcile() {
   std::lock_guard<std::mutex> g(move_mu_);
-  return ReconcileLocked(/*adopt=*/false);
+  const uint64_t dropped = ReconcileLocked(/*adopt=*/false);
+  ProbeLocked(/*only_unknown=*/true);  // a device that was full at open is measured once it has room
+  return dropped;
+}
+
+void TierStore::ProbeLocked(bool only_unknown) {
+  bool changed = false;
+  for (auto& dev : devices_) {
+    if (only_unknown && dev->bandwidth() > 1) continue;
+    if (only_unknown && dev->free_slots() == 0) continue;
+    if (auto bw = ProbeBandwidth(*dev); !bw.ok()) {
+      // A device full of adopted blocks has no slot to probe with: it is measured later.
+      if (!only_unknown) {
+        std::fprintf(stderr, "cxlkv: tier: probing %s: %s (placement treats it as the slowest until it is measured)\n",
+                     dev->Describe().c_str(), bw.status().ToString().c_str());
+      }
+    } else {
+      changed = true;
+    }
+    if (dev->bandwidth() == 0) dev->set_bandwidth(1);
+  }
+  if (changed || placement_ == nullptr) {
+    std::vector<uint64_t> bandwidths;
+    for (auto& dev : devices_) bandwidths.push_back(dev->bandwidth());
+    placement_ = std::make_unique<PlacementCursor>(bandwidths);
+  }
 }
 
 uint64_t TierStore::ReconcileLocked(bool adopt) {
   std::vector<std::vector<bool>> named(devices_.size());
   for (size_t d = 0; d < devices_.size(); ++d) named[d].assign(devices_[d]->slot_count(), false);
   std::vector<Block> lost;
-  for (const Block& b : index_.CapacityEntriesOf(node_)) {
+  for (const Block& b : index_.CapacityEntriesOf(node_, /*with_evicting=*/true)) {
     const uint32_t d = cache::LocationDevice(b.location);
     const uint64_t slot = cache::LocationSlot(b.location);
     // Not on a device of this store (another configuration, an earlier process's DRAM), or a
@@ -509,6 +606,17 @@ uint64_t TierStore::ReconcileLocked(bool adopt) {
     if (!Mine(b) || named[d][slot]) {
       lost.push_back(b);
       continue;
+    }
+    // An SSD slot is current only if its catalog says, durably, that it holds this block at
+    // this generation (the index may name a slot whose write never reached the drive).
+    if (catalogs_[d] != nullptr) {
+      CatalogEntry known;
+      if (!catalogs_[d]->Find(slot, &known) || !(known.key == b.key) || known.generation != b.gen ||
+          known.ns != b.ns) {
+        lost.push_back(b);
+        unproven_.fetch_add(1, std::memory_order_relaxed);
+        continue;
+      }
     }
     named[d][slot] = true;
   }
@@ -519,6 +627,15 @@ uint64_t TierStore::ReconcileLocked(bool adopt) {
     if (adopt) {
       adopted_.fetch_add(std::count(named[d].begin(), named[d].end(), true), std::memory_order_relaxed);
       (void)dev.ResetUsedSlots(named[d]);
+      // What the catalog holds and no entry names (a spill cut before it published, a promote or
+      // drop cut before its free was logged) is free now.
+      if (catalogs_[d] != nullptr) {
+        std::vector<uint64_t> stale;
+        for (const CatalogEntry& e : catalogs_[d]->Live()) {
+          if (!named[d][e.slot]) stale.push_back(e.slot);
+        }
+        RecordFrees(static_cast<uint32_t>(d), stale);
+      }
       continue;
     }
     // Slots whose entry is gone (evicted by another process, or dropped by a full stripe).
@@ -527,7 +644,7 @@ uint64_t TierStore::ReconcileLocked(bool adopt) {
       if (!named[d][s] && dev.SlotAllocated(s)) orphans.push_back(s);
     }
     if (!orphans.empty()) {
-      (void)dev.FreeSlots(orphans);
+      FreeSlots(static_cast<uint32_t>(d), orphans);
       freed_orphans_.fetch_add(orphans.size(), std::memory_order_relaxed);
     }
   }
@@ -571,6 +688,21 @@ nlohmann::json TierStore::Stats() const {
   j["dropped_lost"] = dropped_lost_.load();
   j["freed_orphan_slots"] = freed_orphans_.load();
   j["adopted"] = adopted_.load();
+  j["dropped_unproven"] = unproven_.load();
+  nlohmann::json catalogs = nlohmann::json::array();
+  for (size_t d = 0; d < catalogs_.size(); ++d) {
+    if (catalogs_[d] == nullptr) continue;
+    const ReplayStats& r = catalogs_[d]->replay_stats();
+    catalogs.push_back({{"device", d},
+                        {"live", catalogs_[d]->live_count()},
+                        {"log_bytes", catalogs_[d]->log_bytes()},
+                        {"replayed_checkpoint_entries", r.checkpoint_entries},
+                        {"replayed_log_records", r.log_records},
+                        {"dropped_records", r.dropped_records},
+                        {"replay_seconds", r.replay_seconds},
+                        {"replay_message", r.message}});
+  }
+  j["catalogs"] = catalogs;
   j["spill_start_pct"] = options_.spill_start_pct;
   j["spill_target_pct"] = options_.spill_target_pct;
   return j;

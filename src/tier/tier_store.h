@@ -28,6 +28,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -37,6 +38,7 @@
 
 #include "cache/index.h"
 #include "cxlkv/pool.h"
+#include "tier/catalog.h"
 #include "tier/device.h"
 #include "tier/placement.h"
 
@@ -108,6 +110,15 @@ class TierStore {
   // REQUIRES: move_mu_ held.
   Result<uint64_t> SpillLocked(uint64_t bytes);
   uint64_t ReconcileLocked(bool adopt);
+  // Measures the devices' bandwidths (only those not measured yet, with a free slot, when
+  // `only_unknown`) and resets placement when any changed.
+  void ProbeLocked(bool only_unknown);
+  // The SSD catalogs (catalog.h): puts once a slot's write completed, before the index names it
+  // (an error: the blocks are not moved); frees before a slot can be reused.
+  Status RecordPuts(uint32_t device, std::span<const CatalogEntry> entries);
+  void RecordFrees(uint32_t device, std::span<const uint64_t> slots);
+  // Records the frees, then returns the slots to the device.
+  void FreeSlots(uint32_t device, std::span<const uint64_t> slots);
   // The runs with each device's share beyond its free slots moved to devices that have some.
   std::vector<PlacementRun> SpreadOverflow(std::vector<PlacementRun> runs) const;
   // Slots for `n` blocks on `device`, dropping its least recently used blocks if it is full.
@@ -128,9 +139,11 @@ class TierStore {
   const TierStoreOptions options_;
   const uint32_t node_;
   std::vector<std::unique_ptr<Device>> devices_;
+  std::vector<std::unique_ptr<Catalog>> catalogs_;  // per device; null for node DRAM
 
   std::mutex move_mu_;  // one move batch at a time (spill, promote, reconcile)
   std::unique_ptr<PlacementCursor> placement_;  // guarded by move_mu_
+  std::set<uint64_t> promoting_;  // guarded by move_mu_: locations a promote is reading (not victims)
 
   // One I/O worker per device: jobs_[i] runs on worker i.
   struct Worker {
@@ -152,7 +165,7 @@ class TierStore {
 
   // The store's counters.
   std::atomic<uint64_t> spilled_{0}, spill_failed_{0}, promoted_{0}, promote_missed_{0}, dropped_full_{0},
-      dropped_lost_{0}, freed_orphans_{0}, adopted_{0};
+      dropped_lost_{0}, freed_orphans_{0}, adopted_{0}, unproven_{0};
 };
 
 }  // namespace cxlkv::tier
