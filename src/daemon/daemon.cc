@@ -94,10 +94,6 @@ Result<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options) {
     if (options.tier_slot_bytes != 0) to.slot_bytes = options.tier_slot_bytes;
     CXLKV_ASSIGN_OR_RETURN(d->tiers_, tier::TierStore::Open(*d->pool_, to));
     CXLKV_ASSIGN_OR_RETURN(d->tier_service_, tier::StartTierService(*d->pool_, *d->tiers_));
-    for (const auto& dev : d->tiers_->devices()) {
-      std::printf("cxlkvd: node %u: tier %s\n", options.node_id, dev->Describe().c_str());
-    }
-    std::fflush(stdout);
   }
   if (options.serve_admin) {
     rpc::RpcServerOptions so;

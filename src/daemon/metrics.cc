@@ -157,7 +157,7 @@ std::string Daemon::RenderMetrics() {
     const std::pair<const char*, const char*> gauges[] = {
         {"slots", "Slots of each capacity device of this node."},
         {"used_slots", "Slots of each capacity device holding a block."},
-        {"bandwidth_bytes_per_s", "Each device's measured read bandwidth (placement weights, Algorithm 1)."},
+        {"bandwidth_bytes_per_second", "Each device's measured read bandwidth (placement weights, Algorithm 1)."},
     };
     for (const auto& [key, help] : gauges) {
       const std::string name = std::string("cxlkv_tier_") + key;

@@ -671,7 +671,7 @@ nlohmann::json TierStore::Stats() const {
                             {"slot_bytes", d->slot_bytes()},
                             {"slots", d->slot_count()},
                             {"used_slots", d->slot_count() - d->free_slots()},
-                            {"bandwidth_bytes_per_s", d->bandwidth()},
+                            {"bandwidth_bytes_per_second", d->bandwidth()},
                             {"writes", s.writes},
                             {"reads", s.reads},
                             {"write_errors", s.write_errors},

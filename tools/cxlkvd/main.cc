@@ -86,6 +86,10 @@ int main(int argc, char** argv) {
     std::printf("; tcp on %s:%d", o.tcp_address.substr(0, o.tcp_address.rfind(':')).c_str(), (*d)->tcp_port());
   }
   std::printf("\n");
+  if (const cxlkv::tier::TierStore* tiers = (*d)->tiers(); tiers != nullptr) {
+    // Each device's I/O path and every fallback it took, for the log (and `cxlkv stat`).
+    for (const auto& dev : tiers->devices()) std::printf("cxlkvd: node %u: tier %s\n", o.node_id, dev->Describe().c_str());
+  }
   std::fflush(stdout);
   int sig = 0;
   sigwait(&stop, &sig);
