@@ -54,6 +54,9 @@ struct TierSpec {
 };
 Result<TierSpec> ParseTierSpec(std::string_view text);
 
+// The index's tier of a device kind (cache::EntryTier).
+inline uint16_t EntryTierOf(TierKind kind) { return kind == TierKind::kMem ? cache::kTierMem : cache::kTierSsd; }
+
 struct TierStoreOptions {
   std::vector<TierSpec> tiers;            // required: at least one
   uint64_t slot_bytes = (2u << 20) + 4096;  // per device slot, header included: blocks up to
