@@ -198,6 +198,14 @@ Result<bool> Allocator::PushRemoteFree(OwnerWord owner, ObjectOffset off) {
 
 void Allocator::DrainRemoteFrees() {
   if (!tables_[0].has_inboxes()) return;
+  // Every process of the node drains (each beat, and a reserve that made room): two at once
+  // would both apply entries between the same head and tail — a second free of a slot that may
+  // have been allocated again in between. One at a time; a busy drainer does the work.
+  if (sync::TryLockRobust(&node_.local().header().drain_mu) < 0) return;
+  struct Unlock {
+    pthread_mutex_t* mu;
+    ~Unlock() { pthread_mutex_unlock(mu); }
+  } unlock{&node_.local().header().drain_mu};
   auto& m = meta(0);
   for (uint32_t f = 0; f < max_nodes_; ++f) {
     uint64_t ring = tables_[0].inbox(node_.id(), f);

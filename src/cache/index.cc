@@ -387,7 +387,12 @@ uint64_t Index::MakeRoom(uint64_t bytes) {
   CapacityPromoter* tiers = room_maker_.load(std::memory_order_acquire);
   if (tiers != nullptr) {
     const uint64_t spilled = tiers->MakeRoom(bytes);
-    if (spilled != 0) return spilled;
+    if (spilled != 0) {
+      // The spiller (another node's process) freed this node's payloads remotely: apply those
+      // frees now, or the space waits for this node's next beat.
+      allocator_.DrainRemoteFrees();
+      return spilled;
+    }
   }
   return EvictLru(bytes);
 }

@@ -14,7 +14,7 @@ namespace cxlkv::sync {
 namespace {
 
 constexpr uint64_t kLocalMagic = 0x4c41434f4c4b5843ull;  // "CXKLOCAL"
-constexpr uint32_t kLocalVersion = 3;  // 2: per-process beats, manager_mu, flock lifetime; 3: process slots
+constexpr uint32_t kLocalVersion = 4;  // 2: per-process beats, manager_mu, flock lifetime; 3: process slots; 4: drain_mu
 constexpr char kPrefix[] = "/dev/shm/cxlkv-node-";
 
 size_t FileBytes(uint32_t max_locks) {
@@ -56,6 +56,7 @@ Status CreateFile(const std::string& path, size_t size, uint32_t max_locks, bool
   InitMutex(&h->manager_mu);
   InitMutex(&h->heap_mu);
   InitMutex(&h->inbox_mu);
+  InitMutex(&h->drain_mu);
   for (LocalProcess& slot : h->processes) InitMutex(&slot.mu);
   auto* locks = reinterpret_cast<LocalLock*>(static_cast<uint8_t*>(p) + sizeof(LocalHeader));
   for (uint32_t k = 0; k < max_locks; ++k) {

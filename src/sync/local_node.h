@@ -59,6 +59,8 @@ struct LocalHeader {
   alignas(64) pthread_mutex_t manager_mu;  // held for life by the process that may host the manager
   alignas(64) pthread_mutex_t heap_mu;     // guards the node heap (alloc layer)
   alignas(64) pthread_mutex_t inbox_mu;    // guards this node's outgoing remote-free rings
+  alignas(64) pthread_mutex_t drain_mu;    // one drainer of this node's incoming rings at a time:
+                                           // two would apply the same entries twice
   LocalHeapClass heap[kLocalSizeClasses];
   LocalProcess processes[kLocalProcessSlots];
 };

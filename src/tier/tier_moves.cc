@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <chrono>
 #include <set>
+#include <thread>
 
+#include "pool/pool_internal.h"
 #include "tier/tier_store.h"
 
 namespace cxlkv::tier {
@@ -297,6 +299,12 @@ PromoteResult TierStore::Promote(std::span<const BlockKey> keys) {
   for (size_t i = 0; i < blocks.size(); ++i) {
     const Block& b = blocks[i];
     auto payload = index_.AllocateRegionPayload(b.bytes);
+    for (int wait = 0; !payload.ok() && payload.status().code() == StatusCode::kNoSpace && wait < 2; ++wait) {
+      // The room made by spilling other nodes' blocks is freed remotely: it becomes free space
+      // once their owners drain their remote-free rings, at their next beat. Wait for that.
+      std::this_thread::sleep_for(pool_.impl().node->lease() / 4);
+      payload = index_.AllocateRegionPayload(b.bytes);
+    }
     if (!payload.ok()) {
       out.missed += blocks.size() - i;  // the region is full of pinned blocks: the rest stay out
       break;

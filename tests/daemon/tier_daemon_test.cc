@@ -36,7 +36,8 @@ int PutAndReadBack(const std::string& path, uint32_t node, int blocks) {
   // the region) and the bytes are the ones written.
   for (size_t i = 0; i < keys.size(); ++i) {
     auto hit = (*cache)->Lookup(*ns, {&keys[i], 1});
-    CHILD_CHECK(hit.ok() && hit->hit_blocks == 1, "block %zu not hit", i);
+    CHILD_CHECK(hit.ok() && hit->hit_blocks == 1, "block %zu not hit (present on some tier: %zu)", i,
+                static_cast<size_t>(*(*cache)->Exists(*ns, {&keys[i], 1})));
     CHILD_CHECK((*cache)->Read(hit->pins[0], 0, back.data(), back.size()).ok(), "read %zu", i);
     std::fill(data.begin(), data.end(), static_cast<uint8_t>(i * 7 + 1));
     CHILD_CHECK(back == data, "block %zu differs", i);
