@@ -9,8 +9,8 @@
 //
 // The calling side is a cache::CapacityPromoter that this file registers with the pool layer, so
 // every decentralized pool's KvCache::Lookup asks the owners of the capacity blocks it meets.
-// An owner that is not live, has no service or fails a call is left alone for a second: its
-// blocks end hits (misses) instead of stalling lookups.
+// An owner that is not live is skipped; one with no service is left alone for a second, one whose
+// call failed for ten: its blocks end hits (misses) instead of stalling lookups.
 // Thread-safety: StartTierService's server runs on its own thread; the promoter is thread-safe.
 #ifndef CXLKV_SRC_TIER_TIER_SERVICE_H_
 #define CXLKV_SRC_TIER_TIER_SERVICE_H_
