@@ -204,7 +204,9 @@ class Index final : public IndexApi {
 
   // Test hook: the process kills itself (SIGKILL) at this point of the protocol, to prove the
   // recovery paths. Never set outside tests.
-  enum class CrashPoint { kNone, kReserveHoldingLock, kEvictAfterMark, kMoveAfterMark, kMoveAfterFields };
+  // kMovePauseAfterMark stops the process (SIGSTOP) once instead, for pause-past-the-lease tests.
+  enum class CrashPoint { kNone, kReserveHoldingLock, kEvictAfterMark, kMoveAfterMark, kMoveAfterFields,
+                          kMovePauseAfterMark };
   void TestCrashAt(CrashPoint p) { crash_at_.store(p); }
   // Stripe-lock acquisitions by this process (tests count lock round trips per batch).
   uint64_t stripe_locks_taken() const { return stripe_locks_taken_.load(std::memory_order_relaxed); }
@@ -274,6 +276,8 @@ class Index final : public IndexApi {
                                   bool with_evicting = false);
   // REQUIRES: stripe lock held. One move of MoveMany.
   bool MoveLocked(const TierMove& m);
+  // REQUIRES: stripe lock taken. True while this process surely still holds it (the lease fence).
+  bool HoldsStripeFenced(uint32_t stripe);
   // Every entry / every pin word of `node`'s row, read in batches (one invalidate + read each).
   template <typename Fn>
   void ScanEntries(Fn fn);  // fn(slot, const Entry&)

@@ -59,6 +59,10 @@ std::vector<Index::TierBlock> Index::FindCapacity(std::span<const BlockKey> keys
   return out;
 }
 
+bool Index::HoldsStripeFenced(uint32_t stripe) {
+  return (central_writer() ? central_fence_() : node_.CheckHeld(layout_.stripe_lock(stripe))).ok();
+}
+
 bool Index::MoveLocked(const TierMove& m) {
   const uint64_t off = layout_.entry(m.from.slot);
   if (FetchTableWord(off) != StateWord(m.from.gen, kReady)) return false;
@@ -67,13 +71,19 @@ bool Index::MoveLocked(const TierMove& m) {
       e.payload != m.from.location) {
     return false;
   }
+  const uint32_t stripe = layout_.stripe_of(m.from.slot);
+  if (!HoldsStripeFenced(stripe)) return false;  // P5: no write under a hold whose lease lapsed
   meta_.Publish(off, StateWord(m.from.gen, kEvicting));
   MaybeCrash(CrashPoint::kMoveAfterMark);
+  MaybeCrash(CrashPoint::kMovePauseAfterMark);
   // EVICTING is flushed: a pinner whose pin we do not see now sees EVICTING and backs off.
   if (AnyPins(m.from.slot)) {
     meta_.Publish(off, StateWord(m.from.gen, kReady));
     return false;
   }
+  // The fence, right before the writes others rely on (as a commit's): a mover paused past its
+  // lease no longer holds the stripe, and the entry stays EVICTING for the next holder's repair.
+  if (!HoldsStripeFenced(stripe)) return false;
   if (e.tier == kTierRegion) {
     // Freed while the entry still names it (EVICTING is reachable for the allocator's
     // recovery, so it cannot free it too), as an eviction does.
@@ -127,6 +137,10 @@ uint64_t Index::DropCapacity(std::span<const TierBlock> blocks, std::vector<bool
   uint64_t dropped = 0;
   for (auto& [stripe, list] : by_stripe) {
     if (!LockStripe(stripe).ok()) continue;
+    if (!HoldsStripeFenced(stripe)) {  // paused past the lease: drop nothing
+      UnlockStripe(stripe);
+      continue;
+    }
     for (size_t i : list) {
       const TierBlock* b = &blocks[i];
       if (FetchTableWord(layout_.entry(b->slot)) != StateWord(b->gen, kReady)) continue;
