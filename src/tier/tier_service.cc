@@ -6,65 +6,49 @@
 #include <map>
 #include <mutex>
 
+#include "meta/protocol.h"
 #include "pool/pool_internal.h"
 #include "rpc/client.h"
 
 namespace cxlkv::tier {
 
-namespace {
-
-template <typename T>
-void Put(std::vector<uint8_t>& out, T v) {
-  const size_t at = out.size();
-  out.resize(at + sizeof v);
-  std::memcpy(out.data() + at, &v, sizeof v);
-}
-
-template <typename T>
-T Get(std::span<const uint8_t> bytes, size_t at) {
-  T v;
-  std::memcpy(&v, bytes.data() + at, sizeof v);
-  return v;
-}
-
-}  // namespace
-
 std::string TierServiceName(uint32_t node) { return "tier-" + std::to_string(node); }
 
+// The wire forms are the metadata protocol's (meta/protocol.h): a key batch is a u32 count and
+// the keys, read back only when the count fills the body exactly.
 std::vector<uint8_t> EncodePromoteRequest(std::span<const BlockKey> keys) {
-  std::vector<uint8_t> out;
-  out.reserve(4 + keys.size() * 16);
-  Put<uint32_t>(out, static_cast<uint32_t>(keys.size()));
-  for (const BlockKey& k : keys) {
-    Put(out, k.lo);
-    Put(out, k.hi);
-  }
+  std::vector<uint8_t> out(4 + keys.size() * meta::kKeyBytes);
+  meta::WireWriter w(out);
+  meta::PutKeys(w, keys);
   return out;
 }
 
 Result<std::vector<BlockKey>> DecodePromoteRequest(std::span<const uint8_t> bytes) {
-  if (bytes.size() < 4) return InvalidArgument("promote request of " + std::to_string(bytes.size()) + " bytes: no key count");
-  const uint32_t n = Get<uint32_t>(bytes, 0);
-  if (n > kPromoteKeysPerCall * 4 || bytes.size() != 4 + uint64_t{n} * 16) {
-    return InvalidArgument("promote request claims " + std::to_string(n) + " keys in " + std::to_string(bytes.size()) +
-                           " bytes (at most " + std::to_string(kPromoteKeysPerCall * 4) + " keys of 16 bytes)");
+  meta::WireReader r(bytes);
+  std::vector<BlockKey> keys;
+  if (!meta::GetKeys(r, &keys) || keys.size() > kPromoteKeysPerCall * 4) {
+    return InvalidArgument("promote request of " + std::to_string(bytes.size()) + " bytes is not a batch of at most " +
+                           std::to_string(kPromoteKeysPerCall * 4) + " keys of 16 bytes");
   }
-  std::vector<BlockKey> keys(n);
-  for (uint32_t i = 0; i < n; ++i) keys[i] = {Get<uint64_t>(bytes, 4 + i * 16), Get<uint64_t>(bytes, 12 + i * 16)};
   return keys;
 }
 
 std::vector<uint8_t> EncodePromoteResult(const PromoteResult& r) {
-  std::vector<uint8_t> out;
-  Put(out, r.promoted);
-  Put(out, r.missed);
-  Put(out, r.not_mine);
+  std::vector<uint8_t> out(24);
+  meta::WireWriter w(out);
+  w.Put(r.promoted);
+  w.Put(r.missed);
+  w.Put(r.not_mine);
   return out;
 }
 
 Result<PromoteResult> DecodePromoteResult(std::span<const uint8_t> bytes) {
-  if (bytes.size() != 24) return Corrupted("promote answer of " + std::to_string(bytes.size()) + " bytes, expected 24");
-  return PromoteResult{Get<uint64_t>(bytes, 0), Get<uint64_t>(bytes, 8), Get<uint64_t>(bytes, 16)};
+  meta::WireReader r(bytes);
+  PromoteResult out;
+  if (!r.Get(&out.promoted) || !r.Get(&out.missed) || !r.Get(&out.not_mine) || !r.done()) {
+    return Corrupted("promote answer of " + std::to_string(bytes.size()) + " bytes, expected 24");
+  }
+  return out;
 }
 
 Result<std::unique_ptr<rpc::RpcServer>> StartTierService(Pool& pool, TierStore& store) {
@@ -79,11 +63,12 @@ Result<std::unique_ptr<rpc::RpcServer>> StartTierService(Pool& pool, TierStore& 
                        },
                        /*idempotent=*/true};
   ops[kTierSpill] = {[&store](const rpc::Request& req, std::span<uint8_t> out) -> Result<size_t> {
-                       if (req.payload.size() != 8) {
+                       meta::WireReader r(req.payload);
+                       uint64_t want = 0;
+                       if (!r.Get(&want) || !r.done()) {
                          return InvalidArgument("spill request of " + std::to_string(req.payload.size()) +
                                                 " bytes, expected 8");
                        }
-                       const uint64_t want = Get<uint64_t>(req.payload, 0);
                        const uint64_t before = store.RegionUsedBytes();
                        auto moved = store.Spill(want);
                        if (!moved.ok()) return moved.status();
