@@ -96,6 +96,10 @@ struct LookupResult {
   // present in the pool but not in the region. KvCache::Lookup brings them in (the owner's
   // cxlkvd promotes them) and extends the hit; what it could not bring in ends the hit.
   size_t capacity_run = 0;
+  // Of the hit, the blocks KvCache::Lookup brought in from node DRAM and from SSD (where each
+  // was when the lookup found it); the rest were in the region already.
+  size_t from_mem = 0;
+  size_t from_ssd = 0;
 };
 
 // A WRITING entry this process owns until Commit or Abort.

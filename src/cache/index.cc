@@ -32,7 +32,7 @@ const char* CounterName(Counter c) {
       "inserts", "insert_bytes", "duplicates", "busy", "aborts", "evictions", "evicted_bytes",
       "reclaimed", "bytes_claimed", "bytes_released", "read_bytes", "write_bytes",
       "checksum_failures", "full_errors", "spills", "spilled_bytes", "promotes", "promoted_bytes",
-      "capacity_hits", "capacity_misses", "tier_drops"};
+      "capacity_hits", "capacity_misses", "tier_drops", "capacity_hits_ssd"};
   return c < kCounterCount ? kNames[c] : "invalid";
 }
 

@@ -87,6 +87,9 @@ class Index final : public IndexApi {
   void CountRead(uint64_t bytes) override { Add(kReadBytes, bytes); }
   void CountWrite(uint64_t bytes) override { Add(kWriteBytes, bytes); }
   void CountChecksumFailure() override { Add(kChecksumFailures, 1); }
+  void CountCapacityHitsFromSsd(uint64_t n) override {
+    if (!central_writer()) Add(kCapacityHitsSsd, n);
+  }
 
   // Evicts these keys of `ns` (or every READY entry when `keys` is empty and `all`) if unpinned.
   Result<uint64_t> EvictKeys(const NamespaceHandle& ns, std::span<const BlockKey> keys) override;

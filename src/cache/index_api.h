@@ -49,6 +49,9 @@ class IndexApi {
   virtual void CountRead(uint64_t bytes) = 0;
   virtual void CountWrite(uint64_t bytes) = 0;
   virtual void CountChecksumFailure() = 0;
+  // Of the blocks a lookup brought in from capacity tiers, those that were on SSD. Capacity
+  // tiers exist only where this process writes the index (decentralized): elsewhere, nothing.
+  virtual void CountCapacityHitsFromSsd(uint64_t) {}
 };
 
 // Brings blocks that the index holds on capacity tiers into the region (their owners' cxlkvd
@@ -57,7 +60,9 @@ class IndexApi {
 class CapacityPromoter {
  public:
   virtual ~CapacityPromoter() = default;
-  virtual void BringIn(const NamespaceHandle& ns, std::span<const BlockKey> keys) = 0;
+  // Returns, per key, the tier (EntryTier) it was found on: kTierRegion where it was not on a
+  // capacity tier (already in, or gone).
+  virtual std::vector<uint16_t> BringIn(const NamespaceHandle& ns, std::span<const BlockKey> keys) = 0;
   // Asks a node's tiers to spill about `bytes` of the region's least recently used blocks, so a
   // reserve need not drop them. Returns the bytes freed (0: no tiers reached; the caller evicts).
   virtual uint64_t MakeRoom(uint64_t bytes) = 0;

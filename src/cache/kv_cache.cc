@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "cache/index_api.h"
+#include "cache/layout.h"
 #include "region/coherence.h"
 
 namespace cxlkv {
@@ -64,10 +65,15 @@ Result<LookupResult> KvCache::Lookup(const NamespaceHandle& ns, std::span<const 
   // The hit stopped at a block on a capacity tier: have the owners bring the run in, then pin
   // on from there. Whatever was not brought in ends the hit, as a miss would.
   const std::span<const BlockKey> rest = keys.subspan(hit.hit_blocks);
-  promoter->BringIn(ns, rest.first(hit.capacity_run));
+  const std::vector<uint16_t> found_on = promoter->BringIn(ns, rest.first(hit.capacity_run));
   auto more = index_.LookupMore(ns, rest, hit.hit_blocks, hit.capacity_run);
   hit.capacity_run = 0;
   if (!more.ok()) return hit;  // the first part stands: its pins are the caller's
+  for (size_t i = 0; i < more->pins.size() && i < found_on.size(); ++i) {
+    hit.from_mem += found_on[i] == cache::kTierMem;
+    hit.from_ssd += found_on[i] == cache::kTierSsd;
+  }
+  if (hit.from_ssd != 0) index_.CountCapacityHitsFromSsd(hit.from_ssd);
   hit.pins.insert(hit.pins.end(), more->pins.begin(), more->pins.end());
   hit.hit_blocks = hit.pins.size();
   return hit;

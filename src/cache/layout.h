@@ -150,6 +150,7 @@ enum Counter : uint32_t {
   kCapacityHits,       // blocks a lookup found on a capacity tier and brought in
   kCapacityMisses,     // ... and could not (owner gone, slot invalid, region full)
   kTierDrops,          // capacity entries dropped (tier full, owner's DRAM gone, invalid slot)
+  kCapacityHitsSsd,    // of kCapacityHits: blocks that were on an SSD tier (the rest: node DRAM)
   kCounterCount,
 };
 inline constexpr uint64_t kCounterRowBytes = 256;

@@ -200,7 +200,10 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::vector<std::string>& paths,
   // After the index's handler: the index first drops a dead node's half-done entries, so the
   // allocator's reachability no longer counts their payloads and reclaims them.
   impl->node->AddRecoveryHandler([allocator](uint32_t node, uint64_t inc) { allocator->Recover(node, inc); });
-  impl->node->AddPeriodicTask([allocator] { allocator->DrainRemoteFrees(); });
+  // Often (8 times a beat: a check of the rings costs two line reads per node): space a peer
+  // freed here — a tier spilling this node's blocks, an evictor — is usable again within
+  // ~interval/8, not a whole beat, and a promote waiting for room waits that long at most.
+  impl->node->AddPeriodicTask([allocator] { allocator->DrainRemoteFrees(); }, sync::Node::kMaxTaskRunsPerBeat);
   // Only now: a recovery queued meanwhile (this node may manage from its first beat) runs with
   // every handler, in order.
   impl->node->StartRecovery();

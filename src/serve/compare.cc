@@ -4,10 +4,29 @@
 
 #include "cxlkv/pool.h"
 #include "pool/pool_internal.h"
+#include "tier/catalog.h"
+#include "tier/tier_store.h"
 
 namespace cxlkv::serve {
 
-std::string ConfigName(KvMode mode, MetadataMode metadata) {
+namespace {
+
+// An SSD tier's file and its catalog (checkpoint copies and log), as a run left them.
+void RemoveSsdFiles(const std::vector<std::string>& specs) {
+  for (const std::string& text : specs) {
+    auto spec = tier::ParseTierSpec(text);
+    if (!spec.ok() || spec->kind != tier::TierKind::kSsd) continue;
+    for (const std::string& f : {spec->path, tier::Catalog::CheckpointPath(spec->path, 0),
+                                 tier::Catalog::CheckpointPath(spec->path, 1), tier::Catalog::LogPath(spec->path)}) {
+      ::unlink(f.c_str());
+    }
+  }
+}
+
+}  // namespace
+
+std::string ConfigName(KvMode mode, MetadataMode metadata, bool tiered) {
+  if (mode == KvMode::kPool && tiered) return "(f) cxlkv pool + DRAM/SSD tiers";
   switch (mode) {
     case KvMode::kRecompute: return "(a) no KV reuse";
     case KvMode::kPrivate: return "(b) private DRAM cache";
@@ -18,29 +37,36 @@ std::string ConfigName(KvMode mode, MetadataMode metadata) {
   return "?";
 }
 
-int PoolIndex(const Comparison& c, MetadataMode metadata) {
+int PoolIndex(const Comparison& c, MetadataMode metadata, bool tiered) {
   for (size_t i = 0; i < c.modes.size(); ++i) {
-    if (c.modes[i] == KvMode::kPool && c.metadata[i] == metadata) return static_cast<int>(i);
+    if (c.modes[i] == KvMode::kPool && c.metadata[i] == metadata && c.tiered[i] == tiered) return static_cast<int>(i);
   }
   return -1;
 }
 
 Result<Comparison> CompareConfigurations(const CompareOptions& options, const std::vector<Request>& requests) {
   Comparison out;
-  std::vector<std::pair<KvMode, MetadataMode>> configs;
+  struct Config {
+    KvMode mode;
+    MetadataMode metadata;
+    bool tiered;
+  };
+  std::vector<Config> configs;
   for (KvMode mode : options.modes) {
     if (mode != KvMode::kPool) {
-      configs.push_back({mode, MetadataMode::kDecentralized});
+      configs.push_back({mode, MetadataMode::kDecentralized, false});
       continue;
     }
-    for (MetadataMode m : options.pool_metadata) configs.push_back({mode, m});
+    for (MetadataMode m : options.pool_metadata) configs.push_back({mode, m, false});
+    if (!options.pool_tiers.empty()) configs.push_back({mode, MetadataMode::kDecentralized, true});
   }
-  for (auto [mode, metadata] : configs) {
-    const std::string name = ConfigName(mode, metadata);
+  for (auto [mode, metadata, tiered] : configs) {
+    const std::string name = ConfigName(mode, metadata, tiered);
     const std::string region =
         (options.region_prefix.empty() ? options.workdir + "/cxlkv-e2e-" + std::to_string(::getpid())
                                        : options.region_prefix) +
-        "-" + std::string(KvModeName(mode)) + (metadata == MetadataMode::kCentral ? "-central" : "");
+        "-" + std::string(KvModeName(mode)) + (metadata == MetadataMode::kCentral ? "-central" : "") +
+        (tiered ? "-tiered" : "");
     PoolCreateOptions co;
     co.size = options.region_bytes;
     co.overwrite = true;
@@ -49,6 +75,7 @@ Result<Comparison> CompareConfigurations(const CompareOptions& options, const st
     ServeOptions so = options.serve;
     so.region = region;
     so.mode = mode;
+    if (tiered) so.tiers = options.pool_tiers;
     if (options.progress) {
       options.progress(name, 0, requests.size());
       so.progress = [&](size_t done, size_t total) { options.progress(name, done, total); };
@@ -61,11 +88,13 @@ Result<Comparison> CompareConfigurations(const CompareOptions& options, const st
       problems = regions.ok() ? pool::Check(*regions, 0) : std::vector<std::string>{regions.status().ToString()};
     }
     ::unlink(region.c_str());
+    if (tiered) RemoveSsdFiles(options.pool_tiers);
     if (!run.ok()) return Status(run.status().code(), name + ": " + run.status().message());
     if (!problems.empty()) return Corrupted(name + ": the pool failed its check after the run: " + problems[0]);
     out.summaries.push_back(Summarize(name, *run));
     out.modes.push_back(mode);
     out.metadata.push_back(metadata);
+    out.tiered.push_back(tiered);
     out.second_half_hit_rate.push_back(HitRate(*run, requests.size() / 2, requests.size()));
     out.runs.push_back(std::move(*run));
   }
@@ -89,6 +118,8 @@ nlohmann::json ComparisonJson(const Comparison& c) {
     j["mode"] = c.runs[i].mode;
     j["policy"] = c.runs[i].policy;
     j["metadata"] = MetadataModeName(c.metadata[i]);
+    j["tiered"] = c.tiered[i];
+    if (!c.runs[i].tiers.is_null()) j["tiers"] = c.runs[i].tiers;
     j["second_half_hit_rate"] = c.second_half_hit_rate[i];
     configs.push_back(j);
   }

@@ -24,6 +24,9 @@ struct CompareOptions {
   // The shared-pool configuration runs once per metadata mode listed (docs/metadata.md):
   // decentralized (TraCT) and central (Beluga) by default, in that order.
   std::vector<MetadataMode> pool_metadata = {MetadataMode::kDecentralized, MetadataMode::kCentral};
+  // If set: the decentralized pool runs once more with these capacity tiers (ServeOptions::tiers,
+  // "(f) cxlkv pool + DRAM/SSD tiers"); an SSD file a run creates is removed after it.
+  std::vector<std::string> pool_tiers;
   // Called before each configuration starts, and as its requests complete.
   std::function<void(const std::string& config, size_t done, size_t total)> progress;
 };
@@ -32,15 +35,17 @@ struct Comparison {
   std::vector<RunSummary> summaries;  // in `modes` order, the pool once per metadata mode
   std::vector<KvMode> modes;          // per summary
   std::vector<MetadataMode> metadata; // per summary (kDecentralized for the baselines)
+  std::vector<bool> tiered;           // per summary: ran with CompareOptions::pool_tiers
   std::vector<ServeRun> runs;
   std::vector<double> second_half_hit_rate;  // hit rate of the later half of the requests
   bool tokens_identical = false;
 };
 
 // A configuration's display name, e.g. "(d) cxlkv shared pool", "(e) cxlkv pool, central meta".
-std::string ConfigName(KvMode mode, MetadataMode metadata = MetadataMode::kDecentralized);
-// Index in `c` of the shared pool with that metadata mode; -1 when it did not run.
-int PoolIndex(const Comparison& c, MetadataMode metadata);
+std::string ConfigName(KvMode mode, MetadataMode metadata = MetadataMode::kDecentralized, bool tiered = false);
+// Index in `c` of the shared pool with that metadata mode (and without tiers, or with them);
+// -1 when it did not run.
+int PoolIndex(const Comparison& c, MetadataMode metadata, bool tiered = false);
 
 // Errors: whatever a run returns, and kInternal when two configurations generated different
 // tokens for a request (greedy decoding must not depend on where the KV came from).

@@ -129,11 +129,23 @@ Status KvConnector::Publish(std::span<const uint32_t> ids, std::span<const Block
   return Status::Ok();
 }
 
+Status KvConnector::PublishOrSkip(std::span<const uint32_t> ids, std::span<const BlockKey> keys, KvStats& stats) {
+  Status s = Publish(ids, keys, stats);
+  if (s.code() != StatusCode::kNoSpace) return s;
+  stats.blocks_not_stored += static_cast<uint32_t>(ids.size());  // the decode side recomputes them
+  return Status::Ok();
+}
+
 Result<LookupResult> KvConnector::LookupAwaitingInFlight(std::span<const BlockKey> keys, KvStats& stats) {
   const int64_t start = NowNs();
   auto backoff = std::chrono::microseconds(200);
+  size_t from_mem = 0, from_ssd = 0;  // brought in from a tier by this or an earlier round
   for (;;) {
     CXLKV_ASSIGN_OR_RETURN(auto hit, pool_.Lookup(ns_, keys));
+    from_mem += hit.from_mem;
+    from_ssd += hit.from_ssd;
+    hit.from_mem = std::min(from_mem, hit.hit_blocks);
+    hit.from_ssd = std::min(from_ssd, hit.hit_blocks - hit.from_mem);
     if (hit.hit_blocks == keys.size() || NowNs() - start > kInFlightWaitNs) return hit;
     // Is the first missing block being written by another worker right now (the same
     // document in flight there)? Loading it when it lands beats computing it twice. A lock-free
@@ -184,6 +196,8 @@ Result<std::unique_ptr<PreparedPrefill>> KvConnector::Prepare(uint64_t request_i
     }
     p->pins_ = std::move(hit.pins);
     st.hit_blocks = static_cast<uint32_t>(hit.hit_blocks);
+    st.hit_from_mem = static_cast<uint32_t>(hit.from_mem);
+    st.hit_from_ssd = static_cast<uint32_t>(hit.from_ssd);
     if (st.hit_blocks > 0) {
       CXLKV_ASSIGN_OR_RETURN(auto load,
                              transfer_.StartLoad(layout_, std::span(p->ids_).first(st.hit_blocks), p->pins_));
@@ -221,6 +235,8 @@ Result<PrefillResult> KvConnector::Prefill(PreparedPrefill& p) {
       if (!load.ok()) return load.status();
       p.loads_.push_back(std::move(*load));
       st.hit_blocks += static_cast<uint32_t>(more.hit_blocks);
+      st.hit_from_mem += static_cast<uint32_t>(more.from_mem);
+      st.hit_from_ssd += static_cast<uint32_t>(more.from_ssd);
     }
   }
   st.bytes_loaded = uint64_t{st.hit_blocks} * layout_.PoolBlockBytes();
@@ -231,8 +247,17 @@ Result<PrefillResult> KvConnector::Prefill(PreparedPrefill& p) {
   st.computed_tokens = n - start;
   std::unique_ptr<transfer::LayerStore> store;
   if (mode_ == KvMode::kPool && full > st.hit_blocks) {
-    CXLKV_ASSIGN_OR_RETURN(store, transfer_.StartStore(ns_, layout_, ids.subspan(st.hit_blocks, full - st.hit_blocks),
-                                                       std::span(chain).subspan(st.hit_blocks, full - st.hit_blocks)));
+    auto started = transfer_.StartStore(ns_, layout_, ids.subspan(st.hit_blocks, full - st.hit_blocks),
+                                        std::span(chain).subspan(st.hit_blocks, full - st.hit_blocks));
+    if (started.ok()) {
+      store = std::move(*started);
+    } else if (started.status().code() == StatusCode::kNoSpace) {
+      // The pool has no room now (pinned and in-flight blocks fill it): serve the request
+      // without caching its blocks rather than fail it. Later requests recompute them.
+      st.blocks_not_stored += full - st.hit_blocks;
+    } else {
+      return started.status();
+    }
   }
   Status hook_error;
   auto before_layer = [&](uint32_t l) {
@@ -264,13 +289,11 @@ Result<PrefillResult> KvConnector::Prefill(PreparedPrefill& p) {
     case KvMode::kPool:
       // The full blocks are in the shared cache under their chain keys; only the partial tail
       // needs a one-use handoff block.
-      if (n % bs != 0) {
-        CXLKV_RETURN_IF_ERROR(Publish(ids.subspan(full, 1), HandoffKeys(p.request_id_, full, 1), st));
-      }
+      if (n % bs != 0) CXLKV_RETURN_IF_ERROR(PublishOrSkip(ids.subspan(full, 1), HandoffKeys(p.request_id_, full, 1), st));
       break;
     case KvMode::kRecompute:
     case KvMode::kPrivate:
-      CXLKV_RETURN_IF_ERROR(Publish(ids, HandoffKeys(p.request_id_, 0, blocks), st));
+      CXLKV_RETURN_IF_ERROR(PublishOrSkip(ids, HandoffKeys(p.request_id_, 0, blocks), st));
       break;
     case KvMode::kTcp:
       out.tcp_payload.resize(uint64_t{blocks} * layout_.PoolBlockBytes());

@@ -40,10 +40,15 @@ struct KvStats {
   uint32_t prompt_tokens = 0;
   uint32_t prompt_blocks = 0;     // full blocks of the prompt
   uint32_t hit_blocks = 0;        // prefill: reused from a cache; decode: loaded from the handoff
+  uint32_t hit_from_mem = 0;      // of hit_blocks: brought in from a node-DRAM tier (pool mode)
+  uint32_t hit_from_ssd = 0;      // of hit_blocks: brought in from an SSD tier (pool mode)
   uint32_t computed_tokens = 0;   // tokens run through the model's prefill
   uint64_t bytes_loaded = 0;      // into the engine's cache from a cache or handoff
   uint64_t bytes_stored = 0;      // out of the engine's cache into a cache or handoff
   double wait_ms = 0;             // prefill: waiting for blocks in flight elsewhere and for loaded layers
+  uint32_t blocks_not_stored = 0; // the pool had no room (pinned and in-flight blocks filled it):
+                                  // served without caching them; a missing handoff block is
+                                  // recomputed by the decode side
 };
 
 // A private per-worker DRAM cache of pool-format blocks, LRU, bounded in bytes.
@@ -141,6 +146,8 @@ class KvConnector {
   void BlockFromEngine(uint32_t id, uint8_t* block) const;
   // Writes engine blocks `ids` under `keys` (skipping those already there); adds the bytes.
   Status Publish(std::span<const uint32_t> ids, std::span<const BlockKey> keys, KvStats& stats);
+  // Publish, where a full pool (kNoSpace) only counts the blocks in blocks_not_stored.
+  Status PublishOrSkip(std::span<const uint32_t> ids, std::span<const BlockKey> keys, KvStats& stats);
 
   KvMode mode_;
   const engine::Model& model_;

@@ -31,7 +31,7 @@ RunSummary Summarize(const std::string& name, const ServeRun& run) {
   s.wall_s = run.wall_s;
   s.retries = run.retries;
   double tpot_sum = 0, seen_sum = 0;
-  size_t tpot_n = 0, tokens = 0, hit = 0, blocks = 0;
+  size_t tpot_n = 0, tokens = 0, hit = 0, blocks = 0, from_mem = 0, from_ssd = 0;
   std::set<std::string> groups_seen;
   for (const auto& r : run.records) {
     s.ttft_ms.push_back(static_cast<double>(r.first_ns - r.arrival_ns) / 1e6);
@@ -45,6 +45,9 @@ RunSummary Summarize(const std::string& name, const ServeRun& run) {
     }
     tokens += r.tokens.size();
     hit += r.prefill.hit_blocks;
+    s.blocks_not_stored += r.prefill.blocks_not_stored;
+    from_mem += r.prefill.hit_from_mem;
+    from_ssd += r.prefill.hit_from_ssd;
     blocks += r.prefill.prompt_blocks;
     s.computed_tokens += r.prefill.computed_tokens + r.decode.computed_tokens;
     s.bytes_moved += r.prefill.bytes_loaded + r.prefill.bytes_stored + r.decode.bytes_loaded + r.decode.bytes_stored;
@@ -57,6 +60,8 @@ RunSummary Summarize(const std::string& name, const ServeRun& run) {
   s.requests_per_s = run.wall_s > 0 ? static_cast<double>(s.requests) / run.wall_s : 0;
   s.tokens_per_s = run.wall_s > 0 ? static_cast<double>(tokens) / run.wall_s : 0;
   s.hit_rate = blocks ? static_cast<double>(hit) / static_cast<double>(blocks) : 0;
+  s.hit_rate_mem = blocks ? static_cast<double>(from_mem) / static_cast<double>(blocks) : 0;
+  s.hit_rate_ssd = blocks ? static_cast<double>(from_ssd) / static_cast<double>(blocks) : 0;
   return s;
 }
 
@@ -83,6 +88,14 @@ void PrintTable(std::FILE* out, std::span<const RunSummary> runs) {
                "request (the cache-hit TTFT)\n");
 }
 
+void PrintTierHits(std::FILE* out, std::span<const RunSummary> runs) {
+  std::fprintf(out, "%-34s %7s %9s %9s %9s\n", "prefix hits served from", "all", "region", "node DRAM", "SSD");
+  for (const auto& s : runs) {
+    std::fprintf(out, "%-34s %6.1f%% %8.1f%% %8.1f%% %8.1f%%\n", s.name.c_str(), 100 * s.hit_rate,
+                 100 * (s.hit_rate - s.hit_rate_mem - s.hit_rate_ssd), 100 * s.hit_rate_mem, 100 * s.hit_rate_ssd);
+  }
+}
+
 nlohmann::json SummaryJson(const RunSummary& s) {
   return {{"name", s.name},
           {"requests", s.requests},
@@ -92,10 +105,13 @@ nlohmann::json SummaryJson(const RunSummary& s) {
           {"requests_per_s", s.requests_per_s},
           {"tokens_per_s", s.tokens_per_s},
           {"hit_rate", s.hit_rate},
+          {"hit_rate_by_tier",
+           {{"region", s.hit_rate - s.hit_rate_mem - s.hit_rate_ssd}, {"dram", s.hit_rate_mem}, {"ssd", s.hit_rate_ssd}}},
           {"computed_tokens", s.computed_tokens},
           {"bytes_moved", s.bytes_moved},
           {"wall_s", s.wall_s},
-          {"retries", s.retries}};
+          {"retries", s.retries},
+          {"blocks_not_stored", s.blocks_not_stored}};
 }
 
 Status PlotTtftCdf(const std::string& png, std::span<const RunSummary> runs) {

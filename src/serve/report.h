@@ -26,10 +26,13 @@ struct RunSummary {
   double requests_per_s = 0;
   double tokens_per_s = 0;     // generated tokens
   double hit_rate = 0;         // prefill: reused full blocks / full blocks
+  double hit_rate_mem = 0;     // of hit_rate: blocks brought in from node-DRAM tiers
+  double hit_rate_ssd = 0;     // of hit_rate: blocks brought in from SSD tiers
   uint32_t computed_tokens = 0;  // prompt tokens run through a prefill (both sides)
   uint64_t bytes_moved = 0;    // KV bytes into and out of engine caches
   double wall_s = 0;
   uint32_t retries = 0;
+  uint64_t blocks_not_stored = 0;  // the pool was full of pinned and in-flight blocks (KvStats)
   std::vector<double> ttft_ms;  // per request, for the CDF
 };
 
@@ -37,6 +40,8 @@ RunSummary Summarize(const std::string& name, const ServeRun& run);
 // Hit rate of the requests of one pass (by index range), e.g. the second pass of a doc-QA set.
 double HitRate(const ServeRun& run, size_t first, size_t last);
 void PrintTable(std::FILE* out, std::span<const RunSummary> runs);
+// Where each configuration's prefix hits came from: the region, node DRAM, SSD.
+void PrintTierHits(std::FILE* out, std::span<const RunSummary> runs);
 nlohmann::json SummaryJson(const RunSummary& s);
 // Writes `png` with one TTFT CDF curve per run (gnuplot's pngcairo or png terminal). Errors:
 // kNotFound (no gnuplot: install gnuplot-nox), kIoError.

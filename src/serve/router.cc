@@ -19,8 +19,12 @@
 #include <unordered_set>
 
 #include "cxlkv/pool.h"
+#include "engine/config.h"
 #include "serve/channel.h"
 #include "serve/worker.h"
+#include "tier/slot_format.h"
+#include "tier/tier_service.h"
+#include "tier/tier_store.h"
 
 namespace cxlkv::serve {
 
@@ -413,6 +417,21 @@ Result<ServeRun> Router::Run() {
   }
   CXLKV_ASSIGN_OR_RETURN(auto pool, Pool::Open(paths, po));
   CXLKV_RETURN_IF_ERROR(pool->Cache().status());
+  // The tiers this node serves, as its cxlkvd would: destroyed before the pool (declared after).
+  std::unique_ptr<tier::TierStore> tiers;
+  std::unique_ptr<rpc::RpcServer> tier_service;
+  if (!o_.tiers.empty()) {
+    CXLKV_ASSIGN_OR_RETURN(auto model, engine::ModelConfig::FromJson(o_.model_config));
+    tier::TierStoreOptions to;
+    for (const std::string& text : o_.tiers) {
+      CXLKV_ASSIGN_OR_RETURN(tier::TierSpec spec, tier::ParseTierSpec(text));
+      to.tiers.push_back(spec);
+    }
+    const uint64_t block = model.KvBytesPerToken() * kBlockTokens + tier::kSlotHeaderBytes;
+    to.slot_bytes = std::max<uint64_t>(8192, (block + 4095) / 4096 * 4096);
+    CXLKV_ASSIGN_OR_RETURN(tiers, tier::TierStore::Open(*pool, to));
+    CXLKV_ASSIGN_OR_RETURN(tier_service, tier::StartTierService(*pool, *tiers));
+  }
 
   uint32_t engine_blocks = o_.engine_blocks;
   if (engine_blocks == 0) {
@@ -473,6 +492,7 @@ Result<ServeRun> Router::Run() {
   run.wall_s = wall_s;
   run.workers_killed = killed_;
   run.retries = retries_;
+  if (tiers) run.tiers = tiers->Stats();
   return run;
 }
 

@@ -41,6 +41,10 @@ struct ServeOptions {
   uint32_t engine_blocks = 0;         // per worker; 0: enough for the largest request, twice
   uint64_t private_cache_bytes = 256ull << 20;  // kPrivate / kTcp, per prefill worker
   uint32_t lease_ms = 1000;
+  // Capacity tiers that the router's node (node 0) serves, as cxlkvd's --tier specs
+  // ("dram:64M", "ssd:PATH:256M"): the region spills to them and hits promote from them.
+  // Slots are sized to the model's KV block. Empty: none. Needs decentralized metadata.
+  std::vector<std::string> tiers;
   uint32_t concurrency = 4;           // closed loop: requests in flight. Default 4.
   bool open_loop = false;             // true: requests start at their arrival_s instead
   uint32_t max_per_worker = 2;        // requests queued at one prefill worker at most
@@ -73,9 +77,11 @@ struct ServeRun {
   double wall_s = 0;
   uint32_t workers_killed = 0;
   uint32_t retries = 0;
+  nlohmann::json tiers;  // with tiers: the store's statistics at the end (TierStore::Stats)
 };
 
-// Errors: kInvalidArgument (zero workers, no requests, a bad option), kNotFound (the region),
+// Errors: kInvalidArgument (zero workers, no requests, a bad option or tier spec, tiers on
+// central metadata), kNotFound (the region), a tier device that cannot be used (named),
 // and a worker's setup error as it reported it (e.g. kVersionMismatch: the model's KV layout
 // is not the one the region holds for it), kIoError (a worker could not be started).
 Result<ServeRun> Serve(const ServeOptions& options, const std::vector<Request>& requests);

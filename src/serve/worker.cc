@@ -107,7 +107,8 @@ Result<nlohmann::json> Handle(const WorkerOptions& o, WorkerState& w, const nloh
 nlohmann::json KvStatsToJson(const KvStats& s) {
   return {{"prompt_tokens", s.prompt_tokens}, {"prompt_blocks", s.prompt_blocks},  {"hit_blocks", s.hit_blocks},
           {"computed_tokens", s.computed_tokens}, {"bytes_loaded", s.bytes_loaded}, {"bytes_stored", s.bytes_stored},
-          {"wait_ms", s.wait_ms}};
+          {"hit_from_mem", s.hit_from_mem}, {"hit_from_ssd", s.hit_from_ssd}, {"wait_ms", s.wait_ms},
+          {"blocks_not_stored", s.blocks_not_stored}};
 }
 
 KvStats KvStatsFromJson(const nlohmann::json& j) {
@@ -115,6 +116,9 @@ KvStats KvStatsFromJson(const nlohmann::json& j) {
   s.prompt_tokens = j.value("prompt_tokens", 0u);
   s.prompt_blocks = j.value("prompt_blocks", 0u);
   s.hit_blocks = j.value("hit_blocks", 0u);
+  s.hit_from_mem = j.value("hit_from_mem", 0u);
+  s.hit_from_ssd = j.value("hit_from_ssd", 0u);
+  s.blocks_not_stored = j.value("blocks_not_stored", 0u);
   s.computed_tokens = j.value("computed_tokens", 0u);
   s.bytes_loaded = j.value("bytes_loaded", uint64_t{0});
   s.bytes_stored = j.value("bytes_stored", uint64_t{0});

@@ -334,16 +334,18 @@ void Node::StopManager() {
 }
 
 void Node::TasksLoop() {
-  const auto interval = heartbeat_->interval();
-  while (!stop_.load()) {
-    std::vector<std::function<void()>> tasks;
+  const auto tick = heartbeat_->interval() / kMaxTaskRunsPerBeat;
+  for (uint64_t n = 0; !stop_.load(); ++n) {
+    std::vector<PeriodicTask> tasks;
     {
       std::lock_guard<std::mutex> lock(hooks_mu_);
       tasks = periodic_tasks_;
     }
-    for (auto& t : tasks) t();
-    RecoverDeadProcesses();
-    WaitOrStop(interval);
+    for (auto& t : tasks) {
+      if (n % t.every_ticks == 0) t.run();
+    }
+    if (n % kMaxTaskRunsPerBeat == 0) RecoverDeadProcesses();
+    WaitOrStop(tick);
   }
 }
 
@@ -377,9 +379,10 @@ void Node::StartRecovery() {
   recovery_cv_.notify_all();
 }
 
-void Node::AddPeriodicTask(std::function<void()> task) {
+void Node::AddPeriodicTask(std::function<void()> task, uint32_t per_beat) {
+  per_beat = std::clamp<uint32_t>(per_beat, 1, kMaxTaskRunsPerBeat);
   std::lock_guard<std::mutex> lock(hooks_mu_);
-  periodic_tasks_.push_back(std::move(task));
+  periodic_tasks_.push_back({std::move(task), kMaxTaskRunsPerBeat / per_beat});
 }
 
 }  // namespace cxlkv::sync

@@ -156,9 +156,10 @@ class Node {
   // node is ever "recovered" by only some of them (or none) — this node may be elected manager
   // on its first beat, before its owner has added them. Idempotent.
   void StartRecovery();
-  // Runs `task` every beat interval on the tasks thread (e.g. draining remote frees). A task
-  // may block on locks: it never delays a heartbeat.
-  void AddPeriodicTask(std::function<void()> task);
+  // Runs `task` `per_beat` times per beat interval (1..kMaxTaskRunsPerBeat) on the tasks
+  // thread (e.g. draining remote frees). A task may block on locks: it never delays a heartbeat.
+  static constexpr uint32_t kMaxTaskRunsPerBeat = 8;
+  void AddPeriodicTask(std::function<void()> task, uint32_t per_beat = 1);
 
   // Test hooks: stop heartbeating (as if hung), or make Release skip its data flush.
   void TestStopHeartbeat() { heartbeat_->TestStop(true); }
@@ -223,7 +224,11 @@ class Node {
 
   std::mutex hooks_mu_;
   std::vector<std::function<void(uint32_t, uint64_t)>> recovery_handlers_;
-  std::vector<std::function<void()>> periodic_tasks_;
+  struct PeriodicTask {
+    std::function<void()> run;
+    uint32_t every_ticks;  // of the tasks thread's tick, interval / kMaxTaskRunsPerBeat
+  };
+  std::vector<PeriodicTask> periodic_tasks_;
   std::vector<std::function<bool(uint32_t, uint64_t)>> process_handlers_;
   std::deque<std::pair<uint32_t, uint64_t>> recovery_queue_;
   std::condition_variable recovery_cv_;

@@ -89,6 +89,12 @@ class IoPlatform {
   virtual ssize_t Pread(int fd, void* buf, size_t len, uint64_t offset);
   virtual ssize_t Pwrite(int fd, const void* buf, size_t len, uint64_t offset);
   virtual int Fdatasync(int fd);
+  // flock(LOCK_EX | LOCK_NB): -EWOULDBLOCK while another open file description holds it.
+  // Released when the descriptor is closed (or its process dies).
+  virtual int LockExclusive(int fd);
+  // flock(LOCK_UN): releases it now, even while another reference to the file (an io_uring's
+  // registered file, torn down asynchronously) keeps the file open a while longer.
+  virtual int Unlock(int fd);
   // posix_fadvise(POSIX_FADV_DONTNEED): drops clean cached pages of the range.
   virtual int DropCache(int fd, uint64_t offset, uint64_t len);
   // An io_uring of `depth` entries, or the -errno io_uring_queue_init gave (-EPERM under a

@@ -1,5 +1,6 @@
 // Linux implementation of the tier layer's IoPlatform seam; the ring is liburing's io_uring.
 #include <fcntl.h>
+#include <sys/file.h>
 #include <linux/fs.h>
 #include <linux/magic.h>
 #include <liburing.h>
@@ -159,6 +160,10 @@ ssize_t IoPlatform::Pwrite(int fd, const void* buf, size_t len, uint64_t offset)
 }
 
 int IoPlatform::Fdatasync(int fd) { return ::fdatasync(fd) == 0 ? 0 : NegErrno(); }
+
+int IoPlatform::LockExclusive(int fd) { return ::flock(fd, LOCK_EX | LOCK_NB) == 0 ? 0 : NegErrno(); }
+
+int IoPlatform::Unlock(int fd) { return ::flock(fd, LOCK_UN) == 0 ? 0 : NegErrno(); }
 
 int IoPlatform::DropCache(int fd, uint64_t offset, uint64_t len) {
   // posix_fadvise returns the error number rather than setting errno.

@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "util/units.h"
 
@@ -82,6 +84,21 @@ Result<std::unique_ptr<SsdDevice>> SsdDevice::Open(const SsdOptions& o) {
     return s;
   };
 
+  // One owner per file: a second store on it would hand out the same slots and overwrite the
+  // first one's blocks and catalog.
+  // A process killed with the file open releases the lock when its last reference goes, which
+  // an io_uring's registered file delays past the exit a little: a restart waits that out.
+  rc = pf.LockExclusive(fd);
+  for (int tries = 0; rc == -EWOULDBLOCK && tries < 50; ++tries) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    rc = pf.LockExclusive(fd);
+  }
+  if (rc == -EWOULDBLOCK) {
+    pf.Close(fd);  // never unlinked: even one this call created may be the other process's now
+    return Busy("ssd tier: " + path + " is in use by another process (another cxlkvd's or store's tier): "
+                "give each node's tiers their own file");
+  }
+  if (rc < 0) return fail(IoError("ssd tier: cannot lock " + path + ": " + IoErrnoText(rc)));
   rc = pf.Fstat(fd, &facts);
   if (rc < 0) return fail(IoError("ssd tier: cannot stat " + path + ": " + IoErrnoText(rc)));
   uint64_t size = 0;
@@ -183,6 +200,7 @@ SsdDevice::SsdDevice(const SsdOptions& o, uint64_t slots, int fd, std::byte* are
 SsdDevice::~SsdDevice() {
   engine_.reset();  // the ring (and its buffer registration) goes before the arena
   ::munmap(arena_, arena_bytes_);
+  platform_->Unlock(fd_);  // now: the ring's reference to the file may outlive this close a while
   platform_->Close(fd_);
 }
 

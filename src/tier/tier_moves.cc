@@ -299,10 +299,13 @@ PromoteResult TierStore::Promote(std::span<const BlockKey> keys) {
   for (size_t i = 0; i < blocks.size(); ++i) {
     const Block& b = blocks[i];
     auto payload = index_.AllocateRegionPayload(b.bytes);
-    for (int wait = 0; !payload.ok() && payload.status().code() == StatusCode::kNoSpace && wait < 2; ++wait) {
-      // The room made by spilling other nodes' blocks is freed remotely: it becomes free space
-      // once their owners drain their remote-free rings, at their next beat. Wait for that.
-      std::this_thread::sleep_for(pool_.impl().node->lease() / 4);
+    // The room made by spilling other nodes' blocks is freed remotely: it becomes free space
+    // once their owners drain their remote-free rings (8 times a beat). Poll for it, briefly.
+    const auto give_up = std::chrono::steady_clock::now() + pool_.impl().node->lease() / 2;
+    for (auto step = std::chrono::microseconds(500);
+         !payload.ok() && payload.status().code() == StatusCode::kNoSpace && std::chrono::steady_clock::now() < give_up;
+         step = std::min(step * 2, std::chrono::microseconds(8000))) {
+      std::this_thread::sleep_for(step);
       payload = index_.AllocateRegionPayload(b.bytes);
     }
     if (!payload.ok()) {

@@ -82,6 +82,8 @@ Result<std::unique_ptr<rpc::RpcServer>> StartTierService(Pool& pool, TierStore& 
   rpc::RpcServerOptions so;
   so.geometry.request_bytes = 2048;   // 4 + 64 keys × 16 bytes, with room to spare
   so.geometry.response_bytes = 256;
+  so.geometry.depth = 2;  // a promoter's calls are synchronous: one in flight per process (the
+                          // area is nodes × clients × depth × slot bytes of the region)
   so.hot_window = std::chrono::microseconds(200);
   so.max_idle_sleep = std::chrono::microseconds(2000);  // idle: ~500 wake-ups a second at most
   return rpc::RpcServer::Start(pool, TierServiceName(pool.impl().node->id()), std::move(ops), so);
@@ -117,9 +119,15 @@ class RemotePromoter final : public cache::CapacityPromoter {
     return 0;
   }
 
-  void BringIn(const NamespaceHandle&, std::span<const BlockKey> keys) override {
+  std::vector<uint16_t> BringIn(const NamespaceHandle&, std::span<const BlockKey> keys) override {
+    std::vector<uint16_t> found_on(keys.size(), cache::kTierRegion);
     std::map<uint32_t, std::vector<BlockKey>> by_owner;
-    for (const auto& b : index_.FindCapacity(keys)) by_owner[cache::WriterNode(b.writer)].push_back(b.key);
+    size_t at_key = 0;
+    for (const auto& b : index_.FindCapacity(keys)) {  // in key order
+      by_owner[cache::WriterNode(b.writer)].push_back(b.key);
+      while (at_key < keys.size() && !(keys[at_key] == b.key)) ++at_key;
+      if (at_key < keys.size()) found_on[at_key++] = b.tier;
+    }
     for (auto& [node, owned] : by_owner) {
       rpc::RpcClient* client = ClientFor(node);
       if (client == nullptr) continue;
@@ -133,6 +141,7 @@ class RemotePromoter final : public cache::CapacityPromoter {
         }
       }
     }
+    return found_on;
   }
 
  private:

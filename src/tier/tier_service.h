@@ -39,7 +39,7 @@ Result<std::vector<BlockKey>> DecodePromoteRequest(std::span<const uint8_t> byte
 std::vector<uint8_t> EncodePromoteResult(const PromoteResult& r);
 Result<PromoteResult> DecodePromoteResult(std::span<const uint8_t> bytes);
 
-// Serves "tier.<this node>" for `store` until the server is destroyed (before the store).
+// Serves "tier-<this node>" for `store` until the server is destroyed (before the store).
 Result<std::unique_ptr<rpc::RpcServer>> StartTierService(Pool& pool, TierStore& store);
 
 }  // namespace cxlkv::tier

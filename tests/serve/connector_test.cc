@@ -137,5 +137,41 @@ TEST(KvConnector, HandoffBlocksAreReadOnceAndAMissingOneIsRecomputed) {
   EXPECT_EQ(wrong.status().code(), StatusCode::kInternal);
 }
 
+// A pool full of pinned blocks (nothing evictable): a prefill cannot store its blocks nor its
+// handoff tail. The request is still served — the blocks are counted as not stored and the
+// decode side recomputes what the handoff lacks — and generates what the engine does alone.
+TEST(KvConnector, APoolFullOfPinnedBlocksServesTheRequestWithoutStoring) {
+  Rig rig("conn-full");
+  auto c = rig.Connector(KvMode::kPool);
+  std::vector<uint8_t> filler(c.BlockBytes(), 0x5a);
+  std::vector<BlockPin> pins;
+  Status put;
+  for (uint32_t i = 0; put.ok(); ++i) {
+    const BlockKey key{0xf111u + i, 0xf111u};
+    put = rig.cache->Put(rig.handle, key, filler.data(), filler.size());
+    if (!put.ok()) break;
+    auto hit = rig.cache->Lookup(rig.handle, {&key, 1});
+    ASSERT_TRUE(hit.ok() && hit->hit_blocks == 1) << "filler block " << i << " was evicted already";
+    pins.push_back(hit->pins[0]);
+  }
+  ASSERT_EQ(put.code(), StatusCode::kNoSpace) << put.ToString();
+  const auto prompt = Prompt(3);
+  auto pre = c.Prefill(77, prompt);
+  ASSERT_TRUE(pre.ok()) << pre.status().ToString();
+  EXPECT_EQ(pre->stats.blocks_not_stored, prompt.size() / kBlock + 1);  // five full blocks + the tail
+  EXPECT_EQ(pre->stats.bytes_stored, 0u);
+  auto dec = c.Decode(77, prompt, pre->first_token, 6, nullptr);
+  ASSERT_TRUE(dec.ok()) << dec.status().ToString();
+  EXPECT_EQ(dec->tokens, rig.Truth(prompt, 6));
+  EXPECT_EQ(dec->stats.computed_tokens, prompt.size());  // nothing was handed off: all recomputed
+  rig.cache->Release(pins);
+  // With room again, the same prompt stores its blocks.
+  auto stored = c.Prefill(78, prompt);
+  ASSERT_TRUE(stored.ok()) << stored.status().ToString();
+  EXPECT_EQ(stored->stats.blocks_not_stored, 0u);
+  EXPECT_GT(stored->stats.bytes_stored, 0u);
+  EXPECT_EQ(rig.engine->free_blocks(), rig.engine->num_blocks()) << "engine blocks leaked";
+}
+
 }  // namespace
 }  // namespace cxlkv::serve

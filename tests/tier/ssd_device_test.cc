@@ -9,6 +9,7 @@
 #include <cstring>
 #include <tuple>
 
+#include "test_region.h"
 #include "tier_test_util.h"
 
 namespace cxlkv::tier {
@@ -352,6 +353,44 @@ TEST(TierSsdOpen, FileTooSmallForOneSlotIsRefused) {
   EXPECT_FALSE(std::filesystem::exists(o.path)) << "a file we created is removed when open fails";
   o.slot_bytes = 5000;
   EXPECT_EQ(SsdDevice::Open(o).status().code(), StatusCode::kInvalidArgument) << "slot not a multiple of 4 KiB";
+}
+
+// Two stores on one file would hand out the same slots and overwrite each other's blocks and
+// catalog: the second open is refused while the first holds the file (in this process or
+// another), and succeeds once it is closed. The refused open leaves the file untouched.
+TEST(TierSsdOpen, AFileInUseByAnotherStoreIsRefused) {
+  ScratchDir dir;
+  SsdOptions o;
+  o.path = dir.File("tier");
+  o.slot_bytes = 8192;
+  o.size_bytes = 8192 * 8;
+  auto data = Payload(9, 5000);
+  {
+    auto first = SsdDevice::Open(o);
+    ASSERT_TRUE(first.ok()) << first.status().ToString();
+    std::span<const std::byte> piece(data);
+    WriteItem w{2, Tag(2), std::span(&piece, 1)};
+    ASSERT_TRUE((*first)->Write(std::span(&w, 1))[0].ok());
+    auto second = SsdDevice::Open(o);
+    EXPECT_EQ(second.status().code(), StatusCode::kBusy);
+    EXPECT_NE(second.status().message().find("in use by another process"), std::string::npos)
+        << second.status().ToString();
+    const std::string path = o.path;
+    auto child = cxlkv::testing::RunForked(1, [&](int) {
+      auto other = SsdDevice::Open(o);
+      CHILD_CHECK(other.status().code() == StatusCode::kBusy, "another process opened a file in use: %s",
+                  other.status().ToString().c_str());
+      return 0;
+    });
+    EXPECT_EQ(child[0], 0);
+    EXPECT_TRUE(std::filesystem::exists(path));
+  }
+  auto again = SsdDevice::Open(o);  // the first one closed: the file is free
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  std::vector<std::byte> out(5000);
+  ReadItem r{2, Tag(2), out};
+  ASSERT_TRUE((*again)->Read(std::span(&r, 1))[0].ok());
+  EXPECT_EQ(out, data);
 }
 
 TEST(TierSsdOpen, ExistingFileKeepsItsSlots) {

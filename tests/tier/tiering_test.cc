@@ -49,10 +49,13 @@ Blocks PutChain(KvCache& cache, const NamespaceHandle& ns, uint64_t doc, size_t 
 
 // Looks the chain up (bringing in what sits on tiers), checks every hit block's bytes, releases.
 // Returns the hit length.
-size_t LookupAndVerify(KvCache& cache, const NamespaceHandle& ns, const std::vector<BlockKey>& keys) {
+// `brought_in`, if given: the hit's blocks brought in from node DRAM and from SSD.
+size_t LookupAndVerify(KvCache& cache, const NamespaceHandle& ns, const std::vector<BlockKey>& keys,
+                       std::pair<size_t, size_t>* brought_in = nullptr) {
   auto hit = cache.Lookup(ns, keys);
   EXPECT_TRUE(hit.ok()) << hit.status().ToString();
   if (!hit.ok()) return 0;
+  if (brought_in) *brought_in = {hit->from_mem, hit->from_ssd};
   std::vector<uint8_t> back(kBlock);
   for (size_t i = 0; i < hit->pins.size(); ++i) {
     EXPECT_EQ(hit->pins[i].tier, 0u);
@@ -146,7 +149,11 @@ void SpillAndPromoteEverything(uint64_t sim_seed) {
   EXPECT_EQ(*o.cache->Exists(o.ns, b.keys), 40u);  // present in the pool, on some tier
   ExpectCheckClean(path.path());
 
-  EXPECT_EQ(LookupAndVerify(*o.cache, o.ns, b.keys), 40u);
+  std::pair<size_t, size_t> brought_in;
+  EXPECT_EQ(LookupAndVerify(*o.cache, o.ns, b.keys, &brought_in), 40u);
+  // The lookup says where its hits came from: exactly where the index had them.
+  EXPECT_EQ(brought_in.first, tiers[cache::kTierMem]);
+  EXPECT_EQ(brought_in.second, tiers[cache::kTierSsd]);
   EXPECT_EQ(EntriesByTier(*o.pool)[cache::kTierRegion], 40u);
   const nlohmann::json st = (*store)->Stats();
   EXPECT_EQ(st["spilled"], 40u);

@@ -217,7 +217,10 @@ TEST(Cli, BenchTierQuickReportsTheSsdTierNextToFio) {
 TEST(Cli, DemoComparesFourConfigurationsWithIdenticalTokens) {
   cxlkv::testing::TempRegionPath path("cli-demo");
   const std::string out = path.path() + "-out";
-  auto r = Cli("demo --quick --path " + path.path() + " --size 64M --out " + out);
+  const std::string tier_dir = path.path() + "-tiers";
+  std::filesystem::create_directories(tier_dir);
+  auto r = Cli("demo --quick --path " + path.path() + " --size 64M --long-size 16M --tier-dir " + tier_dir +
+               " --out " + out);
   ASSERT_EQ(r.code, 0) << r.out;
   // Four KV configurations; the shared pool runs in both metadata modes (five runs in all).
   EXPECT_THAT(r.out, HasSubstr("identical across all 5 configurations, request by request: yes"));
@@ -240,6 +243,27 @@ TEST(Cli, DemoComparesFourConfigurationsWithIdenticalTokens) {
   EXPECT_GT(j["configurations"][3]["second_half_hit_rate"].get<double>(), 0.5);
   EXPECT_GE(j["configurations"][3]["second_half_hit_rate"].get<double>(),
             j["configurations"][1]["second_half_hit_rate"].get<double>());
+
+  // The long-context scenario: its KV outgrows the region. Without tiers the second pass loses
+  // what LRU evicted; with them the region spilled to node DRAM and SSD and promoted it back.
+  EXPECT_THAT(r.out, HasSubstr("(f) cxlkv pool + DRAM/SSD tiers"));
+  EXPECT_THAT(r.out, HasSubstr("generated tokens identical with and without tiers, request by request: yes"));
+  const auto& lc = j["long_context"];
+  ASSERT_EQ(lc["configurations"].size(), 2u) << lc.dump();
+  EXPECT_GT(lc["kv_working_set_bytes"].get<uint64_t>(), lc["region_bytes"].get<uint64_t>() / 2);
+  const auto& plain = lc["configurations"][0];
+  const auto& tiered = lc["configurations"][1];
+  EXPECT_FALSE(plain["tiered"].get<bool>());
+  EXPECT_TRUE(tiered["tiered"].get<bool>());
+  EXPECT_GT(tiered["tiers"]["spilled"].get<uint64_t>(), 0u);
+  EXPECT_GT(tiered["tiers"]["promoted"].get<uint64_t>(), 0u);
+  EXPECT_GT(tiered["hit_rate_by_tier"]["dram"].get<double>() + tiered["hit_rate_by_tier"]["ssd"].get<double>(), 0);
+  EXPECT_EQ(plain["hit_rate_by_tier"]["dram"].get<double>() + plain["hit_rate_by_tier"]["ssd"].get<double>(), 0);
+  EXPECT_GT(tiered["second_half_hit_rate"].get<double>(), plain["second_half_hit_rate"].get<double>());
+  EXPECT_TRUE(lc["tokens_identical"].get<bool>());
+  // The SSD tier's file and catalog were removed with the region.
+  EXPECT_TRUE(std::filesystem::is_empty(tier_dir));
+  std::filesystem::remove_all(tier_dir);
   std::filesystem::remove_all(out);
 }
 

@@ -3,16 +3,19 @@
 // populates, the second hits) by worker processes running the reference engine, under four
 // configurations in one run: no KV reuse, a private per-worker DRAM cache, that cache with a
 // TCP handoff, and the cxlkv shared pool. Prints the table, checks that every configuration
-// generated the same tokens, and writes the JSON and a TTFT CDF plot.
+// generated the same tokens, and writes the JSON and a TTFT CDF plot. Then the long-context
+// scenario: a working set beyond the region, the pool without and with capacity tiers.
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cinttypes>
 #include <cstdio>
 #include <fstream>
 #include <memory>
 #include <string>
 
 #include "commands.h"
+#include "engine/config.h"
 #include "serve/compare.h"
 #include "util/units.h"
 
@@ -31,7 +34,71 @@ struct DemoArgs {
   bool quick = false;
   uint32_t documents = 12;
   double scale = 4;
+  // The long-context scenario: a region smaller than the working set, without and with tiers.
+  bool long_context = true;
+  std::string long_size = "32M";
+  std::string tier_dir = ".";  // where the SSD tier's file goes (removed after)
 };
+
+// Long documents whose KV outgrows the region: the pool alone loses what LRU evicts before the
+// second pass asks again; with capacity tiers the region spills to node DRAM and an SSD file
+// (Unified KV pooling) and the second pass promotes its documents back. Prints both runs, where
+// each configuration's hits came from, and what the tiers moved.
+Result<nlohmann::json> RunLongContext(const DemoArgs& a, const nlohmann::json& config,
+                                      const serve::CompareOptions& base) {
+  serve::WorkloadOptions w;
+  w.kind = serve::WorkloadKind::kDocQa;
+  w.vocab_size = config.at("vocab_size").get<uint32_t>();
+  w.documents = a.quick ? 6 : 8;
+  w.doc_tokens = 8192;
+  w.scale = a.quick ? 8 : 4;
+  w.question_tokens = 256;
+  w.answer_tokens = a.quick ? 32 : 64;
+  w.passes = 2;
+  CXLKV_ASSIGN_OR_RETURN(auto requests, serve::GenerateWorkload(w));
+  CXLKV_ASSIGN_OR_RETURN(auto model, engine::ModelConfig::FromJson(config));
+  serve::CompareOptions co = base;
+  co.modes = {serve::KvMode::kPool};
+  co.pool_metadata = {MetadataMode::kDecentralized};
+  CXLKV_ASSIGN_OR_RETURN(co.region_bytes, util::ParseByteSize(a.long_size));
+  if (!co.region_prefix.empty()) co.region_prefix += "-long";
+  const std::string ssd = a.tier_dir + "/cxlkv-demo-" + std::to_string(::getpid()) + ".tier";
+  co.pool_tiers = {"dram:8M", "ssd:" + ssd + ":64M"};
+  const uint64_t doc_tokens = static_cast<uint64_t>(w.doc_tokens / w.scale);
+  std::printf("\n== long context beyond the region: capacity tiers behind the pool ==\n");
+  std::printf("workload long-document QA: %u documents of %" PRIu64 " tokens, 2 passes: KV working set %s in a %s region\n",
+              w.documents, doc_tokens, util::FormatBytes(w.documents * doc_tokens * model.KvBytesPerToken()).c_str(),
+              util::FormatBytes(co.region_bytes).c_str());
+  std::printf("tiers    served by the router's node as its cxlkvd would: node DRAM 8 MiB, SSD file %s 64 MiB\n\n",
+              ssd.c_str());
+  auto cmp = serve::CompareConfigurations(co, requests);
+  if (!cmp.ok()) {
+    return Status(cmp.status().code(), "long-context scenario: " + cmp.status().message() +
+                                           " (the SSD tier's file goes in --tier-dir; --no-long-context skips it)");
+  }
+  std::printf("\n");
+  serve::PrintTable(stdout, cmp->summaries);
+  std::printf("\n");
+  serve::PrintTierHits(stdout, cmp->summaries);
+  const int plain = serve::PoolIndex(*cmp, MetadataMode::kDecentralized);
+  const int tiered = serve::PoolIndex(*cmp, MetadataMode::kDecentralized, /*tiered=*/true);
+  if (plain < 0 || tiered < 0) return Internal("long-context scenario: a configuration did not run");
+  const nlohmann::json& t = cmp->runs[tiered].tiers;
+  std::printf("\ntiers moved: %" PRIu64 " blocks spilled out of the region, %" PRIu64 " promoted back on a hit "
+              "(%" PRIu64 " missed)\n", t.value("spilled", uint64_t{0}), t.value("promoted", uint64_t{0}),
+              t.value("promote_missed", uint64_t{0}));
+  std::printf("second pass hit rate: pool alone %.0f%%, with tiers %.0f%%; TTFT of seen prompts %.1f vs %.1f ms (%.2fx)\n",
+              100 * cmp->second_half_hit_rate[plain], 100 * cmp->second_half_hit_rate[tiered],
+              cmp->summaries[plain].ttft_seen_mean_ms, cmp->summaries[tiered].ttft_seen_mean_ms,
+              cmp->summaries[plain].ttft_seen_mean_ms / cmp->summaries[tiered].ttft_seen_mean_ms);
+  std::printf("generated tokens identical with and without tiers, request by request: %s\n",
+              cmp->tokens_identical ? "yes" : "NO");
+  nlohmann::json j = serve::ComparisonJson(*cmp);
+  j["region_bytes"] = co.region_bytes;
+  j["kv_working_set_bytes"] = w.documents * doc_tokens * model.KvBytesPerToken();
+  j["tiers"] = co.pool_tiers;
+  return j;
+}
 
 Status RunDemo(const DemoArgs& a) {
   CXLKV_ASSIGN_OR_RETURN(auto config, LoadModelConfig(a.model_config));
@@ -98,10 +165,14 @@ Status RunDemo(const DemoArgs& a) {
                 "throughput %.2f vs %.2f req/s\n", cen.ttft_mean_ms, dec.ttft_mean_ms, cen.ttft_seen_mean_ms,
                 dec.ttft_seen_mean_ms, cen.requests_per_s, dec.requests_per_s);
   }
+  nlohmann::json results = serve::ComparisonJson(cmp);
+  if (a.long_context) {
+    CXLKV_ASSIGN_OR_RETURN(results["long_context"], RunLongContext(a, config, co));
+  }
   const std::string out = a.out.empty() ? "/tmp/cxlkv-demo-" + std::to_string(::getuid()) : a.out;
   ::mkdir(out.c_str(), 0755);
   std::ofstream json(out + "/e2e.json");
-  json << serve::ComparisonJson(cmp).dump(2) << "\n";
+  json << results.dump(2) << "\n";
   if (!json) return IoError("cannot write " + out + "/e2e.json: choose a writable --out directory");
   Status plotted = serve::PlotTtftCdf(out + "/ttft_cdf.png", cmp.summaries);
   std::printf("\nresults: %s/e2e.json", out.c_str());
@@ -131,6 +202,11 @@ void AddDemoCommands(CLI::App& app, CommandResult& result) {
   cmd->add_option("--scale", a->scale, "Divide the papers' lengths (6144-token documents) by this")
       ->capture_default_str();
   cmd->add_flag("--quick", a->quick, "A smaller workload (tests)");
+  cmd->add_flag("!--no-long-context", a->long_context, "Skip the long-context scenario (capacity tiers)");
+  cmd->add_option("--long-size", a->long_size, "Region size of the long-context scenario (smaller than its KV)")
+      ->capture_default_str();
+  cmd->add_option("--tier-dir", a->tier_dir, "Where the long-context scenario's SSD tier file goes (removed after)")
+      ->capture_default_str();
   cmd->callback([a, &result] { result.status = RunDemo(*a); });
 }
 

@@ -1,4 +1,5 @@
 // cxlkv stat / check: inspect a pool without joining it.
+#include <algorithm>
 #include <memory>
 #include <string>
 
@@ -45,6 +46,14 @@ void PrintCacheStat(const nlohmann::json& c) {
                 util::FormatBytes(U(t["promoted_bytes"])).c_str(), static_cast<unsigned long long>(asked),
                 U(t["capacity_hits"]), asked ? 100.0 * static_cast<double>(U(t["capacity_hits"])) / asked : 0.0,
                 U(t["tier_drops"]));
+    // Hit rates per tier: of the blocks lookups asked for, where the hits were served from.
+    const uint64_t looked = U(t["lookup_blocks"]), hits = U(t["hit_blocks"]);
+    const uint64_t ssd = std::min(U(t["capacity_hits_ssd"]), U(t["capacity_hits"]));
+    const uint64_t mem = U(t["capacity_hits"]) - ssd, region = hits - std::min(hits, mem + ssd);
+    auto pct = [looked](uint64_t n) { return looked ? 100.0 * static_cast<double>(n) / static_cast<double>(looked) : 0.0; };
+    std::printf("  hits by tier (of %llu blocks looked up): region %llu (%.1f%%), node DRAM %llu (%.1f%%), "
+                "SSD %llu (%.1f%%)\n", static_cast<unsigned long long>(looked), static_cast<unsigned long long>(region),
+                pct(region), static_cast<unsigned long long>(mem), pct(mem), static_cast<unsigned long long>(ssd), pct(ssd));
   }
   for (auto& [node, v] : c["per_node"].items()) {
     std::printf("  node %-3s %-6s lookups %llu hit %llu/%llu blocks, inserts %llu, evictions %llu, pins %llu, "

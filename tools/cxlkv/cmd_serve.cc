@@ -47,6 +47,7 @@ struct ServeArgs {
   uint32_t lease_ms = 1000;
   bool json = false;
   std::string metadata = "decentralized";  // for a pool this command creates
+  std::vector<std::string> tiers;          // capacity tiers the router's node serves
 };
 
 Result<std::vector<serve::Request>> MakeRequests(const ServeArgs& a, uint32_t vocab) {
@@ -70,6 +71,7 @@ Status RunServe(const ServeArgs& a) {
   so.lease_ms = a.lease_ms;
   so.concurrency = a.concurrency;
   so.kill_prefill_after = a.kill_prefill_after;
+  so.tiers = a.tiers;
   CXLKV_ASSIGN_OR_RETURN(auto requests, MakeRequests(a, config.at("vocab_size").get<uint32_t>()));
   if (a.qps > 0) {
     CXLKV_RETURN_IF_ERROR(serve::AssignPoissonArrivals(requests, a.qps, a.w.seed));
@@ -102,6 +104,7 @@ Status RunServe(const ServeArgs& a) {
     out["policy"] = run.policy;
     out["pass_hit_rates"] = passes;
     out["workers_killed"] = run.workers_killed;
+    if (!run.tiers.is_null()) out["tiers"] = run.tiers;
     nlohmann::json reqs = nlohmann::json::array();
     for (const auto& r : run.records) {
       reqs.push_back({{"id", r.id},
@@ -116,6 +119,7 @@ Status RunServe(const ServeArgs& a) {
     std::printf("%s\n", out.dump(2).c_str());
   } else {
     serve::PrintTable(stdout, std::span(&summary, 1));
+    if (!a.tiers.empty()) serve::PrintTierHits(stdout, std::span(&summary, 1));
     for (size_t p = 0; p < passes.size(); ++p) {
       std::printf("pass %zu: %.1f%% of prompt blocks hit\n", p + 1, 100 * passes[p].get<double>());
     }
@@ -157,6 +161,9 @@ void AddServeCommands(CLI::App& app, CommandResult& result) {
   cmd->add_option("--lease-ms", a->lease_ms, "Node liveness lease")->capture_default_str();
   cmd->add_option("--kill-prefill-after", a->kill_prefill_after,
                   "Fault injection: kill -9 prefill worker 0 after N requests completed");
+  cmd->add_option("--tier", a->tiers,
+                  "A capacity tier the router's node serves, as cxlkvd's: dram:SIZE[:numa=N] | ssd:PATH:SIZE "
+                  "(repeat for several; decentralized metadata)");
   cmd->add_flag("--json", a->json, "Print the result as JSON");
   cmd->callback([a, &result] { result.status = RunServe(*a); });
 
