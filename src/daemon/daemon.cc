@@ -16,6 +16,8 @@
 #include "daemon/node_lock.h"
 #include "daemon/node_status.h"
 #include "pool/pool_internal.h"
+#include "pool/status_doc.h"
+#include "tier/pool_tiers.h"
 #include "tier/tier_service.h"
 #include "util/host_port.h"
 
@@ -67,7 +69,10 @@ std::map<uint32_t, rpc::Handler> AdminOps(Daemon& d) {
 Result<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options) {
   if (options.paths.empty()) return InvalidArgument("cxlkvd needs the pool's region paths (--path)");
   if (options.lease_ms < 50) return InvalidArgument("a lease under 50 ms cannot be kept: use --lease-ms 50 or more");
+  if (options.no_tiers && !options.tiers.empty()) return InvalidArgument("--no-tiers and --tier contradict each other");
   auto d = std::unique_ptr<Daemon>(new Daemon(options));
+  std::vector<std::string> tiers = options.tiers;
+  uint64_t tier_slot_bytes = options.tier_slot_bytes;
   {
     // Read the pool's identity (and validate it) before joining: the lock file is per pool and node.
     CXLKV_ASSIGN_OR_RETURN(auto regions, pool::AttachAll(options.paths));
@@ -77,6 +82,14 @@ Result<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options) {
                              std::to_string(info.max_nodes) + " nodes");
     }
     CXLKV_RETURN_IF_ERROR(d->TakeNodeLock(info.pool_id));
+    if (tiers.empty() && !options.no_tiers) {
+      CXLKV_ASSIGN_OR_RETURN(auto defaults, tier::FindPoolTierConfig(pool::ReadStatusDocs(regions)));
+      if (defaults) {
+        tiers = tier::SpecsForNode(*defaults, options.node_id);
+        if (tier_slot_bytes == 0) tier_slot_bytes = defaults->slot_bytes;
+        d->tiers_from_pool_ = true;
+      }
+    }
   }
   PoolOpenOptions po;
   po.node_id = options.node_id;
@@ -85,13 +98,13 @@ Result<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options) {
   po.recovers = true;
   po.prefault = true;
   CXLKV_ASSIGN_OR_RETURN(d->pool_, Pool::Open(options.paths, po));
-  if (!options.tiers.empty()) {
+  if (!tiers.empty()) {
     tier::TierStoreOptions to;
-    for (const std::string& text : options.tiers) {
+    for (const std::string& text : tiers) {
       CXLKV_ASSIGN_OR_RETURN(tier::TierSpec spec, tier::ParseTierSpec(text));
       to.tiers.push_back(spec);
     }
-    if (options.tier_slot_bytes != 0) to.slot_bytes = options.tier_slot_bytes;
+    if (tier_slot_bytes != 0) to.slot_bytes = tier_slot_bytes;
     CXLKV_ASSIGN_OR_RETURN(d->tiers_, tier::TierStore::Open(*d->pool_, to));
     CXLKV_ASSIGN_OR_RETURN(d->tier_service_, tier::StartTierService(*d->pool_, *d->tiers_));
   }

@@ -53,9 +53,12 @@ struct DaemonOptions {
   uint32_t tcp_max_frame = 4u << 20;  // largest frame payload the TCP front takes: a block put or
                                       // got over TCP must fit. Default 4 MiB.
   // The node's capacity tiers behind the region (docs/tiers.md): "dram:SIZE[:numa=N]",
-  // "ssd:PATH:SIZE". Default none: evicted blocks are dropped.
+  // "ssd:PATH:SIZE". Empty: the pool's default tiers (`cxlkv init --tier`, tier/pool_tiers.h)
+  // if it has some, else none (evicted blocks are dropped).
   std::vector<std::string> tiers;
-  uint64_t tier_slot_bytes = 0;       // per device slot, header included; 0: TierStoreOptions' default
+  bool no_tiers = false;              // serve no tiers, whatever the pool's default
+  uint64_t tier_slot_bytes = 0;       // per device slot, header included; 0: the pool's default,
+                                      // else TierStoreOptions' default
 };
 
 class Daemon {
@@ -82,6 +85,8 @@ class Daemon {
   const rpc::RpcServer* admin() const { return admin_.get(); }
   // The node's capacity tiers; null when none were given.
   tier::TierStore* tiers() const { return tiers_.get(); }
+  // True when the tiers are the pool's default (`cxlkv init --tier`), not this daemon's --tier.
+  bool tiers_from_pool() const { return tiers_from_pool_; }
   std::chrono::steady_clock::time_point started() const { return started_; }
 
  private:
@@ -95,6 +100,7 @@ class Daemon {
   std::string lock_path_;
   std::unique_ptr<Pool> pool_;
   std::unique_ptr<tier::TierStore> tiers_;           // spill thread, device workers
+  bool tiers_from_pool_ = false;
   std::unique_ptr<rpc::RpcServer> tier_service_;     // tier-<node>: promote requests for tiers_
   std::unique_ptr<rpc::RpcServer> admin_;
   std::unique_ptr<rpc::RpcClient> tcp_admin_client_;  // the TCP front's way to the admin service

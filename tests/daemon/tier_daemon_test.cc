@@ -94,5 +94,79 @@ TEST(CxlkvdTiers, AnUnusableDevicePathStopsTheDaemonAtStartNamingTheTier) {
   EXPECT_NE(malformed.out.find("expected dram:SIZE"), std::string::npos) << malformed.out;
 }
 
+// The line after a daemon's first one that contains `what` (its tier lines follow the first).
+std::string NextLineWith(DaemonProcess& d, const std::string& what) {
+  char line[1024];
+  for (int i = 0; i < 8 && std::fgets(line, sizeof line, d.out); ++i) {
+    if (std::string(line).find(what) != std::string::npos) return line;
+  }
+  return "";
+}
+
+// `cxlkv init --tier` records the pool's default tiers; every node's cxlkvd started without
+// --tier serves them, "%n" giving each node a file of its own, and --no-tiers opts out. `cxlkv
+// stat` shows them and `cxlkv check` passes. Without "%n", two daemons of one host would share
+// one file: the second is refused by name. A malformed tier, or tiers on central metadata, fail
+// init before anything is created.
+TEST(CxlkvdTiers, TheDefaultTiersOfCxlkvInitServeEveryNodeWithAFileOfItsOwn) {
+  TempRegionPath path("cxlkvddefaults");
+  const std::string dir = std::filesystem::current_path() / ("tier-defaults-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string init_cmd = Cli() + " init --path " + path.path() + " --size 96M --nodes 8 --force --tier-slot 260K";
+  const Output init = Sh(init_cmd + " --tier dram:4M --tier ssd:" + dir + "/kv-%n.tier:16M");
+  ASSERT_EQ(init.code, 0) << init.out;
+  EXPECT_NE(init.out.find("default tiers of every node's cxlkvd: dram:4M, ssd:" + dir + "/kv-%n.tier:16M"),
+            std::string::npos) << init.out;
+  {
+    DaemonProcess d0 = DaemonProcess::Start(path.path(), 0);
+    ASSERT_NE(d0.first_line.find("running"), std::string::npos) << d0.first_line;
+    EXPECT_NE(NextLineWith(d0, "kv-0.tier").find("the pool's default"), std::string::npos);
+    DaemonProcess d1 = DaemonProcess::Start(path.path(), 1);
+    ASSERT_NE(d1.first_line.find("running"), std::string::npos) << d1.first_line;
+    EXPECT_NE(NextLineWith(d1, "kv-1.tier").find("the pool's default"), std::string::npos);
+    DaemonProcess d2 = DaemonProcess::Start(path.path(), 2, "--no-tiers");
+    ASSERT_NE(d2.first_line.find("running"), std::string::npos) << d2.first_line;
+    EXPECT_TRUE(std::filesystem::exists(dir + "/kv-0.tier"));
+    EXPECT_TRUE(std::filesystem::exists(dir + "/kv-1.tier"));
+    EXPECT_FALSE(std::filesystem::exists(dir + "/kv-2.tier")) << "--no-tiers still opened the pool's default";
+    Output stat;
+    for (int i = 0; i < 50; ++i) {  // each daemon publishes its tiers' status document
+      stat = Sh(Cli() + " stat --path " + path.path());
+      if (stat.out.find("tiers of node 0") != std::string::npos && stat.out.find("tiers of node 1") != std::string::npos) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    EXPECT_NE(stat.out.find("default tiers of every node's cxlkvd (cxlkv init --tier): dram:4M"), std::string::npos)
+        << stat.out;
+    EXPECT_NE(stat.out.find("tiers of node 1"), std::string::npos) << stat.out;
+    EXPECT_EQ(stat.out.find("tiers of node 2"), std::string::npos) << stat.out;
+    const Output check = Sh(Cli() + " check --path " + path.path());
+    EXPECT_EQ(check.code, 0) << check.out;
+    for (DaemonProcess* d : {&d0, &d1, &d2}) {
+      ::kill(d->pid, SIGTERM);
+      EXPECT_EQ(d->Wait(), 0);
+    }
+  }
+  // One file for every node of a host: the second daemon is refused, naming the file.
+  ASSERT_EQ(Sh(init_cmd + " --tier ssd:" + dir + "/shared.tier:16M").code, 0);
+  {
+    DaemonProcess d0 = DaemonProcess::Start(path.path(), 0);
+    ASSERT_NE(d0.first_line.find("running"), std::string::npos) << d0.first_line;
+    const Output second = Sh(DaemonBinary() + " --path " + path.path() + " --node 1");
+    EXPECT_EQ(second.code, 1) << second.out;
+    EXPECT_NE(second.out.find(dir + "/shared.tier is in use by another process"), std::string::npos) << second.out;
+    ::kill(d0.pid, SIGTERM);
+    EXPECT_EQ(d0.Wait(), 0);
+  }
+  TempRegionPath other("cxlkvddefaults-bad");
+  const Output bad = Sh(Cli() + " init --path " + other.path() + " --size 64M --tier ssd:" + dir + "/x.tier");
+  EXPECT_NE(bad.code, 0) << bad.out;
+  EXPECT_NE(bad.out.find("no path or no size"), std::string::npos) << bad.out;
+  const Output central = Sh(Cli() + " init --path " + other.path() + " --size 64M --metadata central --tier dram:4M");
+  EXPECT_NE(central.code, 0) << central.out;
+  EXPECT_NE(central.out.find("decentralized metadata"), std::string::npos) << central.out;
+  EXPECT_FALSE(std::filesystem::exists(other.path())) << "a refused init created the region";
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace cxlkv

@@ -5,6 +5,8 @@
 
 #include "commands.h"
 #include "pool/pool_internal.h"
+#include "pool/status_doc.h"
+#include "tier/pool_tiers.h"
 #include "util/units.h"
 
 namespace cxlkv::cli {
@@ -73,6 +75,14 @@ void PrintCacheStat(const nlohmann::json& c) {
 // What each node's cxlkvd published of its capacity devices (pool/status_doc.h).
 void PrintTierStatus(const nlohmann::json& status) {
   if (!status.is_object()) return;
+  auto defaults = tier::FindPoolTierConfig(status);
+  if (!defaults.ok()) {
+    std::printf("default tiers: %s\n", defaults.status().message().c_str());
+  } else if (*defaults) {
+    std::string list;
+    for (const auto& s : (*defaults)->specs) list += (list.empty() ? "" : ", ") + s;
+    std::printf("default tiers of every node's cxlkvd (cxlkv init --tier): %s\n", list.c_str());
+  }
   for (auto& [name, doc] : status.items()) {
     if (name.rfind("tier-", 0) != 0) continue;
     if (doc.contains("unreadable")) {
@@ -157,6 +167,10 @@ void AddPoolCommands(CLI::App& app, CommandResult& result) {
       return;
     }
     auto problems = pool::Check(*regions, check_args->watch_ms);
+    // The default tiers every cxlkvd would serve must read back valid (cxlkv init --tier).
+    if (auto tiers = tier::FindPoolTierConfig(pool::ReadStatusDocs(*regions)); !tiers.ok()) {
+      problems.push_back(tiers.status().message());
+    }
     for (const auto& p : problems) std::printf("problem: %s\n", p.c_str());
     if (!problems.empty()) {
       result.status = Corrupted(std::to_string(problems.size()) + " invariant(s) violated (listed above)");

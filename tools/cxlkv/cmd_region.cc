@@ -5,6 +5,8 @@
 
 #include "cache/index.h"
 #include "commands.h"
+#include "pool/status_doc.h"
+#include "tier/pool_tiers.h"
 #include "util/units.h"
 
 namespace cxlkv::cli {
@@ -89,6 +91,8 @@ void AddRegionCommands(CLI::App& app, CommandResult& result) {
     uint32_t high = 95, low = 85;
     bool checksum = false, no_index = false;
     std::string metadata = "decentralized";
+    std::vector<std::string> tiers;
+    std::string tier_slot;
   };
   auto init_args = std::make_shared<InitArgs>();
   CLI::App* init = app.add_subcommand("init", "Create and format a region (shm/hugetlbfs file or /dev/daxX.Y)");
@@ -116,7 +120,29 @@ void AddRegionCommands(CLI::App& app, CommandResult& result) {
                    "(one metadata service over the shared-memory RPC: Beluga)")
       ->check(CLI::IsMember({"decentralized", "central"}))
       ->capture_default_str();
+  init->add_option("--tier", init_args->tiers,
+                   "A default capacity tier of every node's cxlkvd, repeatable: dram:SIZE[:numa=N] or ssd:PATH:SIZE "
+                   "(%n in PATH: the node id, e.g. ssd:/data/kv-%n.tier:64G); a cxlkvd's own --tier overrides");
+  init->add_option("--tier-slot", init_args->tier_slot, "Bytes per tier slot of those tiers (default 2M+4K)");
   init->callback([init_args, &result] {
+    tier::PoolTierConfig tiers;
+    tiers.specs = init_args->tiers;
+    if (!init_args->tiers.empty()) {
+      if (!init_args->tier_slot.empty()) {
+        auto slot = util::ParseByteSize(init_args->tier_slot);
+        if (!slot.ok()) {
+          result.status = InvalidArgument("--tier-slot: " + slot.status().message());
+          return;
+        }
+        tiers.slot_bytes = *slot;
+      }
+      result.status = tier::ValidatePoolTierConfig(tiers);
+      if (result.status.ok() && init_args->metadata == "central") {
+        result.status = InvalidArgument("capacity tiers need decentralized metadata for now (docs/tiers.md): "
+                                        "drop --tier or --metadata central");
+      }
+      if (!result.status.ok()) return;  // before anything is created
+    }
     PoolCreateOptions opts;
     if (!init_args->cache_capacity.empty()) {
       auto cap = util::ParseByteSize(init_args->cache_capacity);
@@ -159,6 +185,23 @@ void AddRegionCommands(CLI::App& app, CommandResult& result) {
                   util::FormatBytes((*region)->info().region_size).c_str(),
                   (*region)->info().max_nodes, (*region)->info().layout_version,
                   (*region)->info().region_id.c_str());
+    }
+    if (!tiers.specs.empty()) {
+      // Recorded in the pool (its status document "pool-tiers"), by a short visit as node 0.
+      PoolOpenOptions po;
+      po.recovers = false;
+      po.prefault = false;
+      auto pool = Pool::Open(paths, po);
+      result.status = pool.ok() ? pool::PublishStatus(**pool, tier::kPoolTiersDoc, tier::PoolTierConfigJson(tiers))
+                                : pool.status();
+      if (!result.status.ok()) {
+        result.status = Status(result.status.code(), "the pool was created but its tiers were not recorded: " +
+                                                         result.status.message() + " (re-run with --force)");
+        return;
+      }
+      std::string list;
+      for (const auto& s : tiers.specs) list += (list.empty() ? "" : ", ") + s;
+      std::printf("default tiers of every node's cxlkvd: %s\n", list.c_str());
     }
   });
 

@@ -43,7 +43,9 @@ int main(int argc, char** argv) {
   app.add_option("--lock-dir", o.lock_dir, "where the one-daemon-per-node lock file lives (default /dev/shm)");
   app.add_option("--tier", o.tiers,
                  "a capacity tier of this node behind the region, repeatable: dram:SIZE[:numa=N] or ssd:PATH:SIZE "
-                 "(e.g. --tier dram:8G --tier ssd:/data/kv.tier:64G); evicted blocks spill there");
+                 "(e.g. --tier dram:8G --tier ssd:/data/kv.tier:64G); evicted blocks spill there. Default: the "
+                 "pool's tiers (cxlkv init --tier), if any");
+  app.add_flag("--no-tiers", o.no_tiers, "serve no capacity tiers, whatever the pool's default");
   std::string tier_slot;
   app.add_option("--tier-slot", tier_slot, "bytes per tier slot, header included: the largest block a tier holds "
                                            "is this less 64 (default 2M+4K)");
@@ -88,7 +90,10 @@ int main(int argc, char** argv) {
   std::printf("\n");
   if (const cxlkv::tier::TierStore* tiers = (*d)->tiers(); tiers != nullptr) {
     // Each device's I/O path and every fallback it took, for the log (and `cxlkv stat`).
-    for (const auto& dev : tiers->devices()) std::printf("cxlkvd: node %u: tier %s\n", o.node_id, dev->Describe().c_str());
+    for (const auto& dev : tiers->devices()) {
+      std::printf("cxlkvd: node %u: tier %s%s\n", o.node_id, dev->Describe().c_str(),
+                  (*d)->tiers_from_pool() ? " (the pool's default: cxlkv init --tier)" : "");
+    }
   }
   std::fflush(stdout);
   int sig = 0;
