@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -102,6 +103,14 @@ struct LookupResult {
   size_t from_ssd = 0;
 };
 
+// What KvCache::ReadCapacity read: the longest prefix of its keys read out of capacity tiers,
+// and of those, how many were on node DRAM and on SSD.
+struct CapacityRead {
+  size_t blocks = 0;
+  size_t from_mem = 0;
+  size_t from_ssd = 0;
+};
+
 // A WRITING entry this process owns until Commit or Abort.
 struct Reservation {
   uint32_t slot = 0;
@@ -161,10 +170,21 @@ class KvCache {
   // An engine's own block hash (vLLM, SGLang), folded into the namespace.
   static BlockKey KeyFromEngineHash(const NamespaceHandle& ns, std::span<const uint8_t> hash);
 
-  // Longest READY prefix of `keys`, pinned; blocks found on capacity tiers are brought into the
-  // region first (promoted by their owner's cxlkvd). Errors: kInvalidArgument (a key of another
-  // namespace, a stale handle).
-  Result<LookupResult> Lookup(const NamespaceHandle& ns, std::span<const BlockKey> keys);
+  // Longest READY prefix of `keys`, pinned. With kPromote (the default), blocks found on capacity
+  // tiers are brought into the region first (promoted by their owner's cxlkvd) and pinned too;
+  // with kLeave the hit stops there and `capacity_run` says how many follow on capacity tiers,
+  // for ReadCapacity. Errors: kInvalidArgument (a key of another namespace, a stale handle).
+  enum class CapacityPolicy { kPromote, kLeave };
+  Result<LookupResult> Lookup(const NamespaceHandle& ns, std::span<const BlockKey> keys,
+                              CapacityPolicy policy = CapacityPolicy::kPromote);
+  // The streaming source: reads the longest prefix of `keys` it can out of capacity tiers
+  // without promoting them (they stay where they are, the region is not filled with a scan):
+  // each owner's cxlkvd reads its slots, validated, into region staging space, and `use` gets
+  // pins of those copies (`block_bytes` each; valid only during the call) — e.g. to scatter them
+  // straight into an engine's buffers (transfer::CpuTransfer::LoadFromCapacity). Errors:
+  // kNotSupported (no capacity tiers reachable from this pool), what `use` returned.
+  Result<CapacityRead> ReadCapacity(const NamespaceHandle& ns, std::span<const BlockKey> keys, uint64_t block_bytes,
+                                    const std::function<Status(std::span<const BlockPin>)>& use);
   // Length of the READY prefix without pinning, capacity tiers included (for schedulers; may be
   // stale at once, and a lookup may hit less when a capacity block cannot be brought in).
   Result<size_t> Exists(const NamespaceHandle& ns, std::span<const BlockKey> keys);

@@ -154,6 +154,8 @@ class Allocator {
   // Returns `line` to the global pool if every chunk of it is free in the lease.
   bool ReturnLineIfFreeLocked(ChunkRef line, uint64_t free_word);
   Status FreeLeasedLocked(ChunkRef chunk, OwnerWord w);
+  // One free taken off this node's remote-free ring (DrainRemoteFrees).
+  void ApplyRemoteFree(ObjectOffset off);
   void NoteLeaseLine(uint32_t region, uint64_t line);
   bool LeaseAllowed() const { return lease_lines_ > 0 && leasable_; }
   uint64_t LeaseWord() const;

@@ -207,39 +207,63 @@ void Allocator::DrainRemoteFrees() {
     ~Unlock() { pthread_mutex_unlock(mu); }
   } unlock{&node_.local().header().drain_mu};
   auto& m = meta(0);
+  std::vector<uint64_t> claimed;
   for (uint32_t f = 0; f < max_nodes_; ++f) {
     uint64_t ring = tables_[0].inbox(node_.id(), f);
     uint64_t tail = m.Fetch(ring);
     uint64_t head = m.Fetch(ring + kInboxHeadOffset);
     if (head == tail) continue;
     if (!RingSane(head, tail)) continue;  // corrupted: left for `cxlkv check` (never looped over)
-    for (; head < tail; ++head) {
-      ObjectOffset off(m.Fetch(ring + kInboxEntriesOffset + (head % kInboxEntries) * 8));
-      ChunkRef chunk;
-      uint64_t within;
-      if (!Locate(off, &chunk, &within)) continue;
-      OwnerWord w = OwnerWord::Decode(meta(chunk.region).Fetch(tables_[chunk.region].owner(chunk.chunk)));
-      const bool node_owned = w.kind == ChunkKind::kHeap || w.kind == ChunkKind::kLeasedObject;
-      bool mine = node_owned && w.node == node_.id() && w.incarnation == Inc20(node_.incarnation());
-      if (!mine) {
-        // Pushed for an earlier life of this node. If that life's recovery kept the object (an
-        // orphan slot, a whole-chunk object: never allocated from again), the free still names
-        // it: route it like any free. Otherwise the chunk may be someone else's by now: drop it.
-        const bool kept = w.node == node_.id() && w.incarnation != Inc20(node_.incarnation()) &&
-                          (w.kind == ChunkKind::kOrphanHeap || w.kind == ChunkKind::kLargeHead);
-        if (kept) (void)Free(off);
-        continue;
-      }
-      sync::LockRobust(&node_.local().header().heap_mu);
-      if (w.kind == ChunkKind::kHeap) {
-        (void)FreeSlot(chunk, within, false);
-      } else if (within == 0) {
-        (void)FreeLeasedLocked(chunk, w);
-      }
-      pthread_mutex_unlock(&node_.local().header().heap_mu);
-    }
-    m.Publish(ring + kInboxHeadOffset, head);
+    // Claimed before applied: the entries are copied out, the head published, and only then
+    // are the frees applied. A drainer that stops in between (killed, or stalled on the
+    // allocator lock long enough to be presumed dead, its ring then consumed by a recoverer)
+    // can at worst leak those objects; applying first and publishing after could apply them
+    // twice — a free of a slot allocated again meanwhile, a live block's payload lost.
+    // Fenced: a node silent past its lease may have been presumed dead, its rings and heap
+    // taken over by a recoverer; it leaves them alone (they are the recoverer's now).
+    if (!node_.Fence("remote-free drain").ok()) return;
+    claimed.clear();
+    for (uint64_t at = head; at < tail; ++at) claimed.push_back(m.Fetch(ring + kInboxEntriesOffset + (at % kInboxEntries) * 8));
+    m.Publish(ring + kInboxHeadOffset, tail);
+    for (uint64_t raw : claimed) ApplyRemoteFree(ObjectOffset(raw));
   }
+}
+
+void Allocator::ApplyRemoteFree(ObjectOffset off) {
+  ChunkRef chunk;
+  uint64_t within;
+  if (!Locate(off, &chunk, &within)) return;
+  const uint64_t owner = tables_[chunk.region].owner(chunk.chunk);
+  OwnerWord w = OwnerWord::Decode(meta(chunk.region).Fetch(owner));
+  const bool node_owned = w.kind == ChunkKind::kHeap || w.kind == ChunkKind::kLeasedObject;
+  const bool mine = node_owned && w.node == node_.id() && w.incarnation == Inc20(node_.incarnation());
+  if (!mine) {
+    // Pushed for an earlier life of this node. If that life's recovery kept the object (an
+    // orphan slot, a whole-chunk object: never allocated from again), the free still names
+    // it: route it like any free. Otherwise the chunk may be someone else's by now: drop it.
+    const bool kept = w.node == node_.id() && w.incarnation != Inc20(node_.incarnation()) &&
+                      (w.kind == ChunkKind::kOrphanHeap || w.kind == ChunkKind::kLargeHead);
+    if (kept) (void)Free(off);
+    return;
+  }
+  sync::LockRobust(&node_.local().header().heap_mu);
+  // Looked at again under the heap lock: a recovery that presumed this life over may have
+  // orphaned the chunk since; the object is then freed in place as any orphan's (Free routes
+  // it). Any other change means it is not ours to free.
+  if (const uint64_t again = meta(chunk.region).Fetch(owner); again != w.Encode()) {
+    pthread_mutex_unlock(&node_.local().header().heap_mu);
+    const OwnerWord now = OwnerWord::Decode(again);
+    if (now.node == node_.id() && (now.kind == ChunkKind::kOrphanHeap || now.kind == ChunkKind::kLargeHead)) {
+      (void)Free(off);
+    }
+    return;
+  }
+  if (w.kind == ChunkKind::kHeap) {
+    (void)FreeSlot(chunk, within, false);
+  } else if (within == 0) {
+    (void)FreeLeasedLocked(chunk, w);
+  }
+  pthread_mutex_unlock(&node_.local().header().heap_mu);
 }
 
 }  // namespace cxlkv::alloc

@@ -288,6 +288,14 @@ Result<LookupResult> Index::LookupMore(const NamespaceHandle& ns, std::span<cons
   return more;
 }
 
+void Index::CountStreamedHits(const NamespaceHandle& ns, uint64_t n) {
+  if (central_writer() || n == 0) return;
+  Add(kHitBlocks, n);
+  Add(kHitTokens, n * ns.block_size);
+  Add(kMissBlocks, uint64_t{0} - n);  // sums mod 2^64: this subtracts
+  Add(kCapacityHits, n);
+}
+
 void Index::CountLookup(const NamespaceHandle& ns, size_t asked, size_t hit) {
   Add(kLookups, 1);
   Add(kLookupBlocks, asked);

@@ -90,6 +90,7 @@ class Index final : public IndexApi {
   void CountCapacityHitsFromSsd(uint64_t n) override {
     if (!central_writer()) Add(kCapacityHitsSsd, n);
   }
+  void CountStreamedHits(const NamespaceHandle& ns, uint64_t n) override;
 
   // Evicts these keys of `ns` (or every READY entry when `keys` is empty and `all`) if unpinned.
   Result<uint64_t> EvictKeys(const NamespaceHandle& ns, std::span<const BlockKey> keys) override;

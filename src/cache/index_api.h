@@ -6,6 +6,7 @@
 #define CXLKV_SRC_CACHE_INDEX_API_H_
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -52,6 +53,9 @@ class IndexApi {
   // Of the blocks a lookup brought in from capacity tiers, those that were on SSD. Capacity
   // tiers exist only where this process writes the index (decentralized): elsewhere, nothing.
   virtual void CountCapacityHitsFromSsd(uint64_t) {}
+  // Blocks a lookup left on capacity tiers (counted as misses) that were then read out of them:
+  // hits after all.
+  virtual void CountStreamedHits(const NamespaceHandle&, uint64_t) {}
 };
 
 // Brings blocks that the index holds on capacity tiers into the region (their owners' cxlkvd
@@ -66,6 +70,12 @@ class CapacityPromoter {
   // Asks a node's tiers to spill about `bytes` of the region's least recently used blocks, so a
   // reserve need not drop them. Returns the bytes freed (0: no tiers reached; the caller evicts).
   virtual uint64_t MakeRoom(uint64_t bytes) = 0;
+  // Reads the longest prefix of `keys` it can out of capacity tiers without moving the blocks:
+  // the owners read their slots (validated) into region staging space this call allocates, and
+  // `use` gets pins of those copies, `block_bytes` each, valid only during the call. Errors:
+  // what `use` returned (after the staging is released).
+  virtual Result<CapacityRead> ReadOut(const NamespaceHandle& ns, std::span<const BlockKey> keys, uint64_t block_bytes,
+                                       const std::function<Status(std::span<const BlockPin>)>& use) = 0;
 };
 
 }  // namespace cxlkv::cache

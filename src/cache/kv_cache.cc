@@ -55,13 +55,15 @@ BlockKey KvCache::KeyFromEngineHash(const NamespaceHandle& ns, std::span<const u
   return BlockKey{h.low64, h.high64};
 }
 
-Result<LookupResult> KvCache::Lookup(const NamespaceHandle& ns, std::span<const BlockKey> keys) {
+Result<LookupResult> KvCache::Lookup(const NamespaceHandle& ns, std::span<const BlockKey> keys,
+                                     CapacityPolicy policy) {
   CXLKV_ASSIGN_OR_RETURN(LookupResult hit, index_.Lookup(ns, keys, /*pin=*/true));
   cache::CapacityPromoter* promoter = promoter_.load(std::memory_order_acquire);
   if (hit.capacity_run == 0 || promoter == nullptr) {
     hit.capacity_run = 0;
     return hit;
   }
+  if (policy == CapacityPolicy::kLeave) return hit;
   // The hit stopped at a block on a capacity tier: have the owners bring the run in, then pin
   // on from there. Whatever was not brought in ends the hit, as a miss would.
   const std::span<const BlockKey> rest = keys.subspan(hit.hit_blocks);
@@ -77,6 +79,19 @@ Result<LookupResult> KvCache::Lookup(const NamespaceHandle& ns, std::span<const 
   hit.pins.insert(hit.pins.end(), more->pins.begin(), more->pins.end());
   hit.hit_blocks = hit.pins.size();
   return hit;
+}
+
+Result<CapacityRead> KvCache::ReadCapacity(const NamespaceHandle& ns, std::span<const BlockKey> keys,
+                                           uint64_t block_bytes,
+                                           const std::function<Status(std::span<const BlockPin>)>& use) {
+  cache::CapacityPromoter* promoter = promoter_.load(std::memory_order_acquire);
+  if (promoter == nullptr) return NotSupported("this pool reaches no capacity tiers (decentralized pools only)");
+  if (block_bytes == 0) return InvalidArgument("read of capacity blocks of 0 bytes");
+  if (keys.empty()) return CapacityRead{};
+  CXLKV_ASSIGN_OR_RETURN(CapacityRead r, promoter->ReadOut(ns, keys, block_bytes, use));
+  index_.CountStreamedHits(ns, r.blocks);  // the kLeave lookup before counted them as misses
+  if (r.from_ssd != 0) index_.CountCapacityHitsFromSsd(r.from_ssd);
+  return r;
 }
 
 Result<size_t> KvCache::Exists(const NamespaceHandle& ns, std::span<const BlockKey> keys) {

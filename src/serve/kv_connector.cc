@@ -136,12 +136,51 @@ Status KvConnector::PublishOrSkip(std::span<const uint32_t> ids, std::span<const
   return Status::Ok();
 }
 
+Result<LookupResult> KvConnector::PoolLookup(std::span<const BlockKey> keys) {
+  return pool_.Lookup(ns_, keys, stream_capacity_ ? KvCache::CapacityPolicy::kLeave : KvCache::CapacityPolicy::kPromote);
+}
+
+uint32_t KvConnector::LoadCapacityRun(const LookupResult& hit, std::span<const uint32_t> ids,
+                                      std::span<const BlockKey> keys, KvStats& stats) {
+  const size_t run = std::min({hit.capacity_run, ids.size(), keys.size()});
+  if (!stream_capacity_ || run == 0) return 0;
+  auto loaded = transfer_.LoadFromCapacity(ns_, layout_, ids.first(run), keys.first(run));
+  if (!loaded.ok()) return 0;  // an unreachable tier is a miss: those blocks are computed
+  stats.hit_from_mem += static_cast<uint32_t>(loaded->from_mem);
+  stats.hit_from_ssd += static_cast<uint32_t>(loaded->from_ssd);
+  return static_cast<uint32_t>(loaded->blocks);
+}
+
+Status KvConnector::TakeHit(PreparedPrefill& p, LookupResult hit, size_t reusable) {
+  KvStats& st = p.stats_;
+  const std::span<const uint32_t> ids = p.ids_;
+  const std::span<const BlockKey> chain = std::span<const BlockKey>(p.chain_).first(reusable);
+  for (;;) {
+    if (hit.hit_blocks > 0) {  // region blocks: pinned, loaded layer by layer behind the compute
+      auto load = transfer_.StartLoad(layout_, ids.subspan(st.hit_blocks, hit.hit_blocks), hit.pins);
+      p.pins_.insert(p.pins_.end(), hit.pins.begin(), hit.pins.end());
+      if (!load.ok()) return load.status();
+      p.loads_.push_back(std::move(*load));
+      st.hit_blocks += static_cast<uint32_t>(hit.hit_blocks);
+      st.hit_from_mem += static_cast<uint32_t>(hit.from_mem);
+      st.hit_from_ssd += static_cast<uint32_t>(hit.from_ssd);
+    }
+    const uint32_t streamed = LoadCapacityRun(hit, ids.subspan(st.hit_blocks), chain.subspan(st.hit_blocks), st);
+    st.hit_blocks += streamed;
+    // A streamed run ends at a block that is not on a capacity tier: the region may hold the
+    // next ones again. Go on while there is progress.
+    if (streamed == 0 || st.hit_blocks >= reusable) return Status::Ok();
+    CXLKV_ASSIGN_OR_RETURN(hit, PoolLookup(chain.subspan(st.hit_blocks)));
+  }
+}
+
 Result<LookupResult> KvConnector::LookupAwaitingInFlight(std::span<const BlockKey> keys, KvStats& stats) {
   const int64_t start = NowNs();
   auto backoff = std::chrono::microseconds(200);
   size_t from_mem = 0, from_ssd = 0;  // brought in from a tier by this or an earlier round
   for (;;) {
-    CXLKV_ASSIGN_OR_RETURN(auto hit, pool_.Lookup(ns_, keys));
+    CXLKV_ASSIGN_OR_RETURN(auto hit, PoolLookup(keys));
+    if (hit.capacity_run > 0) return hit;  // the next block is present, on a capacity tier
     from_mem += hit.from_mem;
     from_ssd += hit.from_ssd;
     hit.from_mem = std::min(from_mem, hit.hit_blocks);
@@ -192,17 +231,9 @@ Result<std::unique_ptr<PreparedPrefill>> KvConnector::Prepare(uint64_t request_i
     if (await_in_flight) {
       CXLKV_ASSIGN_OR_RETURN(hit, LookupAwaitingInFlight(reusable, st));
     } else {
-      CXLKV_ASSIGN_OR_RETURN(hit, pool_.Lookup(ns_, reusable));
+      CXLKV_ASSIGN_OR_RETURN(hit, PoolLookup(reusable));
     }
-    p->pins_ = std::move(hit.pins);
-    st.hit_blocks = static_cast<uint32_t>(hit.hit_blocks);
-    st.hit_from_mem = static_cast<uint32_t>(hit.from_mem);
-    st.hit_from_ssd = static_cast<uint32_t>(hit.from_ssd);
-    if (st.hit_blocks > 0) {
-      CXLKV_ASSIGN_OR_RETURN(auto load,
-                             transfer_.StartLoad(layout_, std::span(p->ids_).first(st.hit_blocks), p->pins_));
-      p->loads_.push_back(std::move(load));
-    }
+    CXLKV_RETURN_IF_ERROR(TakeHit(*p, std::move(hit), reusable.size()));
   } else if (mode_ != KvMode::kRecompute) {
     st.hit_blocks = static_cast<uint32_t>(private_.LongestPrefix(reusable));
     for (uint32_t i = 0; i < st.hit_blocks; ++i) BlockToEngine(private_.Get(p->chain_[i])->data(), p->ids_[i]);
@@ -229,15 +260,9 @@ Result<PrefillResult> KvConnector::Prefill(PreparedPrefill& p) {
   if (mode_ == KvMode::kPool && st.hit_blocks < reusable) {
     CXLKV_ASSIGN_OR_RETURN(auto more,
                            LookupAwaitingInFlight(std::span(chain).subspan(st.hit_blocks, reusable - st.hit_blocks), st));
-    if (more.hit_blocks > 0) {
-      auto load = transfer_.StartLoad(layout_, ids.subspan(st.hit_blocks, more.hit_blocks), more.pins);
-      p.pins_.insert(p.pins_.end(), more.pins.begin(), more.pins.end());
-      if (!load.ok()) return load.status();
-      p.loads_.push_back(std::move(*load));
-      st.hit_blocks += static_cast<uint32_t>(more.hit_blocks);
-      st.hit_from_mem += static_cast<uint32_t>(more.from_mem);
-      st.hit_from_ssd += static_cast<uint32_t>(more.from_ssd);
-    }
+    p.stats_ = st;  // TakeHit adds to the prepared request's stats
+    CXLKV_RETURN_IF_ERROR(TakeHit(p, std::move(more), reusable));
+    st = p.stats_;
   }
   st.bytes_loaded = uint64_t{st.hit_blocks} * layout_.PoolBlockBytes();
 
@@ -336,11 +361,17 @@ Result<DecodeResult> KvConnector::Decode(uint64_t request_id, std::span<const in
       one_use = HandoffKeys(request_id, 0, prompt_blocks);
     }
     keys.insert(keys.end(), one_use.begin(), one_use.end());
-    CXLKV_ASSIGN_OR_RETURN(auto hit, pool_.Lookup(ns_, keys));
-    loaded = static_cast<uint32_t>(hit.hit_blocks);
-    Status s = transfer_.ScatterRead(layout_, ids.first(loaded), hit.pins);
-    pool_.Release(hit.pins);
-    CXLKV_RETURN_IF_ERROR(s);
+    const std::span<const BlockKey> all(keys);
+    for (;;) {  // region blocks read, then a capacity run streamed; on while streaming progresses
+      CXLKV_ASSIGN_OR_RETURN(auto hit, PoolLookup(all.subspan(loaded)));
+      Status s = transfer_.ScatterRead(layout_, ids.subspan(loaded, hit.hit_blocks), hit.pins);
+      pool_.Release(hit.pins);
+      CXLKV_RETURN_IF_ERROR(s);
+      loaded += static_cast<uint32_t>(hit.hit_blocks);
+      const uint32_t streamed = LoadCapacityRun(hit, ids.subspan(loaded), all.subspan(loaded), st);
+      loaded += streamed;
+      if (streamed == 0 || loaded >= all.size()) break;
+    }
     if (!one_use.empty()) (void)pool_.Evict(ns_, one_use);  // read once; leaves room for the shared cache
   }
   st.hit_blocks = loaded;

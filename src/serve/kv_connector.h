@@ -133,9 +133,23 @@ class KvConnector {
                               uint32_t max_new, const std::vector<uint8_t>* tcp_payload);
 
   KvMode mode() const { return mode_; }
+  // Pool mode, prefix hits on capacity tiers: promote them into the region and load from there
+  // (false, the default), or read them straight into the engine's blocks, leaving them where
+  // they are (true: transfer::CpuTransfer::LoadFromCapacity).
+  void SetStreamCapacity(bool stream) { stream_capacity_ = stream; }
   uint64_t BlockBytes() const { return layout_.PoolBlockBytes(); }
 
  private:
+  // The pool's lookup under this connector's capacity policy.
+  Result<LookupResult> PoolLookup(std::span<const BlockKey> keys);
+  // Streams the capacity run after `hit` (stream_capacity_) into engine blocks `ids` (those of
+  // the run's keys); adds what it loaded to the stats. Returns the blocks loaded.
+  uint32_t LoadCapacityRun(const LookupResult& hit, std::span<const uint32_t> ids, std::span<const BlockKey> keys,
+                           KvStats& stats);
+  // Adds a lookup's hit (its keys start at the prepared request's hit_blocks) to the prepared
+  // request: loads its pinned blocks, streams a capacity run after them, and looks on while
+  // streaming makes progress. `reusable`: the prompt's blocks that may hit.
+  Status TakeHit(PreparedPrefill& p, LookupResult hit, size_t reusable);
   // Lookup of the prompt's reusable blocks that, where the first missing block is being
   // written by another worker, waits (bounded) for it to land; the wait goes to stats.wait_ms.
   Result<LookupResult> LookupAwaitingInFlight(std::span<const BlockKey> keys, KvStats& stats);
@@ -158,6 +172,7 @@ class KvConnector {
   NamespaceHandle ns_;
   uint64_t run_id_;
   PrivateBlockCache private_;
+  bool stream_capacity_ = false;
 };
 
 }  // namespace cxlkv::serve

@@ -121,6 +121,7 @@ Status Router::Spawn(WorkerRole role, uint32_t index, uint32_t node, uint64_t ru
   wo.run_id = run_id;
   wo.engine_blocks = engine_blocks;
   wo.private_cache_bytes = o_.private_cache_bytes;
+  wo.stream_capacity = o_.stream_capacity;
   wo.channel_fd = 3;
   const std::string args = WorkerOptionsToJson(wo).dump();
   std::fflush(nullptr);

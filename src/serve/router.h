@@ -45,6 +45,10 @@ struct ServeOptions {
   // ("dram:64M", "ssd:PATH:256M"): the region spills to them and hits promote from them.
   // Slots are sized to the model's KV block. Empty: none. Needs decentralized metadata.
   std::vector<std::string> tiers;
+  // A prefix hit on a capacity tier: false (default) promotes the blocks into the region (then
+  // loads them); true reads them straight into the engine (transfer's capacity source) and
+  // leaves them where they are.
+  bool stream_capacity = false;
   uint32_t concurrency = 4;           // closed loop: requests in flight. Default 4.
   bool open_loop = false;             // true: requests start at their arrival_s instead
   uint32_t max_per_worker = 2;        // requests queued at one prefill worker at most

@@ -56,6 +56,7 @@ Status Setup(const WorkerOptions& o, WorkerState& w) {
   CXLKV_ASSIGN_OR_RETURN(auto handle, cache->Namespace(ns));
   w.connector = std::make_unique<KvConnector>(o.mode, *w.model, *w.engine_cache, *cache, handle, o.run_id,
                                               o.private_cache_bytes);
+  w.connector->SetStreamCapacity(o.stream_capacity);
   if (o.role == WorkerRole::kDecode && o.mode == KvMode::kTcp) {
     CXLKV_ASSIGN_OR_RETURN(w.tcp_server, TcpHandoffServer::Start());
   }
@@ -138,6 +139,7 @@ nlohmann::json WorkerOptionsToJson(const WorkerOptions& o) {
           {"run_id", o.run_id},
           {"engine_blocks", o.engine_blocks},
           {"private_cache_bytes", o.private_cache_bytes},
+          {"stream_capacity", o.stream_capacity},
           {"channel_fd", o.channel_fd}};
 }
 
@@ -155,6 +157,7 @@ Result<WorkerOptions> WorkerOptionsFromJson(const nlohmann::json& j) {
     o.run_id = j.at("run_id");
     o.engine_blocks = j.at("engine_blocks");
     o.private_cache_bytes = j.at("private_cache_bytes");
+    o.stream_capacity = j.value("stream_capacity", false);
     o.channel_fd = j.at("channel_fd");
   } catch (const nlohmann::json::exception& e) {
     return InvalidArgument(std::string("serve-worker: malformed options: ") + e.what());

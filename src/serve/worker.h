@@ -36,6 +36,7 @@ struct WorkerOptions {
   uint64_t run_id = 0;
   uint32_t engine_blocks = 512;    // blocks of the engine's paged cache
   uint64_t private_cache_bytes = 256ull << 20;
+  bool stream_capacity = false;    // read capacity-tier hits into the engine, not promote them
   int channel_fd = 3;
 };
 

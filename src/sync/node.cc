@@ -140,9 +140,12 @@ Node::~Node() {
     std::lock_guard<std::mutex> lock(hooks_mu_);
     recovery_cv_.notify_all();
   }
-  if (beat_thread_.joinable()) beat_thread_.join();  // stops the manager, drops manager_mu
+  // The tasks and recovery threads first, while this node still beats (and may still grant
+  // locks): a last drain or recovery that waits on a lock must not leave the node silent long
+  // enough to be presumed dead, its rings consumed by a recoverer under its feet.
   if (tasks_thread_.joinable()) tasks_thread_.join();
   if (recovery_thread_.joinable()) recovery_thread_.join();
+  if (beat_thread_.joinable()) beat_thread_.join();  // stops the manager, drops manager_mu
   local_->header().attached.fetch_sub(1);
   // The last process of the node marks it left; the node-local file goes with it.
   if (local_->LastUser()) heartbeat_->PublishLeft();

@@ -360,19 +360,73 @@ PromoteResult TierStore::Promote(std::span<const BlockKey> keys) {
       ++out.missed;
     }
   }
-  if (!invalid.empty()) {
-    // Only a slot whose entry this drop removed is surely named by nothing (the entry may have
-    // moved since the lock-free look): the others are left to the entry, or to reconcile.
-    std::vector<bool> dropped;
-    index_.DropCapacity(invalid, &dropped);
-    for (size_t i = 0; i < invalid.size(); ++i) {
-      if (!dropped[i]) continue;
-      FreeSlots(cache::LocationDevice(invalid[i].location), std::vector<uint64_t>{cache::LocationSlot(invalid[i].location)});
-      dropped_lost_.fetch_add(1, std::memory_order_relaxed);
-    }
-  }
+  DropInvalidLocked(invalid);
   promoted_.fetch_add(out.promoted, std::memory_order_relaxed);
   promote_missed_.fetch_add(out.missed, std::memory_order_relaxed);
+  return out;
+}
+
+void TierStore::DropInvalidLocked(std::span<const Block> invalid) {
+  if (invalid.empty()) return;
+  // Only a slot whose entry this drop removed is surely named by nothing (the entry may have
+  // moved since the lock-free look): the others are left to the entry, or to reconcile.
+  std::vector<bool> dropped;
+  index_.DropCapacity(invalid, &dropped);
+  for (size_t i = 0; i < invalid.size(); ++i) {
+    if (!dropped[i]) continue;
+    FreeSlots(cache::LocationDevice(invalid[i].location), std::vector<uint64_t>{cache::LocationSlot(invalid[i].location)});
+    dropped_lost_.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
+std::vector<uint32_t> TierStore::ReadOut(std::span<const BlockKey> keys, std::span<const uint64_t> staging,
+                                         uint64_t capacity) {
+  std::vector<uint32_t> out(keys.size(), 0);
+  if (staging.size() != keys.size()) return out;
+  // Under the move lock: no spill, promote or drop frees a slot while it is being read.
+  std::lock_guard<std::mutex> g(move_mu_);
+  alloc::Allocator& allocator = *pool_.impl().allocator;
+  std::vector<std::vector<size_t>> which(devices_.size());  // key index per item
+  std::vector<std::vector<ReadItem>> items(devices_.size());
+  std::vector<std::vector<Block>> blocks(devices_.size());
+  size_t at_key = 0;
+  for (const Block& b : index_.FindCapacity(keys)) {  // in key order
+    while (at_key < keys.size() && !(keys[at_key] == b.key)) ++at_key;
+    if (at_key == keys.size()) break;
+    const size_t i = at_key++;
+    if (!Mine(b) || b.bytes > capacity || !allocator.Contains(alloc::ObjectOffset(staging[i]), b.bytes)) continue;
+    const uint32_t d = cache::LocationDevice(b.location);
+    ReadItem item;
+    item.slot = cache::LocationSlot(b.location);
+    item.expect = SlotTag{b.key, b.ns, b.gen};
+    item.dst = std::span<std::byte>(reinterpret_cast<std::byte*>(index_.Payload(staging[i], b.bytes)), b.bytes);
+    item.dst_shared = true;  // non-temporal stores: the reader, on another host, invalidates and reads
+    which[d].push_back(i);
+    items[d].push_back(item);
+    blocks[d].push_back(b);
+  }
+  std::vector<std::vector<Status>> read(devices_.size());
+  std::vector<std::function<void()>> jobs(devices_.size());
+  for (size_t d = 0; d < devices_.size(); ++d) {
+    if (!items[d].empty()) jobs[d] = [&, d] { read[d] = devices_[d]->Read(items[d]); };
+  }
+  RunOnDevices(jobs);  // per device, in parallel
+  std::vector<Block> invalid;
+  uint64_t done = 0;
+  for (size_t d = 0; d < devices_.size(); ++d) {
+    for (size_t k = 0; k < items[d].size(); ++k) {
+      const bool ok = k < read[d].size() && read[d][k].ok() && items[d][k].payload_bytes == blocks[d][k].bytes;
+      if (ok) {
+        out[which[d][k]] = items[d][k].payload_bytes;
+        ++done;
+      } else if (k < read[d].size() && (read[d][k].ok() || IsMiss(read[d][k]))) {
+        invalid.push_back(blocks[d][k]);  // never served: its entry goes
+      }
+    }
+  }
+  DropInvalidLocked(invalid);
+  read_out_.fetch_add(done, std::memory_order_relaxed);
+  read_out_missed_.fetch_add(keys.size() - done, std::memory_order_relaxed);
   return out;
 }
 

@@ -1,6 +1,7 @@
 // The tier service and the promoter every pool's cache uses (tier_service.h).
 #include "tier/tier_service.h"
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -51,8 +52,65 @@ Result<PromoteResult> DecodePromoteResult(std::span<const uint8_t> bytes) {
   return out;
 }
 
+std::vector<uint8_t> EncodeReadRequest(const ReadRequest& r) {
+  std::vector<uint8_t> out(4 + r.keys.size() * meta::kKeyBytes + 8 + r.staging.size() * 8);
+  meta::WireWriter w(out);
+  meta::PutKeys(w, r.keys);
+  w.Put(r.capacity);
+  for (uint64_t off : r.staging) w.Put(off);
+  return out;
+}
+
+Result<ReadRequest> DecodeReadRequest(std::span<const uint8_t> bytes) {
+  ReadRequest r;
+  const size_t keys = bytes.size() >= 4 ? (bytes.size() - 4 - 8) / (meta::kKeyBytes + 8) : 0;
+  if (bytes.size() < 12 || bytes.size() != 4 + keys * (meta::kKeyBytes + 8) + 8 || keys > kReadKeysPerCall) {
+    return InvalidArgument("read request of " + std::to_string(bytes.size()) + " bytes is not a batch of at most " +
+                           std::to_string(kReadKeysPerCall) + " keys with their staging");
+  }
+  // The key batch ends where the capacity begins: read it from its own span, whose length the
+  // count must fill exactly.
+  meta::WireReader kr(bytes.first(4 + keys * meta::kKeyBytes));
+  meta::WireReader r8(bytes.subspan(4 + keys * meta::kKeyBytes));
+  if (!meta::GetKeys(kr, &r.keys) || r.keys.size() != keys || !r8.Get(&r.capacity)) {
+    return InvalidArgument("read request: its key count does not match its length");
+  }
+  r.staging.resize(keys);
+  for (uint64_t& off : r.staging) {
+    if (!r8.Get(&off)) return InvalidArgument("read request: staging offsets cut short");
+  }
+  if (!r8.done()) return InvalidArgument("read request: bytes after the staging offsets");
+  return r;
+}
+
+std::vector<uint8_t> EncodeReadResult(std::span<const uint32_t> bytes_read) {
+  std::vector<uint8_t> out(bytes_read.size() * 4);
+  meta::WireWriter w(out);
+  for (uint32_t b : bytes_read) w.Put(b);
+  return out;
+}
+
+Result<std::vector<uint32_t>> DecodeReadResult(std::span<const uint8_t> bytes, size_t keys) {
+  meta::WireReader r(bytes);
+  std::vector<uint32_t> out(keys);
+  for (uint32_t& b : out) {
+    if (!r.Get(&b)) return Corrupted("read answer of " + std::to_string(bytes.size()) + " bytes for " + std::to_string(keys) + " keys");
+  }
+  if (!r.done()) return Corrupted("read answer of " + std::to_string(bytes.size()) + " bytes for " + std::to_string(keys) + " keys");
+  return out;
+}
+
 Result<std::unique_ptr<rpc::RpcServer>> StartTierService(Pool& pool, TierStore& store) {
   std::map<uint32_t, rpc::Handler> ops;
+  // Idempotent: reading the same slots into the same staging again writes the same bytes.
+  ops[kTierRead] = {[&store](const rpc::Request& req, std::span<uint8_t> out) -> Result<size_t> {
+                      CXLKV_ASSIGN_OR_RETURN(ReadRequest r, DecodeReadRequest(req.payload));
+                      std::vector<uint8_t> answer = EncodeReadResult(store.ReadOut(r.keys, r.staging, r.capacity));
+                      if (answer.size() > out.size()) return NoSpace("read answer exceeds its slot");
+                      std::memcpy(out.data(), answer.data(), answer.size());
+                      return answer.size();
+                    },
+                    /*idempotent=*/true};
   // Idempotent: promoting a block twice finds it in the region the second time (not_mine).
   ops[kTierPromote] = {[&store](const rpc::Request& req, std::span<uint8_t> out) -> Result<size_t> {
                          CXLKV_ASSIGN_OR_RETURN(std::vector<BlockKey> keys, DecodePromoteRequest(req.payload));
@@ -144,6 +202,73 @@ class RemotePromoter final : public cache::CapacityPromoter {
     return found_on;
   }
 
+  Result<CapacityRead> ReadOut(const NamespaceHandle&, std::span<const BlockKey> keys, uint64_t block_bytes,
+                               const std::function<Status(std::span<const BlockPin>)>& use) override {
+    CapacityRead out;
+    // Staging, one block each, until the region says no (the rest would miss anyway).
+    std::vector<uint64_t> staging;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      auto off = index_.AllocateRegionPayload(block_bytes);
+      if (!off.ok()) break;
+      staging.push_back(*off);
+    }
+    const size_t n = staging.size();
+    std::vector<uint32_t> got(n, 0);
+    std::vector<uint16_t> tier(n, cache::kTierRegion);
+    std::vector<bool> unknown(n, false);  // a call whose outcome never came: its owner may still write
+    std::map<uint32_t, std::vector<size_t>> by_owner;
+    size_t at_key = 0;
+    for (const auto& b : index_.FindCapacity(keys.first(n))) {  // in key order
+      while (at_key < n && !(keys[at_key] == b.key)) ++at_key;
+      if (at_key == n) break;
+      tier[at_key] = b.tier;
+      by_owner[cache::WriterNode(b.writer)].push_back(at_key++);
+    }
+    for (auto& [node, idx] : by_owner) {
+      rpc::RpcClient* client = ClientFor(node);
+      for (size_t at = 0; client != nullptr && at < idx.size(); at += kReadKeysPerCall) {
+        ReadRequest r;
+        r.capacity = block_bytes;
+        for (size_t j = at; j < std::min(idx.size(), at + kReadKeysPerCall); ++j) {
+          r.keys.push_back(keys[idx[j]]);
+          r.staging.push_back(staging[idx[j]]);
+        }
+        auto answer = client->Call(kTierRead, EncodeReadRequest(r));
+        if (!answer.ok()) {
+          for (size_t j = at; j < std::min(idx.size(), at + kReadKeysPerCall); ++j) unknown[idx[j]] = true;
+          MarkDown(node);
+          break;
+        }
+        auto bytes = DecodeReadResult(*answer, r.keys.size());
+        if (!bytes.ok()) continue;  // answered (so done writing), but not understood: misses
+        for (size_t j = 0; j < r.keys.size(); ++j) got[idx[at + j]] = (*bytes)[j];
+      }
+    }
+    size_t prefix = 0;
+    while (prefix < n && got[prefix] == block_bytes) ++prefix;
+    std::vector<BlockPin> pins(prefix);
+    for (size_t i = 0; i < prefix; ++i) {
+      pins[i].offset = staging[i];
+      pins[i].bytes = block_bytes;
+      out.from_mem += tier[i] == cache::kTierMem;
+      out.from_ssd += tier[i] == cache::kTierSsd;
+    }
+    out.blocks = prefix;
+    const Status used = prefix ? use(pins) : Status::Ok();
+    for (size_t i = 0; i < n; ++i) {
+      // Staging an owner may still be writing into (its call failed: paused or killed mid-read,
+      // or the answer was lost) is never reused: left allocated, counted. Freeing it could let
+      // a late write land in another block.
+      if (unknown[i]) {
+        staging_abandoned_.fetch_add(1, std::memory_order_relaxed);
+      } else {
+        index_.FreeRegionPayload(staging[i]);
+      }
+    }
+    if (!used.ok()) return used;
+    return out;
+  }
+
  private:
   using Clock = std::chrono::steady_clock;
 
@@ -180,6 +305,7 @@ class RemotePromoter final : public cache::CapacityPromoter {
   std::mutex mu_;
   std::map<uint32_t, std::unique_ptr<rpc::RpcClient>> clients_;  // guarded by mu_
   std::map<uint32_t, Clock::time_point> down_until_;             // guarded by mu_
+  std::atomic<uint64_t> staging_abandoned_{0};
 };
 
 std::unique_ptr<cache::CapacityPromoter> MakePromoter(Pool& pool) {

@@ -29,7 +29,9 @@ namespace cxlkv::tier {
 
 inline constexpr uint32_t kTierPromote = 1;       // keys → promoted, missed, not_mine (u64 each)
 inline constexpr uint32_t kTierSpill = 2;         // u64 bytes → u64 bytes freed in the region
+inline constexpr uint32_t kTierRead = 3;          // keys, staging → payload bytes per key (u32; 0: miss)
 inline constexpr size_t kPromoteKeysPerCall = 64;  // bounds one request's service time
+inline constexpr size_t kReadKeysPerCall = 32;     // its answer (4 bytes a key) fits a response slot
 
 std::string TierServiceName(uint32_t node);
 
@@ -38,6 +40,16 @@ std::vector<uint8_t> EncodePromoteRequest(std::span<const BlockKey> keys);
 Result<std::vector<BlockKey>> DecodePromoteRequest(std::span<const uint8_t> bytes);
 std::vector<uint8_t> EncodePromoteResult(const PromoteResult& r);
 Result<PromoteResult> DecodePromoteResult(std::span<const uint8_t> bytes);
+// Request of kTierRead: the keys, the staging capacity of each, and one staging offset per key.
+struct ReadRequest {
+  std::vector<BlockKey> keys;
+  uint64_t capacity = 0;
+  std::vector<uint64_t> staging;
+};
+std::vector<uint8_t> EncodeReadRequest(const ReadRequest& r);
+Result<ReadRequest> DecodeReadRequest(std::span<const uint8_t> bytes);
+std::vector<uint8_t> EncodeReadResult(std::span<const uint32_t> bytes_read);
+Result<std::vector<uint32_t>> DecodeReadResult(std::span<const uint8_t> bytes, size_t keys);
 
 // Serves "tier-<this node>" for `store` until the server is destroyed (before the store).
 Result<std::unique_ptr<rpc::RpcServer>> StartTierService(Pool& pool, TierStore& store);

@@ -333,6 +333,8 @@ nlohmann::json TierStore::Stats() const {
   j["spill_failed"] = spill_failed_.load();
   j["promoted"] = promoted_.load();
   j["promote_missed"] = promote_missed_.load();
+  j["read_out"] = read_out_.load();
+  j["read_out_missed"] = read_out_missed_.load();
   j["dropped_full"] = dropped_full_.load();
   j["dropped_lost"] = dropped_lost_.load();
   j["freed_orphan_slots"] = freed_orphans_.load();

@@ -98,6 +98,12 @@ class TierStore {
   Result<uint64_t> SpillToWatermark();
   // Brings these keys' blocks on this node's devices into the region.
   PromoteResult Promote(std::span<const BlockKey> keys);
+  // The streaming source: reads these keys' blocks on this node's devices into region space the
+  // caller allocated (`staging[i]`, an allocated object of at least `capacity` bytes each —
+  // checked, the offsets are untrusted), validated as a promote's reads are, without moving
+  // them: the blocks stay where they are. Per key, the payload bytes read; 0 for a miss (not on
+  // this node's devices, larger than `capacity`, an invalid slot — whose entry is dropped).
+  std::vector<uint32_t> ReadOut(std::span<const BlockKey> keys, std::span<const uint64_t> staging, uint64_t capacity);
   // Takes over this node's capacity entries, drops the ones whose bytes are gone, frees slots
   // no entry names. Returns the entries dropped.
   uint64_t Reconcile();
@@ -124,6 +130,9 @@ class TierStore {
   void FreeSlots(uint32_t device, std::span<const uint64_t> slots);
   // The runs with each device's share beyond its free slots moved to devices that have some.
   std::vector<PlacementRun> SpreadOverflow(std::vector<PlacementRun> runs) const;
+  // Blocks whose slots read back invalid (empty, corrupt, torn, reused): their entries are
+  // dropped, and the slots of those this drop removed freed. REQUIRES: move_mu_ held.
+  void DropInvalidLocked(std::span<const cache::Index::TierBlock> invalid);
   // Slots for `n` blocks on `device`, dropping its least recently used blocks if it is full.
   Result<std::vector<uint64_t>> TakeSlots(Device& device, size_t n);
   // Runs jobs[i] on device i's worker, all at once; returns when all are done.
@@ -167,6 +176,7 @@ class TierStore {
   std::condition_variable spill_cv_;
 
   // The store's counters.
+  std::atomic<uint64_t> read_out_{0}, read_out_missed_{0};
   std::atomic<uint64_t> spilled_{0}, spill_failed_{0}, promoted_{0}, promote_missed_{0}, dropped_full_{0},
       dropped_lost_{0}, freed_orphans_{0}, adopted_{0}, unproven_{0};
 };

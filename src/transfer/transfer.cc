@@ -160,6 +160,19 @@ Status CpuTransfer::ScatterRead(const EngineKvLayout& layout, std::span<const ui
   return Status::Ok();
 }
 
+Result<CapacityRead> CpuTransfer::LoadFromCapacity(const NamespaceHandle& ns, const EngineKvLayout& layout,
+                                                   std::span<const uint32_t> block_ids,
+                                                   std::span<const BlockKey> keys) {
+  if (block_ids.size() != keys.size()) {
+    return InvalidArgument("load from capacity: " + std::to_string(block_ids.size()) + " engine blocks for " +
+                           std::to_string(keys.size()) + " keys");
+  }
+  CXLKV_RETURN_IF_ERROR(layout.Validate());
+  return cache_.ReadCapacity(ns, keys, layout.PoolBlockBytes(), [&](std::span<const BlockPin> staged) {
+    return ScatterRead(layout, block_ids.first(staged.size()), staged);
+  });
+}
+
 Status CpuTransfer::SparseRead(const EngineKvLayout& layout, std::span<const BlockPin> pins,
                                const SparseSelection& sel, const SparseDestination& dst) {
   CXLKV_RETURN_IF_ERROR(layout.Validate());

@@ -149,6 +149,14 @@ class CpuTransfer {
                                                std::span<const BlockPin> pins,
                                                std::function<void(uint32_t layer)> on_layer_ready = {});
 
+  // The capacity-tier source: blocks `keys` that a lookup left on node DRAM or SSD
+  // (CapacityPolicy::kLeave) → engine blocks `block_ids[i]`, without promoting them: their owners
+  // read them into region staging and they are scattered from there (KvCache::ReadCapacity).
+  // Loads the longest prefix it can; returns it. Errors (engine untouched): ScatterRead's
+  // kInvalidArgument, kNotSupported (no tiers reachable).
+  Result<CapacityRead> LoadFromCapacity(const NamespaceHandle& ns, const EngineKvLayout& layout,
+                                        std::span<const uint32_t> block_ids, std::span<const BlockKey> keys);
+
   // Reserves pool blocks for `keys` (all or nothing, as GatherWrite; blocks already cached are
   // skipped) and returns a store that copies engine blocks `block_ids[i]` one layer at a time.
   Result<std::unique_ptr<LayerStore>> StartStore(const NamespaceHandle& ns, const EngineKvLayout& layout,

@@ -304,6 +304,36 @@ TEST(Cli, ServeSecondPassOfRepeatedDocumentsHits) {
   EXPECT_EQ(Cli("check --path " + path.path() + " --watch-ms 50").code, 0);
 }
 
+// A working set beyond a 16 MiB region with tiers behind it, served twice: hits on capacity
+// tiers promoted (the default), then streamed straight into the engines (--capacity-read
+// stream), which promotes nothing. Both generate the same tokens and hit the second pass.
+TEST(Cli, ServeStreamsCapacityHitsIntoTheEngineWithoutPromoting) {
+  nlohmann::json runs[2];
+  const char* modes[2] = {"promote", "stream"};
+  for (int m = 0; m < 2; ++m) {
+    cxlkv::testing::TempRegionPath path(std::string("cli-serve-") + modes[m]);
+    const std::string ssd = path.path() + ".tier";
+    auto r = Cli("serve --path " + path.path() + " --size 16M --documents 6 --doc-tokens 8192 --scale 8 "
+                 "--answer-tokens 32 --concurrency 2 --json --tier dram:4M --tier ssd:" + ssd + ":64M --capacity-read " +
+                 modes[m]);
+    ASSERT_EQ(r.code, 0) << r.out;
+    runs[m] = nlohmann::json::parse(r.stdout_only);
+    for (const std::string& f : {ssd, ssd + ".catalog", ssd + ".catalog.1", ssd + ".log"}) ::unlink(f.c_str());
+    EXPECT_GT(runs[m]["tiers"]["spilled"].get<uint64_t>(), 0u) << modes[m];
+    EXPECT_GE(runs[m]["pass_hit_rates"][1].get<double>(), 0.9) << modes[m];
+    EXPECT_GT(runs[m]["hit_rate_by_tier"]["dram"].get<double>() + runs[m]["hit_rate_by_tier"]["ssd"].get<double>(), 0)
+        << modes[m];
+  }
+  EXPECT_GT(runs[0]["tiers"]["promoted"].get<uint64_t>(), 0u);
+  EXPECT_EQ(runs[1]["tiers"]["promoted"].get<uint64_t>(), 0u);
+  EXPECT_GT(runs[1]["tiers"]["read_out"].get<uint64_t>(), 0u);
+  ASSERT_EQ(runs[0]["requests"].size(), runs[1]["requests"].size());
+  for (size_t i = 0; i < runs[0]["requests"].size(); ++i) {
+    EXPECT_EQ(runs[0]["requests"][i]["tokens"], runs[1]["requests"][i]["tokens"]) << "request " << i;
+  }
+  EXPECT_NE(Cli("serve --path /dev/shm/x --capacity-read sometimes").code, 0);
+}
+
 TEST(Cli, ServeSurvivesKillNineOfAPrefillWorker) {
   cxlkv::testing::TempRegionPath clean("cli-serve-clean"), path("cli-serve-kill");
   auto reference = ServeDocQa(clean.path(), "--concurrency 2");

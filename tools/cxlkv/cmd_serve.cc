@@ -48,6 +48,7 @@ struct ServeArgs {
   bool json = false;
   std::string metadata = "decentralized";  // for a pool this command creates
   std::vector<std::string> tiers;          // capacity tiers the router's node serves
+  std::string capacity_read = "promote";   // what a hit on a capacity tier does
 };
 
 Result<std::vector<serve::Request>> MakeRequests(const ServeArgs& a, uint32_t vocab) {
@@ -72,6 +73,10 @@ Status RunServe(const ServeArgs& a) {
   so.concurrency = a.concurrency;
   so.kill_prefill_after = a.kill_prefill_after;
   so.tiers = a.tiers;
+  if (a.capacity_read != "promote" && a.capacity_read != "stream") {
+    return InvalidArgument("--capacity-read must be promote or stream, not '" + a.capacity_read + "'");
+  }
+  so.stream_capacity = a.capacity_read == "stream";
   CXLKV_ASSIGN_OR_RETURN(auto requests, MakeRequests(a, config.at("vocab_size").get<uint32_t>()));
   if (a.qps > 0) {
     CXLKV_RETURN_IF_ERROR(serve::AssignPoissonArrivals(requests, a.qps, a.w.seed));
@@ -164,6 +169,9 @@ void AddServeCommands(CLI::App& app, CommandResult& result) {
   cmd->add_option("--tier", a->tiers,
                   "A capacity tier the router's node serves, as cxlkvd's: dram:SIZE[:numa=N] | ssd:PATH:SIZE "
                   "(repeat for several; decentralized metadata)");
+  cmd->add_option("--capacity-read", a->capacity_read,
+                  "A prefix hit on a capacity tier: promote (into the region, then load) | stream (straight into "
+                  "the engine, left where it is)")->capture_default_str();
   cmd->add_flag("--json", a->json, "Print the result as JSON");
   cmd->callback([a, &result] { result.status = RunServe(*a); });
 
