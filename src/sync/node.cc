@@ -145,6 +145,11 @@ Node::~Node() {
   // enough to be presumed dead, its rings consumed by a recoverer under its feet.
   if (tasks_thread_.joinable()) tasks_thread_.join();
   if (recovery_thread_.joinable()) recovery_thread_.join();
+  {
+    std::lock_guard<std::mutex> lock(stop_mu_);
+    stop_beats_.store(true);
+  }
+  stop_cv_.notify_all();
   if (beat_thread_.joinable()) beat_thread_.join();  // stops the manager, drops manager_mu
   local_->header().attached.fetch_sub(1);
   // The last process of the node marks it left; the node-local file goes with it.
@@ -229,9 +234,9 @@ bool Node::LifeOver(uint32_t node, uint64_t incarnation, uint64_t inc_mask) {
   return o.seen && (o.view.incarnation & inc_mask) == (incarnation & inc_mask) && !o.view.live;
 }
 
-void Node::WaitOrStop(std::chrono::nanoseconds d) {
+void Node::WaitOrStop(std::chrono::nanoseconds d, const std::atomic<bool>& flag) {
   std::unique_lock<std::mutex> lock(stop_mu_);
-  stop_cv_.wait_for(lock, d, [this] { return stop_.load(); });
+  stop_cv_.wait_for(lock, d, [&flag] { return flag.load(); });
 }
 
 // The beat thread: beat, observe, elect. Nothing here waits on a lock, I/O or another node
@@ -242,11 +247,11 @@ void Node::BeatLoop() {
   slot_claimed_.set_value(slot);
   if (slot < 0) return;
   const auto interval = heartbeat_->interval();
-  while (!stop_.load()) {
+  while (!stop_beats_.load()) {
     heartbeat_->Tick();
     ObserveNodes();
     Elect();
-    WaitOrStop(interval / 2);  // half the interval: a beat is never later than one interval
+    WaitOrStop(interval / 2, stop_beats_);  // half the interval: a beat is never later than one interval
   }
   StopManager();
   if (manager_candidate_) {

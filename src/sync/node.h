@@ -185,7 +185,9 @@ class Node {
   void StopManager();
   void QueueRecovery(uint32_t node, uint64_t incarnation);
   void LiveIncarnations(std::vector<uint32_t>& out);
-  void WaitOrStop(std::chrono::nanoseconds d);
+  // Waits `d` or until `flag` (stop_ or stop_beats_) is set.
+  void WaitOrStop(std::chrono::nanoseconds d, const std::atomic<bool>& flag);
+  void WaitOrStop(std::chrono::nanoseconds d) { WaitOrStop(d, stop_); }
   void RingDoorbell(uint32_t lock, bool want);
   // Process slots (process_slots.cc). Claim/Release run on the beat thread, which holds the
   // slot's mutex for the process's whole attachment; the scan runs on the tasks thread.
@@ -204,7 +206,8 @@ class Node {
   std::unique_ptr<Heartbeat> heartbeat_;
   std::unique_ptr<LockManager> manager_;
 
-  std::atomic<bool> stop_{false};
+  std::atomic<bool> stop_{false};        // the destructor has begun: tasks and recovery stop
+  std::atomic<bool> stop_beats_{false};  // ... and they have stopped: the beat thread stops
   std::atomic<bool> manager_running_{false};
   bool manager_candidate_ = false;  // beat thread only: this process holds the node's manager_mu
   uint64_t manager_life_ = 0;       // beat thread only: the life the running manager serves

@@ -210,6 +210,41 @@ TEST(Heartbeat, ABlockedPeriodicTaskDoesNotStopBeats) {
   release.store(true);
 }
 
+// A node that leaves while a periodic task of it is still at work (a last remote-free drain
+// waiting on the allocator lock) keeps beating until that task has ended: it is never presumed
+// dead on the way out — which would let a recoverer take its rings and heap under the task.
+TEST(Heartbeat, ALeavingNodeBeatsUntilItsLastPeriodicTaskEnds) {
+  testing::TempRegionPath path("leavingdrain");
+  PoolCreateOptions co;
+  co.size = 16 << 20;
+  co.max_nodes = 2;
+  ASSERT_TRUE(Pool::Create({path.path()}, co).ok());
+  auto a = OpenOrNull({path.path()}, 0);
+  auto b = OpenOrNull({path.path()}, 1);
+  ASSERT_TRUE(a && b);
+  std::atomic<bool> entered{false}, release{false}, blocked_once{false};
+  a->impl().node->AddPeriodicTask([&] {
+    if (blocked_once.exchange(true)) return;
+    entered.store(true);
+    auto until = std::chrono::steady_clock::now() + 4 * std::chrono::milliseconds(testing::kTestLeaseMs);
+    while (!release.load() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(5ms);
+  });
+  while (!entered.load()) std::this_thread::sleep_for(1ms);
+  std::thread closer([&] { a.reset(); });  // leaves while the task is blocked
+  auto until = std::chrono::steady_clock::now() + 2 * std::chrono::milliseconds(testing::kTestLeaseMs);
+  int samples = 0;
+  bool always_live = true;
+  while (std::chrono::steady_clock::now() < until) {
+    always_live = always_live && b->impl().node->Nodes()[0].live;
+    ++samples;
+    std::this_thread::sleep_for(10ms);
+  }
+  release.store(true);
+  closer.join();
+  EXPECT_GT(samples, 10);
+  EXPECT_TRUE(always_live) << "node 0 fell silent while leaving: its beats stopped before its tasks";
+}
+
 TEST(Heartbeat, ARejoinAlwaysTakesANewLife) {
   testing::TempRegionPath path("rejoin");
   PoolCreateOptions co;
