@@ -179,9 +179,10 @@ class KvCache {
                               CapacityPolicy policy = CapacityPolicy::kPromote);
   // The streaming source: reads the longest prefix of `keys` it can out of capacity tiers
   // without promoting them (they stay where they are, the region is not filled with a scan):
-  // each owner's cxlkvd reads its slots, validated, into region staging space, and `use` gets
-  // pins of those copies (`block_bytes` each; valid only during the call) — e.g. to scatter them
-  // straight into an engine's buffers (transfer::CpuTransfer::LoadFromCapacity). Errors:
+  // each owner's cxlkvd reads its slots, validated, into region staging space (a bounded window
+  // at a time), and `use` gets pins of those copies for consecutive parts of the prefix, in key
+  // order (`block_bytes` each; valid only during that call) — e.g. to scatter them straight into
+  // an engine's buffers (transfer::CpuTransfer::LoadFromCapacity). Errors:
   // kNotSupported (no capacity tiers reachable from this pool), what `use` returned.
   Result<CapacityRead> ReadCapacity(const NamespaceHandle& ns, std::span<const BlockKey> keys, uint64_t block_bytes,
                                     const std::function<Status(std::span<const BlockPin>)>& use);

@@ -71,9 +71,10 @@ class CapacityPromoter {
   // reserve need not drop them. Returns the bytes freed (0: no tiers reached; the caller evicts).
   virtual uint64_t MakeRoom(uint64_t bytes) = 0;
   // Reads the longest prefix of `keys` it can out of capacity tiers without moving the blocks:
-  // the owners read their slots (validated) into region staging space this call allocates, and
-  // `use` gets pins of those copies, `block_bytes` each, valid only during the call. Errors:
-  // what `use` returned (after the staging is released).
+  // the owners read their slots (validated) into region staging space this call allocates, a
+  // bounded window at a time, and `use` gets pins of those copies (`block_bytes` each, valid
+  // only during that call) for consecutive parts of the prefix, in key order. Errors: what
+  // `use` returned (after the staging is released).
   virtual Result<CapacityRead> ReadOut(const NamespaceHandle& ns, std::span<const BlockKey> keys, uint64_t block_bytes,
                                        const std::function<Status(std::span<const BlockPin>)>& use) = 0;
 };

@@ -202,8 +202,30 @@ class RemotePromoter final : public cache::CapacityPromoter {
     return found_on;
   }
 
-  Result<CapacityRead> ReadOut(const NamespaceHandle&, std::span<const BlockKey> keys, uint64_t block_bytes,
+  Result<CapacityRead> ReadOut(const NamespaceHandle& ns, std::span<const BlockKey> keys, uint64_t block_bytes,
                                const std::function<Status(std::span<const BlockPin>)>& use) override {
+    // A window at a time: the staging a read holds stays bounded however long the run (a scan
+    // of a long context must not fill the region it is meant to bypass).
+    CapacityRead total;
+    for (size_t at = 0; at < keys.size();) {
+      const size_t n = std::min(kReadWindow, keys.size() - at);
+      CXLKV_ASSIGN_OR_RETURN(CapacityRead w, ReadWindow(ns, keys.subspan(at, n), block_bytes, use));
+      total.blocks += w.blocks;
+      total.from_mem += w.from_mem;
+      total.from_ssd += w.from_ssd;
+      if (w.blocks < n) break;  // the prefix ends in this window
+      at += n;
+    }
+    return total;
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  static constexpr size_t kReadWindow = 2 * kReadKeysPerCall;
+
+  // One window of ReadOut: `use` gets the window's read prefix.
+  Result<CapacityRead> ReadWindow(const NamespaceHandle&, std::span<const BlockKey> keys, uint64_t block_bytes,
+                                  const std::function<Status(std::span<const BlockPin>)>& use) {
     CapacityRead out;
     // Staging, one block each, until the region says no (the rest would miss anyway).
     std::vector<uint64_t> staging;
@@ -268,9 +290,6 @@ class RemotePromoter final : public cache::CapacityPromoter {
     if (!used.ok()) return used;
     return out;
   }
-
- private:
-  using Clock = std::chrono::steady_clock;
 
   rpc::RpcClient* ClientFor(uint32_t node) {
     std::lock_guard<std::mutex> g(mu_);

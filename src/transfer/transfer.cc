@@ -168,8 +168,12 @@ Result<CapacityRead> CpuTransfer::LoadFromCapacity(const NamespaceHandle& ns, co
                            std::to_string(keys.size()) + " keys");
   }
   CXLKV_RETURN_IF_ERROR(layout.Validate());
+  size_t done = 0;  // `use` is called for consecutive parts of the prefix, in order
   return cache_.ReadCapacity(ns, keys, layout.PoolBlockBytes(), [&](std::span<const BlockPin> staged) {
-    return ScatterRead(layout, block_ids.first(staged.size()), staged);
+    if (done + staged.size() > block_ids.size()) return Internal("capacity read returned more blocks than asked");
+    Status s = ScatterRead(layout, block_ids.subspan(done, staged.size()), staged);
+    done += staged.size();
+    return s;
   });
 }
 
