@@ -224,6 +224,7 @@ void Allocator::DrainRemoteFrees() {
     if (!node_.Fence("remote-free drain").ok()) return;
     claimed.clear();
     for (uint64_t at = head; at < tail; ++at) claimed.push_back(m.Fetch(ring + kInboxEntriesOffset + (at % kInboxEntries) * 8));
+    m.Invalidate(ring + kInboxHeadOffset, 8);  // the line holds the recoverer's closed word too
     m.Publish(ring + kInboxHeadOffset, tail);
     for (uint64_t raw : claimed) ApplyRemoteFree(ObjectOffset(raw));
   }

@@ -16,7 +16,15 @@ void Allocator::WaitForPushesInFlight(uint32_t dead, uint32_t inc) {
   auto& m = meta(0);
   // Close every ring of that life first (flushed), then look for announced pushes: a pusher
   // announces, then looks at this word, so one of the two sees the other.
-  for (uint32_t f = 0; f < max_nodes_; ++f) m.Publish(tables_[0].inbox(dead, f) + kInboxClosedOffset, ClosedWord(inc));
+  // The closed word shares its line with the owner's head: the line is invalidated right before
+  // the store, or a stale copy cached here (read when this node last pushed into that ring)
+  // would be written back whole with the closed word — the head moved back, and the consumption
+  // below would take frees the owner applied long ago for objects allocated again since.
+  for (uint32_t f = 0; f < max_nodes_; ++f) {
+    const uint64_t closed = tables_[0].inbox(dead, f) + kInboxClosedOffset;
+    m.Invalidate(closed, 8);
+    m.Publish(closed, ClosedWord(inc));
+  }
   const auto deadline = sync::Clock::now() + node_.lease() * 2;
   for (uint32_t f = 0; f < max_nodes_; ++f) {
     const uint64_t ring = tables_[0].inbox(dead, f);
