@@ -200,10 +200,11 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::vector<std::string>& paths,
   // After the index's handler: the index first drops a dead node's half-done entries, so the
   // allocator's reachability no longer counts their payloads and reclaims them.
   impl->node->AddRecoveryHandler([allocator](uint32_t node, uint64_t inc) { allocator->Recover(node, inc); });
-  // Often (8 times a beat: a check of the rings costs two line reads per node): space a peer
-  // freed here — a tier spilling this node's blocks, an evictor — is usable again within
-  // ~interval/8, not a whole beat, and a promote waiting for room waits that long at most.
-  impl->node->AddPeriodicTask([allocator] { allocator->DrainRemoteFrees(); }, sync::Node::kMaxTaskRunsPerBeat);
+  // Once a beat. (8 times a beat made a promote short of room wait ms instead of up to a beat,
+  // but a process killed mid-drain — more likely the more it drains — can leak what it claimed
+  // on a live node, which the kill -9 storms under the simulator caught: drains go back to a
+  // beat until a killed drainer's claim is recovered; docs/tiers.md, "Room for a promote".)
+  impl->node->AddPeriodicTask([allocator] { allocator->DrainRemoteFrees(); });
   // Only now: a recovery queued meanwhile (this node may manage from its first beat) runs with
   // every handler, in order.
   impl->node->StartRecovery();
