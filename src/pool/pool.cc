@@ -202,8 +202,8 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::vector<std::string>& paths,
   impl->node->AddRecoveryHandler([allocator](uint32_t node, uint64_t inc) { allocator->Recover(node, inc); });
   // Once a beat. (8 times a beat made a promote short of room wait ms instead of up to a beat,
   // but a process killed mid-drain — more likely the more it drains — can leak what it claimed
-  // on a live node, which the kill -9 storms under the simulator caught: drains go back to a
-  // beat until a killed drainer's claim is recovered; docs/tiers.md, "Room for a promote".)
+  // on a live node, and a kill -9 storm under the simulator failed once with it: drains stay at
+  // a beat until a killed drainer's claim is recovered; docs/tiers.md, "Room for a promote".)
   impl->node->AddPeriodicTask([allocator] { allocator->DrainRemoteFrees(); });
   // Only now: a recovery queued meanwhile (this node may manage from its first beat) runs with
   // every handler, in order.
