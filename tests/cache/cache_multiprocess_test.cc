@@ -76,7 +76,8 @@ TEST(CacheProcesses, PrefillToDecodeHandoffOf64Blocks) {
 struct StormOptions {
   int ops = 300;
   uint64_t sim_seed = 0;
-  int crash_after = -1;  // op index at which to die (see crash_mode)
+  int crash_after = -1;  // op index from which to die (see crash_mode); a crasher
+                         // runs up to 4 x ops until its step comes up
   int crash_mode = 0;    // 1: in reserve holding the lock, 2: mid-write, 3: after commit,
                          // 4: mid-eviction
   bool batch = false;    // insert a request's missing blocks with ReserveMany / CommitMany
@@ -90,7 +91,12 @@ int StormWorker(const std::string& path, uint32_t node, const StormOptions& so) 
   std::mt19937_64 rng(node * 1000 + so.sim_seed);
   std::vector<uint8_t> buf(64 << 10);
   cache::Index& index = *o.pool->impl().index;
-  for (int op = 0; op < so.ops; ++op) {
+  // What an armed crasher met, printed if it never reached its step (timing decides how often
+  // the step comes up: a stripe held by a dead worker refuses, a full hit inserts nothing).
+  int armed_commits = 0, armed_refusals[3] = {0, 0, 0}, armed_full_hits = 0;
+  // A crasher goes on past `ops` until its step comes up, within a bound.
+  const int last_op = so.crash_mode != 0 ? so.ops * 4 : so.ops;
+  for (int op = 0; op < last_op; ++op) {
     // Armed from crash_after on, until the step it targets comes up.
     const bool crash_now = so.crash_mode != 0 && op >= so.crash_after;
     uint64_t doc = rng() % 6;
@@ -143,6 +149,7 @@ int StormWorker(const std::string& path, uint32_t node, const StormOptions& so) 
           CHILD_CHECK(o.cache->AbortMany(rs).ok(), "abort many");
         } else {
           CHILD_CHECK(o.cache->CommitMany(rs).ok(), "commit many");
+          if (crash_now) armed_commits += static_cast<int>(rs.size());
         }
         if (crash_now && so.crash_mode == 3 && !rs.empty()) ::raise(SIGKILL);
       }
@@ -153,6 +160,7 @@ int StormWorker(const std::string& path, uint32_t node, const StormOptions& so) 
       auto r = o.cache->Reserve(o.ns, keys[i], bytes);
       if (!r.ok()) {
         auto c = r.status().code();
+        if (crash_now) ++armed_refusals[c == StatusCode::kAlreadyExists ? 0 : c == StatusCode::kBusy ? 1 : 2];
         CHILD_CHECK(c == StatusCode::kAlreadyExists || c == StatusCode::kBusy || c == StatusCode::kNoSpace,
                     "%s", r.status().ToString().c_str());
         break;  // someone else is writing it: the chain stops here for us
@@ -164,6 +172,7 @@ int StormWorker(const std::string& path, uint32_t node, const StormOptions& so) 
       }
       CHILD_CHECK(o.cache->Write(*r, 0, buf.data(), bytes).ok(), "write");
       CHILD_CHECK(o.cache->Commit(*r).ok(), "commit");
+      if (crash_now) ++armed_commits;
       if (crash_now && so.crash_mode == 3) ::raise(SIGKILL);
     }
     if (crash_now && so.crash_mode == 4) index.TestCrashAt(cache::Index::CrashPoint::kEvictAfterMark);
@@ -176,7 +185,15 @@ int StormWorker(const std::string& path, uint32_t node, const StormOptions& so) 
       auto ev = o.cache->Evict(o.ns, std::span<const BlockKey>(keys).subspan(from));
       CHILD_CHECK(ev.ok(), "%s", ev.status().ToString().c_str());
     }
+    if (crash_now && hit->hit_blocks == keys.size()) ++armed_full_hits;
     o.cache->Release(hit->pins);
+  }
+  if (so.crash_mode != 0) {
+    std::fprintf(stderr,
+                 "node %u never reached crash step %d in %d ops; armed, it committed %d, was refused %d (exists) "
+                 "%d (busy) %d (no space), hit whole requests %d times\n",
+                 node, so.crash_mode, last_op, armed_commits, armed_refusals[0], armed_refusals[1],
+                 armed_refusals[2], armed_full_hits);
   }
   return 0;
 }
