@@ -24,6 +24,8 @@ CpuFeatures Detect() {
     // The OS must save YMM (bits 1,2) and for AVX-512 also opmask/ZMM state (bits 5,6,7).
     bool ymm_ok = avx && (xcr0_lo & 0x6) == 0x6;
     bool zmm_ok = ymm_ok && (xcr0_lo & 0xe0) == 0xe0;
+    f.fma = ymm_ok && ((ecx >> 12) & 1);
+    f.f16c = ymm_ok && ((ecx >> 29) & 1);
     if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) {
       f.avx2 = ymm_ok && ((ebx >> 5) & 1);
       f.avx512f = zmm_ok && ((ebx >> 16) & 1);
@@ -54,6 +56,8 @@ std::string CpuFeatures::ToString() const {
   add(clwb, "clwb");
   add(avx2, "avx2");
   add(avx512f, "avx512f");
+  add(fma, "fma");
+  add(f16c, "f16c");
   return s.empty() ? "none" : s;
 }
 

@@ -1,0 +1,160 @@
+#include "pnm/attend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "pnm/kernels.h"
+
+namespace cxlkv::pnm {
+
+namespace {
+
+constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+
+// Per-thread buffers of one KV head's work: its group's running max, sum and output.
+struct Scratch {
+  std::vector<float> row;     // one K or V row, as fp32
+  std::vector<float> logits;  // [group][page_tokens]
+  std::vector<float> acc;     // [group][head_dim]
+  std::vector<float> max;     // [group]
+  std::vector<float> sum;     // [group]
+};
+
+Status CheckSelection(const Geometry& g, const ContextView& ctx, const Selection& s) {
+  if (s.num_kv_heads() != g.num_kv_heads) {
+    return InvalidArgument("selection for " + std::to_string(s.num_kv_heads()) + " KV heads, attention has " +
+                           std::to_string(g.num_kv_heads));
+  }
+  for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
+    for (uint32_t p : s.Of(h)) {
+      if (p >= ctx.pages.size()) {
+        return InvalidArgument("selected page " + std::to_string(p) + " is past the context's " +
+                               std::to_string(ctx.pages.size()) + " pages");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// Online softmax over one page for the G query heads of KV head h: logits, a new running max,
+// rescale what was accumulated, then add the page's values weighted by exp(logit - max).
+void AttendPage(const Geometry& g, const internal::Kernels& k, const float* q_group, float scale, const PageKv& page,
+                uint32_t tokens, uint32_t h, Scratch& s) {
+  const uint32_t group = g.group(), dim = g.head_dim;
+  const uint64_t head_offset = uint64_t{h} * dim * g.elem_bytes();
+  const auto* kslab = static_cast<const uint8_t*>(page.k) + head_offset;
+  const auto* vslab = static_cast<const uint8_t*>(page.v) + head_offset;
+  for (uint32_t t = 0; t < tokens; ++t) {
+    k.to_float(g.dtype, kslab + t * g.RowBytes(), s.row.data(), dim);
+    for (uint32_t i = 0; i < group; ++i) {
+      s.logits[i * g.page_tokens + t] = scale * k.dot(q_group + uint64_t{i} * dim, s.row.data(), dim);
+    }
+  }
+  for (uint32_t i = 0; i < group; ++i) {
+    float* logits = s.logits.data() + i * g.page_tokens;
+    float page_max = kMinusInf;
+    for (uint32_t t = 0; t < tokens; ++t) page_max = std::max(page_max, logits[t]);
+    const float new_max = std::max(s.max[i], page_max);
+    if (new_max == kMinusInf) {  // every logit so far is -inf: nothing to weigh yet
+      for (uint32_t t = 0; t < tokens; ++t) logits[t] = 0;
+      continue;
+    }
+    const float rescale = std::exp(s.max[i] - new_max);  // exp(-inf) = 0 on the first page
+    if (rescale != 1.0f) {
+      s.sum[i] *= rescale;
+      float* acc = s.acc.data() + uint64_t{i} * dim;
+      for (uint32_t d = 0; d < dim; ++d) acc[d] *= rescale;
+    }
+    s.max[i] = new_max;
+    for (uint32_t t = 0; t < tokens; ++t) {
+      logits[t] = std::exp(logits[t] - new_max);  // now the weight
+      s.sum[i] += logits[t];
+    }
+  }
+  for (uint32_t t = 0; t < tokens; ++t) {
+    k.to_float(g.dtype, vslab + t * g.RowBytes(), s.row.data(), dim);
+    for (uint32_t i = 0; i < group; ++i) {
+      const float w = s.logits[i * g.page_tokens + t];
+      if (w != 0) k.axpy(w, s.row.data(), s.acc.data() + uint64_t{i} * dim, dim);
+    }
+  }
+}
+
+}  // namespace
+
+void Partial::Reset(uint32_t heads, uint32_t dim) {
+  num_heads = heads;
+  head_dim = dim;
+  out.assign(uint64_t{heads} * dim, 0.0f);
+  lse.assign(heads, kMinusInf);
+}
+
+Status Attend(const Geometry& g, const float* q, const ContextView& ctx, const Selection* selection, float scale,
+              Partial* out) {
+  if (Status s = g.Validate(); !s.ok()) return s;
+  if (Status s = ctx.Validate(g); !s.ok()) return s;
+  if (selection != nullptr) {
+    if (Status s = CheckSelection(g, ctx, *selection); !s.ok()) return s;
+  }
+  if (scale == 0) scale = 1.0f / std::sqrt(static_cast<float>(g.head_dim));
+  const internal::Kernels& k = internal::Active();
+  const uint32_t group = g.group(), dim = g.head_dim;
+  thread_local Scratch s;
+  s.row.resize(dim);
+  s.logits.resize(uint64_t{group} * g.page_tokens);
+  s.acc.resize(uint64_t{group} * dim);
+  s.max.resize(group);
+  s.sum.resize(group);
+  out->Reset(g.num_heads, dim);
+
+  for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
+    std::fill(s.acc.begin(), s.acc.end(), 0.0f);
+    std::fill(s.max.begin(), s.max.end(), kMinusInf);
+    std::fill(s.sum.begin(), s.sum.end(), 0.0f);
+    const float* q_group = q + uint64_t{h} * group * dim;
+    auto visit = [&](uint64_t p) { AttendPage(g, k, q_group, scale, ctx.pages[p], ctx.TokensOf(p, g.page_tokens), h, s); };
+    if (selection != nullptr) {
+      for (uint32_t p : selection->Of(h)) visit(p);
+    } else {
+      for (uint64_t p = 0; p < ctx.pages.size(); ++p) visit(p);
+    }
+    for (uint32_t i = 0; i < group; ++i) {
+      const uint32_t head = h * group + i;
+      if (!(s.sum[i] > 0)) continue;  // no token (or only -inf logits): the empty partial
+      float* o = out->out.data() + uint64_t{head} * dim;
+      const float inv = 1.0f / s.sum[i];
+      for (uint32_t d = 0; d < dim; ++d) o[d] = s.acc[uint64_t{i} * dim + d] * inv;
+      out->lse[head] = s.max[i] + std::log(s.sum[i]);
+    }
+  }
+  return Status::Ok();
+}
+
+Status MergeInto(const Partial& part, Partial* acc) {
+  if (acc->num_heads == 0) {
+    *acc = part;
+    return Status::Ok();
+  }
+  if (part.num_heads != acc->num_heads || part.head_dim != acc->head_dim ||
+      part.out.size() != acc->out.size() || part.lse.size() != acc->lse.size()) {
+    return InvalidArgument("merging a partial of " + std::to_string(part.num_heads) + " heads × " +
+                           std::to_string(part.head_dim) + " into one of " + std::to_string(acc->num_heads) +
+                           " × " + std::to_string(acc->head_dim));
+  }
+  for (uint32_t h = 0; h < acc->num_heads; ++h) {
+    const float sa = acc->lse[h], sb = part.lse[h];
+    const float m = std::max(sa, sb);
+    if (m == kMinusInf) continue;  // both empty
+    const float wa = std::exp(sa - m), wb = std::exp(sb - m);
+    const float total = wa + wb;
+    float* va = acc->out.data() + uint64_t{h} * acc->head_dim;
+    const float* vb = part.out.data() + uint64_t{h} * acc->head_dim;
+    for (uint32_t d = 0; d < acc->head_dim; ++d) va[d] = (wa * va[d] + wb * vb[d]) / total;
+    acc->lse[h] = m + std::log(total);
+  }
+  return Status::Ok();
+}
+
+}  // namespace cxlkv::pnm

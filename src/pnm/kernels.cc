@@ -1,0 +1,272 @@
+#include "pnm/kernels.h"
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string_view>
+
+#include "region/cpu.h"
+
+namespace cxlkv::pnm::internal {
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = uint32_t{h & 0x8000u} << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: mant * 2^-24, exact in fp32
+      float f = std::ldexp(static_cast<float>(mant), -24);
+      std::memcpy(&bits, &f, sizeof bits);
+      bits |= sign;
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+namespace {
+
+uint32_t BitsOf(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+
+// Truncation drops the low 16 bits: toward zero. Toward zero is down for positive values and
+// up for negative ones; the other direction is one bf16 step further from zero.
+uint16_t Bf16Directed(float x, bool up) {
+  const uint32_t b = BitsOf(x);
+  if (std::isnan(x)) return 0x7fc0;
+  const uint16_t truncated = static_cast<uint16_t>(b >> 16);
+  if ((b & 0xffffu) == 0) return truncated;
+  const bool negative = (b >> 31) != 0;
+  return negative == up ? truncated : static_cast<uint16_t>(truncated + 1);
+}
+
+// ---- scalar --------------------------------------------------------------------------------
+
+void ToFloatScalar(KvDtype dtype, const void* src, float* dst, uint32_t n) {
+  if (dtype == KvDtype::kFp32) {
+    std::memcpy(dst, src, size_t{n} * sizeof(float));
+    return;
+  }
+  const auto* s = static_cast<const uint16_t*>(src);
+  if (dtype == KvDtype::kBf16) {
+    for (uint32_t i = 0; i < n; ++i) dst[i] = Bf16ToFloat(s[i]);
+  } else {
+    for (uint32_t i = 0; i < n; ++i) dst[i] = HalfToFloat(s[i]);
+  }
+}
+
+float DotScalar(const float* a, const float* b, uint32_t n) {
+  float acc[4] = {0, 0, 0, 0};
+  for (uint32_t i = 0; i < n; i += 4) {
+    for (uint32_t j = 0; j < 4; ++j) acc[j] += a[i + j] * b[i + j];
+  }
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
+void AxpyScalar(float a, const float* x, float* y, uint32_t n) {
+  for (uint32_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+float DigestScoreScalar(const float* q, const uint16_t* lo, const uint16_t* hi, uint32_t n, float* magnitude) {
+  float sum = 0, mag = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    const float a = q[i] * Bf16ToFloat(lo[i]);
+    const float b = q[i] * Bf16ToFloat(hi[i]);
+    const float t = a > b ? a : b;
+    sum += t;
+    mag += std::fabs(t);
+  }
+  *magnitude = mag;
+  return sum;
+}
+
+// ---- AVX2 + F16C + FMA ---------------------------------------------------------------------
+
+#define CXLKV_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+CXLKV_AVX2 float HorizontalSum256(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  __m128 hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+CXLKV_AVX2 __m256 LoadBf16x8(const uint16_t* p) {
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+CXLKV_AVX2 void ToFloatAvx2(KvDtype dtype, const void* src, float* dst, uint32_t n) {
+  if (dtype == KvDtype::kFp32) {
+    std::memcpy(dst, src, size_t{n} * sizeof(float));
+    return;
+  }
+  const auto* s = static_cast<const uint16_t*>(src);
+  if (dtype == KvDtype::kBf16) {
+    for (uint32_t i = 0; i < n; i += 8) _mm256_storeu_ps(dst + i, LoadBf16x8(s + i));
+  } else {
+    for (uint32_t i = 0; i < n; i += 8) {
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+    }
+  }
+}
+
+CXLKV_AVX2 float DotAvx2(const float* a, const float* b, uint32_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (uint32_t i = 0; i < n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  return HorizontalSum256(_mm256_add_ps(acc0, acc1));
+}
+
+CXLKV_AVX2 void AxpyAvx2(float a, const float* x, float* y, uint32_t n) {
+  const __m256 va = _mm256_set1_ps(a);
+  for (uint32_t i = 0; i < n; i += 8) {
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  }
+}
+
+CXLKV_AVX2 float DigestScoreAvx2(const float* q, const uint16_t* lo, const uint16_t* hi, uint32_t n,
+                                 float* magnitude) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 sum = _mm256_setzero_ps(), mag = _mm256_setzero_ps();
+  for (uint32_t i = 0; i < n; i += 8) {
+    const __m256 vq = _mm256_loadu_ps(q + i);
+    const __m256 t = _mm256_max_ps(_mm256_mul_ps(vq, LoadBf16x8(lo + i)), _mm256_mul_ps(vq, LoadBf16x8(hi + i)));
+    sum = _mm256_add_ps(sum, t);
+    mag = _mm256_add_ps(mag, _mm256_and_ps(t, abs_mask));
+  }
+  *magnitude = HorizontalSum256(mag);
+  return HorizontalSum256(sum);
+}
+
+#undef CXLKV_AVX2
+
+// ---- AVX-512 -------------------------------------------------------------------------------
+
+#define CXLKV_AVX512 __attribute__((target("avx512f")))
+// GCC 12's AVX-512 headers build their "undefined" vectors by self-initialization, which its
+// own -Wuninitialized then reports at every inlined use (GCC bug 105593): a false positive.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+CXLKV_AVX512 __m512 LoadBf16x16(const uint16_t* p) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+CXLKV_AVX512 void ToFloatAvx512(KvDtype dtype, const void* src, float* dst, uint32_t n) {
+  if (dtype == KvDtype::kFp32) {
+    std::memcpy(dst, src, size_t{n} * sizeof(float));
+    return;
+  }
+  const auto* s = static_cast<const uint16_t*>(src);
+  if (dtype == KvDtype::kBf16) {
+    for (uint32_t i = 0; i < n; i += 16) _mm512_storeu_ps(dst + i, LoadBf16x16(s + i));
+  } else {
+    for (uint32_t i = 0; i < n; i += 16) {
+      _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i))));
+    }
+  }
+}
+
+CXLKV_AVX512 float DotAvx512(const float* a, const float* b, uint32_t n) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  uint32_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+  }
+  if (i < n) acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
+CXLKV_AVX512 void AxpyAvx512(float a, const float* x, float* y, uint32_t n) {
+  const __m512 va = _mm512_set1_ps(a);
+  for (uint32_t i = 0; i < n; i += 16) {
+    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  }
+}
+
+CXLKV_AVX512 float DigestScoreAvx512(const float* q, const uint16_t* lo, const uint16_t* hi, uint32_t n,
+                                     float* magnitude) {
+  __m512 sum = _mm512_setzero_ps(), mag = _mm512_setzero_ps();
+  for (uint32_t i = 0; i < n; i += 16) {
+    const __m512 vq = _mm512_loadu_ps(q + i);
+    const __m512 t = _mm512_max_ps(_mm512_mul_ps(vq, LoadBf16x16(lo + i)), _mm512_mul_ps(vq, LoadBf16x16(hi + i)));
+    sum = _mm512_add_ps(sum, t);
+    mag = _mm512_add_ps(mag, _mm512_abs_ps(t));
+  }
+  *magnitude = _mm512_reduce_add_ps(mag);
+  return _mm512_reduce_add_ps(sum);
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#undef CXLKV_AVX512
+
+constexpr Kernels kScalar{Isa::kScalar, "scalar", ToFloatScalar, DotScalar, AxpyScalar, DigestScoreScalar};
+constexpr Kernels kAvx2{Isa::kAvx2, "avx2", ToFloatAvx2, DotAvx2, AxpyAvx2, DigestScoreAvx2};
+constexpr Kernels kAvx512{Isa::kAvx512, "avx512", ToFloatAvx512, DotAvx512, AxpyAvx512, DigestScoreAvx512};
+
+const Kernels& Choose() {
+  const Kernels* best = ForIsa(Isa::kAvx512);
+  if (best == nullptr) best = ForIsa(Isa::kAvx2);
+  if (best == nullptr) best = &kScalar;
+  const char* want = std::getenv("CXLKV_PNM_ISA");
+  if (want == nullptr || *want == '\0') return *best;
+  for (const Kernels* k : {&kScalar, &kAvx2, &kAvx512}) {
+    if (std::string_view(want) != k->name) continue;
+    if (ForIsa(k->isa) != nullptr) return *k;
+    std::fprintf(stderr, "cxlkv: CXLKV_PNM_ISA=%s: this CPU lacks it; using %s\n", want, best->name);
+    return *best;
+  }
+  std::fprintf(stderr, "cxlkv: CXLKV_PNM_ISA=%s is not one of scalar, avx2, avx512; using %s\n", want, best->name);
+  return *best;
+}
+
+}  // namespace
+
+uint16_t Bf16RoundDown(float x) { return Bf16Directed(x, /*up=*/false); }
+uint16_t Bf16RoundUp(float x) { return Bf16Directed(x, /*up=*/true); }
+
+const Kernels* ForIsa(Isa isa) {
+  const region::CpuFeatures& cpu = region::Cpu();
+  switch (isa) {
+    case Isa::kScalar:
+      return &kScalar;
+    case Isa::kAvx2:
+      return cpu.avx2 && cpu.fma && cpu.f16c ? &kAvx2 : nullptr;
+    case Isa::kAvx512:
+      return cpu.avx512f && cpu.f16c ? &kAvx512 : nullptr;
+  }
+  return nullptr;
+}
+
+const Kernels& Active() {
+  static const Kernels& chosen = Choose();
+  return chosen;
+}
+
+}  // namespace cxlkv::pnm::internal

@@ -1,0 +1,122 @@
+#include "pnm/select.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "pnm/digest.h"
+#include "pnm/kernels.h"
+
+namespace cxlkv::pnm {
+
+Selection Selection::SamePagesForAllHeads(uint32_t num_kv_heads, std::vector<uint32_t> pages) {
+  Selection s;
+  std::sort(pages.begin(), pages.end());
+  s.begin_.assign(num_kv_heads, 0);
+  s.count_.assign(num_kv_heads, static_cast<uint32_t>(pages.size()));
+  s.pages_ = std::move(pages);
+  return s;
+}
+
+Selection Selection::All(uint32_t num_kv_heads, uint64_t pages) {
+  std::vector<uint32_t> all(pages);
+  for (uint64_t p = 0; p < pages; ++p) all[p] = static_cast<uint32_t>(p);
+  return SamePagesForAllHeads(num_kv_heads, std::move(all));
+}
+
+float PageScoreBound(const Geometry& g, const float* q_head, const uint16_t* digest_lo) {
+  float magnitude = 0;
+  const float score =
+      internal::Active().digest_score(q_head, digest_lo, digest_lo + g.head_dim, g.head_dim, &magnitude);
+  // An fp32 sum of n terms is within (n - 1)·2^-24·Σ|term| of the exact sum, and each product
+  // within 2^-24·|term|: twice that covers the bound's own rounding too.
+  return score + magnitude * static_cast<float>(g.head_dim + 4) * 0x1p-23f;
+}
+
+namespace {
+
+using Scored = std::pair<float, uint32_t>;
+// A min-heap's order: the worst kept page on top. Ties keep the later page (nearer the query).
+bool Better(const Scored& a, const Scored& b) { return a.first > b.first || (a.first == b.first && a.second > b.second); }
+
+}  // namespace
+
+Status SelectPages(const Geometry& g, const float* q, const uint16_t* digests, uint64_t tokens,
+                   const SelectOptions& o, Selection* out) {
+  if (Status s = g.Validate(); !s.ok()) return s;
+  if (tokens == 0) return InvalidArgument("page selection over an empty context");
+  const uint64_t pages = g.PagesFor(tokens);
+  if (pages >= std::numeric_limits<uint32_t>::max()) {
+    return InvalidArgument("page selection over " + std::to_string(pages) + " pages: at most 2^32 - 2");
+  }
+  const uint32_t kv_heads = g.num_kv_heads;
+  const uint64_t wanted = std::max<uint64_t>(o.budget_tokens / g.page_tokens, 1);
+  // Forced pages: [0, sinks) and [pages - recent, pages), overlapping on short contexts.
+  const uint64_t sinks = std::min<uint64_t>(o.sink_pages, pages);
+  const uint64_t recent_from = pages - std::min<uint64_t>(o.recent_pages, pages - sinks);
+  const uint64_t forced = sinks + (pages - recent_from);
+  if (wanted >= pages || forced >= pages) {
+    *out = Selection::All(kv_heads, pages);
+    return Status::Ok();
+  }
+  const uint64_t cap = wanted > forced ? wanted - forced : 0;  // pages chosen by score, per head
+
+  const uint32_t heads = g.num_heads, group = g.group();
+  out->heap_.resize(cap * heads);
+  out->heap_size_.assign(heads, 0);
+  if (cap > 0) {
+    for (uint64_t p = sinks; p < recent_from; ++p) {
+      for (uint32_t head = 0; head < heads; ++head) {
+        float score = PageScoreBound(g, q + uint64_t{head} * g.head_dim, DigestLo(g, digests, p, head / group));
+        if (std::isnan(score)) score = std::numeric_limits<float>::infinity();
+        Scored* heap = out->heap_.data() + head * cap;
+        uint32_t& size = out->heap_size_[head];
+        const Scored item{score, static_cast<uint32_t>(p)};
+        if (size < cap) {
+          heap[size++] = item;
+          std::push_heap(heap, heap + size, Better);
+        } else if (Better(item, heap[0])) {
+          std::pop_heap(heap, heap + size, Better);
+          heap[size - 1] = item;
+          std::push_heap(heap, heap + size, Better);
+        }
+      }
+    }
+    // Best first within each head's heap.
+    for (uint32_t head = 0; head < heads; ++head) {
+      Scored* heap = out->heap_.data() + head * cap;
+      std::sort_heap(heap, heap + out->heap_size_[head], Better);
+    }
+  }
+
+  out->pages_.clear();
+  out->taken_.resize(pages);  // all 0 between uses
+  out->begin_.resize(kv_heads);
+  out->count_.resize(kv_heads);
+  for (uint32_t h = 0; h < kv_heads; ++h) {
+    out->begin_[h] = out->pages_.size();
+    for (uint64_t p = 0; p < sinks; ++p) out->pages_.push_back(static_cast<uint32_t>(p));
+    const size_t scored_from = out->pages_.size();
+    // Rank by rank across the group's heads, skipping pages already taken, until cap pages.
+    uint64_t taken = 0;
+    for (uint64_t rank = 0; rank < cap && taken < cap; ++rank) {
+      for (uint32_t i = 0; i < group && taken < cap; ++i) {
+        const uint32_t head = h * group + i;
+        if (rank >= out->heap_size_[head]) continue;
+        const uint32_t page = out->heap_[head * cap + rank].second;
+        if (out->taken_[page]) continue;
+        out->taken_[page] = 1;
+        out->pages_.push_back(page);
+        ++taken;
+      }
+    }
+    for (size_t i = scored_from; i < out->pages_.size(); ++i) out->taken_[out->pages_[i]] = 0;
+    std::sort(out->pages_.begin() + static_cast<std::ptrdiff_t>(scored_from), out->pages_.end());
+    for (uint64_t p = recent_from; p < pages; ++p) out->pages_.push_back(static_cast<uint32_t>(p));
+    out->count_[h] = static_cast<uint32_t>(out->pages_.size() - out->begin_[h]);
+  }
+  return Status::Ok();
+}
+
+}  // namespace cxlkv::pnm

@@ -1,0 +1,76 @@
+// Top-K page selection (PNM §3.1, Quest): score every page's digest against the query and keep
+// the best pages under a token budget, per KV head — scoring and selection fused in one pass
+// (a bounded heap fed while the digests stream by; no array of all scores, no nth_element).
+//
+// Grouped-query attention: each query head ranks pages by its own score, and its KV head
+// attends to the union of its group's choices, taken rank by rank (every head's best page,
+// then every head's second, ...) until the budget is spent. Heads differ in scale: ranking
+// by the group's largest score (or its sum) lets the head with the largest query norm choose
+// for all, and a needle that only a quieter head attends to is lost.
+
+// Always selected, outside the budget's competition: the first `sink_pages` pages (attention
+// sinks) and the last `recent_pages` pages (where the query sits, often partial).
+//
+// Thread-safety: a Selection is one caller's; SelectPages reads digests it does not change.
+#ifndef CXLKV_SRC_PNM_SELECT_H_
+#define CXLKV_SRC_PNM_SELECT_H_
+
+#include <cstdint>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "cxlkv/status.h"
+#include "pnm/geometry.h"
+
+namespace cxlkv::pnm {
+
+struct SelectOptions {
+  uint32_t budget_tokens = 2048;  // tokens attended per KV head, in whole pages (forced pages count)
+  uint32_t sink_pages = 1;        // the first pages, always kept
+  uint32_t recent_pages = 1;      // the last pages, always kept
+};
+
+class Selection;
+
+// Selects pages of a context of `tokens` tokens whose digests (PagesFor(tokens) ×
+// DigestElemsPerPage, see digest.h) are at `digests`, for query q ([num_heads][head_dim] fp32;
+// any positive scale). A page whose score is NaN (non-finite keys) counts as the best. When the
+// budget covers every page, every page is selected. Errors: kInvalidArgument for a bad geometry,
+// an empty context, or a context of 2^32 pages or more.
+Status SelectPages(const Geometry& g, const float* q, const uint16_t* digests, uint64_t tokens,
+                   const SelectOptions& o, Selection* out);
+
+// Pages chosen per KV head, ascending within each head (so reads walk memory forward).
+class Selection {
+ public:
+  // The same pages for every head (a hybrid's split, or dense attention). Pages must be distinct.
+  static Selection SamePagesForAllHeads(uint32_t num_kv_heads, std::vector<uint32_t> pages);
+  // Every page of a context of `pages` pages, for every head.
+  static Selection All(uint32_t num_kv_heads, uint64_t pages);
+
+  uint32_t num_kv_heads() const { return static_cast<uint32_t>(begin_.size()); }
+  std::span<const uint32_t> Of(uint32_t kv_head) const {
+    return {pages_.data() + begin_[kv_head], count_[kv_head]};
+  }
+  uint64_t TotalPages() const { return pages_.size(); }
+
+ private:
+  friend Status SelectPages(const Geometry&, const float*, const uint16_t*, uint64_t, const SelectOptions&,
+                            Selection*);
+  std::vector<uint32_t> pages_;
+  std::vector<uint64_t> begin_;
+  std::vector<uint32_t> count_;
+  // Scratch kept between calls: one bounded min-heap of (score, page) per query head.
+  std::vector<std::pair<float, uint32_t>> heap_;
+  std::vector<uint32_t> heap_size_;
+  std::vector<uint8_t> taken_;  // per page, while one KV head's union is taken
+};
+
+// The upper bound that SelectPages ranks by, for one query head and one page: the digest score
+// plus a bound on its fp32 rounding error, so it is >= the exact max of q·k over the page.
+float PageScoreBound(const Geometry& g, const float* q_head, const uint16_t* digest_lo);
+
+}  // namespace cxlkv::pnm
+
+#endif  // CXLKV_SRC_PNM_SELECT_H_

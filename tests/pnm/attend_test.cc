@@ -1,0 +1,170 @@
+// Attention over selected pages: with every page selected it equals dense attention in fp64;
+// partials over any split of the pages merge exactly, in any order, empty pieces and extreme
+// logits included; bad input is refused and changes nothing.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "pnm_test_util.h"
+
+namespace cxlkv::pnm {
+namespace {
+
+using testing::TestContext;
+
+// |got - want| within rel of the largest |want| of the head (outputs near zero have no
+// meaningful relative error of their own).
+void ExpectClose(const Partial& got, const testing::DenseResult& want, double rel, const std::string& what) {
+  ASSERT_EQ(got.out.size(), want.out.size());
+  const uint32_t dim = got.head_dim;
+  for (uint32_t h = 0; h < got.num_heads; ++h) {
+    double scale = 1e-30;
+    for (uint32_t d = 0; d < dim; ++d) scale = std::max(scale, std::fabs(want.out[h * dim + d]));
+    for (uint32_t d = 0; d < dim; ++d) {
+      ASSERT_NEAR(got.out[h * dim + d], want.out[h * dim + d], rel * scale) << what << " head " << h << " dim " << d;
+    }
+    ASSERT_NEAR(got.lse[h], want.lse[h], rel * std::max(1.0, std::fabs(want.lse[h]))) << what << " head " << h;
+  }
+}
+
+// Random shapes, GQA ratios, dtypes, page sizes and lengths (partial last pages included).
+TEST(PnmAttend, EveryPageSelectedEqualsDenseAttentionInFp64) {
+  std::mt19937_64 rng(2026);
+  const KvDtype dtypes[] = {KvDtype::kFp16, KvDtype::kBf16, KvDtype::kFp32};
+  for (int trial = 0; trial < 24; ++trial) {
+    Geometry g;
+    g.num_kv_heads = 1 + static_cast<uint32_t>(rng() % 3);
+    const uint32_t group = uint32_t{1} << (rng() % 4);  // 1, 2, 4, 8
+    g.num_heads = g.num_kv_heads * group;
+    g.head_dim = 16u << (rng() % 4);  // 16 .. 128
+    g.page_tokens = std::vector<uint32_t>{1, 8, 16, 32}[rng() % 4];
+    g.dtype = dtypes[trial % 3];
+    const uint64_t tokens = 1 + rng() % 700;
+    const std::string what = "trial " + std::to_string(trial) + " kv " + std::to_string(g.num_kv_heads) + " group " +
+                             std::to_string(group) + " dim " + std::to_string(g.head_dim) + " page " +
+                             std::to_string(g.page_tokens) + " tokens " + std::to_string(tokens);
+    TestContext c(g, tokens);
+    c.FillNormal(rng);
+    const auto q = testing::RandomQuery(g, rng, 2.0f);
+    const auto want = testing::DenseFp64(c, q, 1.0 / std::sqrt(static_cast<double>(g.head_dim)));
+    Partial got;
+    ASSERT_TRUE(Attend(g, q.data(), c.View(), nullptr, 0, &got).ok()) << what;
+    ExpectClose(got, want, 1e-3, what);
+    // A budget that covers the context selects every page: the same output.
+    const auto digests = c.Digests();
+    Selection sel;
+    SelectOptions o;
+    o.budget_tokens = static_cast<uint32_t>(tokens + g.page_tokens);
+    ASSERT_TRUE(SelectPages(g, q.data(), digests.data(), tokens, o, &sel).ok());
+    ASSERT_EQ(sel.TotalPages(), g.PagesFor(tokens));
+    Partial selected;
+    ASSERT_TRUE(Attend(g, q.data(), c.View(), &sel, 0, &selected).ok());
+    EXPECT_EQ(selected.out, got.out) << what;
+    EXPECT_EQ(selected.lse, got.lse) << what;
+  }
+}
+
+// Split the pages into 1..64 random pieces (some empty), attend each piece, merge the partials
+// in a random order: the union's attention, within fp32 rounding.
+TEST(PnmAttend, PartialsOfAnySplitMergeExactlyInAnyOrder) {
+  std::mt19937_64 rng(99);
+  Geometry g;
+  g.num_kv_heads = 2;
+  g.num_heads = 8;
+  g.head_dim = 32;
+  g.page_tokens = 4;
+  g.dtype = KvDtype::kFp16;
+  TestContext c(g, 4 * 80 - 1);
+  c.FillNormal(rng);
+  for (float logit_scale : {1.0f, 60.0f}) {  // 60: logits in the hundreds, e^x far past fp32
+    const auto q = testing::RandomQuery(g, rng, 1.0f);
+    Partial whole;
+    ASSERT_TRUE(Attend(g, q.data(), c.View(), nullptr, logit_scale, &whole).ok());
+    const auto dense = testing::DenseFp64(c, q, logit_scale);
+    ExpectClose(whole, dense, 1e-3, "whole");
+    for (int trial = 0; trial < 40; ++trial) {
+      const uint32_t pieces = 1 + static_cast<uint32_t>(rng() % 64);
+      std::vector<std::vector<uint32_t>> split(pieces);
+      for (uint32_t p = 0; p < c.View().pages.size(); ++p) split[rng() % pieces].push_back(p);
+      std::shuffle(split.begin(), split.end(), rng);
+      Partial merged;
+      for (const auto& piece : split) {
+        Partial part;
+        Selection sel = Selection::SamePagesForAllHeads(g.num_kv_heads, piece);
+        ASSERT_TRUE(Attend(g, q.data(), c.View(), &sel, logit_scale, &part).ok());
+        if (piece.empty()) {
+          for (float s : part.lse) ASSERT_EQ(s, -INFINITY);
+          for (float v : part.out) ASSERT_EQ(v, 0.0f);
+        }
+        ASSERT_TRUE(MergeInto(part, &merged).ok());
+      }
+      for (uint32_t i = 0; i < whole.out.size(); ++i) {
+        ASSERT_NEAR(merged.out[i], whole.out[i], 2e-5f * (1 + std::fabs(whole.out[i]))) << pieces << " pieces";
+      }
+      for (uint32_t h = 0; h < g.num_heads; ++h) {
+        ASSERT_NEAR(merged.lse[h], whole.lse[h], 2e-5f * (1 + std::fabs(whole.lse[h]))) << pieces << " pieces";
+      }
+    }
+  }
+}
+
+TEST(PnmAttend, MergingEmptyPartialsAndExtremeLogSumExpsStaysFinite) {
+  Partial a, b, empty;
+  a.Reset(1, 16);
+  b.Reset(1, 16);
+  empty.Reset(1, 16);
+  for (uint32_t d = 0; d < 16; ++d) {
+    a.out[d] = 1.0f;
+    b.out[d] = -1.0f;
+  }
+  a.lse[0] = 1000.0f;  // e^1000 overflows fp32: the merge must work with differences only
+  b.lse[0] = 1000.0f;
+  Partial acc;
+  ASSERT_TRUE(MergeInto(empty, &acc).ok());
+  ASSERT_TRUE(MergeInto(a, &acc).ok());
+  ASSERT_TRUE(MergeInto(empty, &acc).ok());
+  ASSERT_TRUE(MergeInto(b, &acc).ok());
+  for (float v : acc.out) EXPECT_NEAR(v, 0.0f, 1e-6f);
+  EXPECT_NEAR(acc.lse[0], 1000.0f + std::log(2.0f), 1e-3f);
+  b.lse[0] = -1000.0f;  // negligible next to a
+  acc = Partial{};
+  ASSERT_TRUE(MergeInto(b, &acc).ok());
+  ASSERT_TRUE(MergeInto(a, &acc).ok());
+  for (float v : acc.out) EXPECT_EQ(v, 1.0f);
+  EXPECT_EQ(acc.lse[0], 1000.0f);
+  Partial other;
+  other.Reset(2, 16);
+  Status s = MergeInto(other, &acc);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(acc.lse[0], 1000.0f) << "a refused merge changed the accumulator";
+}
+
+TEST(PnmAttend, BadInputIsRefusedAndLeavesTheOutputAlone) {
+  Geometry g;
+  g.num_kv_heads = 2;
+  g.num_heads = 4;
+  g.head_dim = 16;
+  g.page_tokens = 8;
+  TestContext c(g, 20);
+  std::vector<float> q(4 * 16, 1.0f);
+  Partial out;
+  out.Reset(4, 16);
+  out.lse[0] = 42.0f;
+  Selection wrong_heads = Selection::All(3, 3);
+  Status s = Attend(g, q.data(), c.View(), &wrong_heads, 0, &out);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("3 KV heads"), std::string::npos) << s.message();
+  Selection past = Selection::SamePagesForAllHeads(2, {0, 5});
+  s = Attend(g, q.data(), c.View(), &past, 0, &out);
+  EXPECT_NE(s.message().find("page 5 is past"), std::string::npos) << s.message();
+  std::vector<PageKv> pages(c.View().pages.begin(), c.View().pages.end());
+  pages[1].v = nullptr;
+  s = Attend(g, q.data(), ContextView{pages, 20}, nullptr, 0, &out);
+  EXPECT_NE(s.message().find("null"), std::string::npos) << s.message();
+  EXPECT_EQ(out.lse[0], 42.0f);
+}
+
+}  // namespace
+}  // namespace cxlkv::pnm

@@ -1,0 +1,225 @@
+// The near-memory attention's kernels and page digests: every ISA's kernels agree, bf16 bounds
+// round outward, a digest grown row by row equals one built at once, and every page score is an
+// upper bound on the page's true largest q·k, for adversarial queries too.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "pnm_test_util.h"
+
+namespace cxlkv::pnm {
+namespace {
+
+using internal::Isa;
+using internal::Kernels;
+using testing::TestContext;
+
+std::vector<const Kernels*> AvailableKernels() {
+  std::vector<const Kernels*> out;
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+    if (const Kernels* k = internal::ForIsa(isa)) out.push_back(k);
+  }
+  return out;
+}
+
+TEST(PnmKernels, EveryIsaConvertsEveryFp16AndBf16ValueExactly) {
+  std::vector<uint16_t> all(65536);
+  for (uint32_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint16_t>(i);
+  std::vector<float> got(all.size());
+  for (const Kernels* k : AvailableKernels()) {
+    SCOPED_TRACE(k->name);
+    k->to_float(KvDtype::kFp16, all.data(), got.data(), static_cast<uint32_t>(all.size()));
+    for (uint32_t i = 0; i < all.size(); ++i) {
+      const float want = internal::HalfToFloat(all[i]);
+      if (std::isnan(want)) {
+        ASSERT_TRUE(std::isnan(got[i])) << i;
+      } else {
+        ASSERT_EQ(got[i], want) << "fp16 bits " << i;
+      }
+    }
+    k->to_float(KvDtype::kBf16, all.data(), got.data(), static_cast<uint32_t>(all.size()));
+    for (uint32_t i = 0; i < all.size(); ++i) {
+      const float want = internal::Bf16ToFloat(all[i]);
+      if (std::isnan(want)) {
+        ASSERT_TRUE(std::isnan(got[i])) << i;
+      } else {
+        ASSERT_EQ(got[i], want) << "bf16 bits " << i;
+      }
+    }
+  }
+  // A few known fp16 values: 1, -2, the smallest subnormal, the largest finite, infinity.
+  EXPECT_EQ(internal::HalfToFloat(0x3c00), 1.0f);
+  EXPECT_EQ(internal::HalfToFloat(0xc000), -2.0f);
+  EXPECT_EQ(internal::HalfToFloat(0x0001), std::ldexp(1.0f, -24));
+  EXPECT_EQ(internal::HalfToFloat(0x7bff), 65504.0f);
+  EXPECT_EQ(internal::HalfToFloat(0x7c00), std::numeric_limits<float>::infinity());
+}
+
+TEST(PnmKernels, EveryIsaAgreesOnDotAxpyAndDigestScores) {
+  std::mt19937_64 rng(7);
+  std::normal_distribution<float> n(0.0f, 3.0f);
+  for (uint32_t dim : {16u, 32u, 48u, 64u, 128u, 256u}) {
+    std::vector<float> a(dim), b(dim), y0(dim);
+    std::vector<uint16_t> lo(dim), hi(dim);
+    for (uint32_t i = 0; i < dim; ++i) {
+      a[i] = n(rng);
+      b[i] = n(rng);
+      y0[i] = n(rng);
+      float x = n(rng), z = n(rng);
+      lo[i] = internal::Bf16RoundDown(std::min(x, z));
+      hi[i] = internal::Bf16RoundUp(std::max(x, z));
+    }
+    double dot = 0, score = 0;
+    for (uint32_t i = 0; i < dim; ++i) {
+      dot += double{a[i]} * b[i];
+      score += std::max(double{a[i]} * internal::Bf16ToFloat(lo[i]), double{a[i]} * internal::Bf16ToFloat(hi[i]));
+    }
+    for (const Kernels* k : AvailableKernels()) {
+      SCOPED_TRACE(std::string(k->name) + " dim " + std::to_string(dim));
+      EXPECT_NEAR(k->dot(a.data(), b.data(), dim), dot, 1e-4 * (1 + std::fabs(dot)) * dim);
+      float mag = 0;
+      EXPECT_NEAR(k->digest_score(a.data(), lo.data(), hi.data(), dim, &mag), score, 1e-4 * (1 + std::fabs(score)) * dim);
+      EXPECT_GE(mag, std::fabs(score) * 0.999);
+      std::vector<float> y = y0;
+      k->axpy(0.5f, a.data(), y.data(), dim);
+      for (uint32_t i = 0; i < dim; ++i) EXPECT_FLOAT_EQ(y[i], y0[i] + 0.5f * a[i]);
+    }
+  }
+}
+
+TEST(PnmKernels, Bf16BoundsRoundOutwardAndAreExactWhenRepresentable) {
+  std::mt19937_64 rng(3);
+  std::uniform_int_distribution<uint32_t> bits;
+  for (int i = 0; i < 200000; ++i) {
+    uint32_t b = bits(rng);
+    float x;
+    std::memcpy(&x, &b, 4);
+    if (std::isnan(x)) continue;
+    const float down = internal::Bf16ToFloat(internal::Bf16RoundDown(x));
+    const float up = internal::Bf16ToFloat(internal::Bf16RoundUp(x));
+    ASSERT_LE(down, x) << b;
+    ASSERT_GE(up, x) << b;
+    if ((b & 0xffff) == 0) {
+      ASSERT_EQ(down, x);
+      ASSERT_EQ(up, x);
+    } else {  // one bf16 step apart: nothing representable lies strictly between
+      const int step = int{internal::Bf16RoundUp(x)} - int{internal::Bf16RoundDown(x)};
+      ASSERT_EQ(std::abs(step), 1) << b;
+      ASSERT_LT(down, up);
+    }
+  }
+  EXPECT_EQ(internal::Bf16RoundDown(1.0f), 0x3f80);
+  EXPECT_EQ(internal::Bf16RoundUp(1.0f), 0x3f80);
+  EXPECT_EQ(internal::Bf16RoundUp(1.0f + 0x1p-20f), 0x3f81);
+  EXPECT_EQ(internal::Bf16RoundDown(-1.0f - 0x1p-20f), 0xbf81);
+  EXPECT_EQ(internal::Bf16RoundUp(-1.0f - 0x1p-20f), 0xbf80);
+}
+
+Geometry SmallGeometry(KvDtype dtype, uint32_t group = 4) {
+  Geometry g;
+  g.num_kv_heads = 2;
+  g.num_heads = 2 * group;
+  g.head_dim = 64;
+  g.page_tokens = 16;
+  g.dtype = dtype;
+  return g;
+}
+
+TEST(PnmDigest, GrowingAPartialPageRowByRowEqualsBuildingItAtOnce) {
+  for (KvDtype dtype : {KvDtype::kFp16, KvDtype::kBf16, KvDtype::kFp32}) {
+    const Geometry g = SmallGeometry(dtype);
+    std::mt19937_64 rng(11);
+    TestContext c(g, 16 * 5 + 7);
+    c.FillNormal(rng, 4.0f);
+    const std::vector<uint16_t> built = c.Digests();
+    ASSERT_FALSE(built.empty());
+    const ContextView v = c.View();
+    for (uint64_t p = 0; p < v.pages.size(); ++p) {
+      std::vector<uint16_t> grown(DigestElemsPerPage(g));
+      ClearPageDigest(g, grown.data());
+      for (uint32_t t = 0; t < v.TokensOf(p, g.page_tokens); ++t) ExtendPageDigest(g, v.pages[p], t, t + 1, grown.data());
+      ASSERT_TRUE(std::equal(grown.begin(), grown.end(), built.begin() + static_cast<std::ptrdiff_t>(p * grown.size())))
+          << "page " << p;
+    }
+    // Every stored key lies within its page's bounds.
+    for (uint64_t t = 0; t < c.tokens(); ++t) {
+      for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
+        const uint16_t* lo = DigestLo(g, built.data(), t / g.page_tokens, h);
+        for (uint32_t d = 0; d < g.head_dim; ++d) {
+          ASSERT_LE(internal::Bf16ToFloat(lo[d]), c.Key(t, h, d));
+          ASSERT_GE(internal::Bf16ToFloat(lo[g.head_dim + d]), c.Key(t, h, d));
+        }
+      }
+    }
+  }
+}
+
+// For random and adversarial queries — the sign pattern of one key (it maximizes that key's
+// logit), a key itself scaled up, one-hot on an outlier channel — every page's bound is at least
+// the page's largest q·k computed exactly.
+TEST(PnmDigest, EveryPageScoreBoundsThePagesLargestLogit) {
+  for (KvDtype dtype : {KvDtype::kFp16, KvDtype::kBf16, KvDtype::kFp32}) {
+    SCOPED_TRACE(static_cast<int>(dtype));
+    const Geometry g = SmallGeometry(dtype, 1);
+    std::mt19937_64 rng(5);
+    TestContext c(g, 16 * 12 + 3);
+    c.FillNormal(rng, 2.0f);
+    for (uint64_t t = 0; t < c.tokens(); ++t) c.SetKey(t, 0, 7, 200.0f + static_cast<float>(t % 5));  // outlier channel
+    const std::vector<uint16_t> digests = c.Digests();
+    std::vector<std::vector<float>> queries;
+    for (int i = 0; i < 8; ++i) queries.push_back(testing::RandomQuery(g, rng, 5.0f));
+    for (uint64_t t : {uint64_t{3}, uint64_t{100}, c.tokens() - 1}) {
+      std::vector<float> sign(g.num_heads * g.head_dim), scaled(sign.size()), onehot(sign.size(), 0.0f);
+      for (uint32_t h = 0; h < g.num_heads; ++h) {
+        for (uint32_t d = 0; d < g.head_dim; ++d) {
+          sign[h * g.head_dim + d] = c.Key(t, h, d) >= 0 ? 1e3f : -1e3f;
+          scaled[h * g.head_dim + d] = c.Key(t, h, d) * 1e4f;
+        }
+        onehot[h * g.head_dim + 7] = -3e4f;
+      }
+      queries.push_back(sign);
+      queries.push_back(scaled);
+      queries.push_back(onehot);
+    }
+    for (const auto& q : queries) {
+      for (uint64_t p = 0; p < g.PagesFor(c.tokens()); ++p) {
+        for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
+          double best = -INFINITY;
+          for (uint64_t t = p * g.page_tokens; t < std::min(c.tokens(), (p + 1) * g.page_tokens); ++t) {
+            double s = 0;
+            for (uint32_t d = 0; d < g.head_dim; ++d) s += double{q[h * g.head_dim + d]} * c.Key(t, h, d);
+            best = std::max(best, s);
+          }
+          const float bound = PageScoreBound(g, q.data() + uint64_t{h} * g.head_dim, DigestLo(g, digests.data(), p, h));
+          ASSERT_GE(double{bound}, best) << "page " << p << " head " << h;
+        }
+      }
+    }
+  }
+}
+
+TEST(PnmDigest, BadShapesAreRefusedClearly) {
+  Geometry g = SmallGeometry(KvDtype::kFp16);
+  TestContext c(g, 40);
+  std::vector<uint16_t> wrong(3);
+  Status s = BuildDigests(g, c.View(), wrong);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("3 elements"), std::string::npos) << s.message();
+  Geometry bad = g;
+  bad.num_heads = 3;
+  EXPECT_NE(bad.Validate().message().find("not a multiple"), std::string::npos);
+  bad = g;
+  bad.head_dim = 40;
+  EXPECT_EQ(bad.Validate().code(), StatusCode::kInvalidArgument);
+  bad = g;
+  bad.dtype = KvDtype::kFp8;
+  EXPECT_NE(bad.Validate().message().find("fp8"), std::string::npos);
+  ContextView v = c.View();
+  v.tokens = 100;  // 7 pages' worth on 3 pages
+  EXPECT_NE(v.Validate(g).message().find("needs 7 pages"), std::string::npos) << v.Validate(g).message();
+}
+
+}  // namespace
+}  // namespace cxlkv::pnm
