@@ -31,6 +31,11 @@ const std::vector<Suite>& Suites() {
        "capacity tiers: SSD tier read/write GB/s at 256 KiB and 2 MiB, queue depth 1 and 32, vs fio on the same "
        "file and vs a file-per-object store; CRC-32C cost; DRAM+SSD with placement vs each alone",
        &RunTierBench},
+      {"pnm",
+       "near-memory sparse attention (decode, fp16 KV, cold cache): Attend and SelectPages bytes/s vs memory read "
+       "bandwidth; dense vs sparse decode step at 32K/128K/1M tokens, budgets 1/8 and 1/32, vs the byte-count "
+       "limit; link bytes near memory vs recalling the selected pages",
+       &RunPnmBench},
   };
   return suites;
 }

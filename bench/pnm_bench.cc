@@ -1,0 +1,388 @@
+// `cxlkv bench pnm`: near-memory sparse attention for decode (src/pnm/), on the CPU, each figure
+// next to the limit it chases, measured in the same run. The KV is random fp16 (fixed seed) in
+// pool block format, spread over several "layers" (separate KV buffers, together ≥ 4× the
+// last-level cache) that the decode steps rotate over, so every step reads cold memory.
+//
+//   memory_read_bw        the reference: one thread summing the whole KV arena with wide loads,
+//                         GB/s.
+//   attend_bw/CTX         KV bytes per second that Attend reads over every page (dense decode),
+//                         vs memory_read_bw. Goal ≥ 0.7.
+//   score_bw/CTX          digest bytes per second that SelectPages reads (budget 1/32), vs
+//                         memory_read_bw.
+//   build_digests         BuildDigests, tokens/s, vs the memory bound in tokens/s (K bytes only).
+//   step_ms/CTX/B         one decode step (SelectPages + Attend, one query, one layer) at budget B,
+//                         vs the dense step (Attend over every page; dense needs no selection).
+//   speedup/CTX/B         dense step / sparse step, vs the byte-count limit: dense KV bytes /
+//                         (selected KV bytes + digest bytes). Goals at 1/32: 6× (32K), 8× (128K),
+//                         12× (1M).
+//   link_KiB/CTX/B        bytes crossing the link per step when attention runs near memory
+//                         (query + output + LSE, fp32) vs recalling the selected pages to the
+//                         engine (selected KV bytes).
+//
+// Geometry: fp16, 32 query heads, 8 KV heads, head_dim 128, 16-token pages (4 KiB of KV per
+// token). At 1M tokens that is 4 GiB per layer, so the 1M case uses 2 KV heads and 8 query heads
+// (same group of 4; 1 GiB per layer) and says so in its figures' names ("1M_2kvh").
+// --quick: 32K and 128K only, a 1 GiB arena, 2 repetitions.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "pnm/attend.h"
+#include "pnm/digest.h"
+#include "pnm/geometry.h"
+#include "pnm/kernels.h"
+#include "pnm/select.h"
+#include "region/cpu.h"
+#include "suites.h"
+
+namespace cxlkv::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double Seconds(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+constexpr uint64_t kMiB = 1ull << 20;
+constexpr uint64_t kGiB = 1ull << 30;
+
+// An anonymous mapping with transparent huge pages requested (as region_bench's buffers).
+class Arena {
+ public:
+  explicit Arena(uint64_t n) : n_(n) {
+    void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return;
+    p_ = static_cast<uint8_t*>(p);
+    madvise(p_, n_, MADV_HUGEPAGE);
+  }
+  ~Arena() {
+    if (p_) munmap(p_, n_);
+  }
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+  uint8_t* data() const { return p_; }
+  uint64_t size() const { return n_; }
+  bool ok() const { return p_ != nullptr; }
+
+ private:
+  uint8_t* p_ = nullptr;
+  uint64_t n_;
+};
+
+uint64_t SplitMix(uint64_t& s) {
+  uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Random finite fp16 values of either sign in [0.125, 2): sign, two exponent bits and the
+// mantissa random, the exponent's top bits fixed.
+void FillFp16(uint8_t* p, uint64_t bytes, uint64_t seed) {
+  auto* w = reinterpret_cast<uint64_t*>(p);
+  for (uint64_t i = 0; i < bytes / 8; ++i) w[i] = (SplitMix(seed) & 0x87ff87ff87ff87ffull) | 0x3000300030003000ull;
+}
+
+// The last-level cache's size: sysfs for cpu0 (what the VM exposes), else sysconf.
+uint64_t LlcBytes() {
+  for (int idx = 3; idx >= 2; --idx) {
+    std::ifstream f("/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(idx) + "/size");
+    std::string s;
+    if (f >> s && !s.empty()) {
+      uint64_t v = std::strtoull(s.c_str(), nullptr, 10);
+      char unit = s.back();
+      if (unit == 'K') v <<= 10;
+      if (unit == 'M') v <<= 20;
+      if (v > 0) return v;
+    }
+  }
+  long v = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  return v > 0 ? static_cast<uint64_t>(v) : 32 * kMiB;
+}
+
+// The memory-bandwidth reference: a streaming read-sum with wide loads and independent
+// accumulators, one thread (Attend runs on one).
+__attribute__((target("avx2"))) uint64_t ReadSumAvx2(const uint8_t* p, uint64_t bytes) {
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+  const auto* v = reinterpret_cast<const __m256i*>(p);
+  for (uint64_t i = 0; i + 4 <= bytes / 32; i += 4) {
+    a0 = _mm256_add_epi64(a0, _mm256_load_si256(v + i));
+    a1 = _mm256_add_epi64(a1, _mm256_load_si256(v + i + 1));
+    a2 = _mm256_add_epi64(a2, _mm256_load_si256(v + i + 2));
+    a3 = _mm256_add_epi64(a3, _mm256_load_si256(v + i + 3));
+  }
+  a0 = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), a0);
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+}
+
+uint64_t ReadSumScalar(const uint8_t* p, uint64_t bytes) {
+  const auto* w = reinterpret_cast<const uint64_t*>(p);
+  uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+  for (uint64_t i = 0; i + 4 <= bytes / 8; i += 4) {
+    a0 += w[i];
+    a1 += w[i + 1];
+    a2 += w[i + 2];
+    a3 += w[i + 3];
+  }
+  return a0 + a1 + a2 + a3;
+}
+
+uint64_t ReadSum(const uint8_t* p, uint64_t bytes) {
+  return region::Cpu().avx2 ? ReadSumAvx2(p, bytes) : ReadSumScalar(p, bytes);
+}
+
+
+// One context length: the arena cut into layers of `tokens` tokens of geometry g.
+struct Layers {
+  pnm::Geometry g;
+  uint64_t tokens = 0;
+  uint64_t pages = 0;  // per layer
+  std::vector<std::vector<pnm::PageKv>> page_kv;  // [layer][page]
+  std::vector<const uint16_t*> digests;           // [layer]
+
+  uint64_t PageBytes() const { return 2 * g.SlabBytes(); }
+  uint64_t LayerBytes() const { return pages * PageBytes(); }
+  uint64_t DigestBytes() const { return pages * pnm::DigestBytesPerPage(g); }
+  pnm::ContextView Ctx(size_t l) const { return {page_kv[l], tokens}; }
+};
+
+// Cuts [0, arena) into whole layers; digests of page i of the arena live at digest + i * per-page.
+Layers MakeLayers(const pnm::Geometry& g, uint64_t tokens, uint8_t* arena, uint64_t arena_bytes,
+                  const uint16_t* digest) {
+  Layers L;
+  L.g = g;
+  L.tokens = tokens;
+  L.pages = g.PagesFor(tokens);
+  const uint64_t n = arena_bytes / L.LayerBytes();
+  for (uint64_t l = 0; l < n; ++l) {
+    std::vector<pnm::PageKv> pk(L.pages);
+    for (uint64_t p = 0; p < L.pages; ++p) {
+      uint8_t* page = arena + (l * L.pages + p) * L.PageBytes();
+      pk[p] = {page, page + g.SlabBytes()};
+    }
+    L.page_kv.push_back(std::move(pk));
+    L.digests.push_back(digest + l * L.pages * pnm::DigestElemsPerPage(g));
+  }
+  return L;
+}
+
+// Builds the digests of every page of the arena in layers of geometry g, one BuildDigests per
+// layer; returns tokens/s per layer.
+Result<std::vector<double>> BuildAll(const Layers& L, uint16_t* digest) {
+  std::vector<double> tps;
+  for (size_t l = 0; l < L.page_kv.size(); ++l) {
+    std::span<uint16_t> out(digest + l * L.pages * pnm::DigestElemsPerPage(L.g), L.pages * pnm::DigestElemsPerPage(L.g));
+    auto t0 = Clock::now();
+    CXLKV_RETURN_IF_ERROR(pnm::BuildDigests(L.g, L.Ctx(l), out));
+    tps.push_back(static_cast<double>(L.tokens) / Seconds(t0));
+  }
+  return tps;
+}
+
+struct CaseResult {
+  std::vector<double> dense_ms;
+  // Per budget: step ms, select-only ms, selected KV bytes per step (mean).
+  std::vector<std::vector<double>> sparse_ms, select_ms;
+  std::vector<double> selected_bytes;
+};
+
+Result<CaseResult> RunCase(const Layers& L, const std::vector<uint32_t>& budgets, int reps,
+                           const std::vector<std::vector<float>>& queries) {
+  CaseResult r;
+  r.sparse_ms.resize(budgets.size());
+  r.select_ms.resize(budgets.size());
+  r.selected_bytes.assign(budgets.size(), 0);
+  std::vector<uint64_t> selected_steps(budgets.size(), 0);
+  const size_t layers = L.page_kv.size();
+  pnm::Partial part;
+  pnm::Selection sel;
+  size_t qi = 0;
+  auto next_query = [&] { return queries[qi++ % queries.size()].data(); };
+  // One rotation for every step, dense or sparse: consecutive steps never read the same layer,
+  // and a layer comes back only after every other one has been read.
+  size_t li = 0;
+  auto next_layer = [&] { return li++ % layers; };
+  const size_t dense_steps = std::min<size_t>(layers, 4);
+  // Per-head KV bytes of one page's K + V.
+  const uint64_t head_page_bytes = 2ull * L.g.page_tokens * L.g.head_dim * L.g.elem_bytes();
+  for (int rep = 0; rep < reps; ++rep) {
+    // Dense steps read a whole layer (≥ 128 MiB, 4× a 32 MiB LLC) each: up to 4 per repetition.
+    auto t0 = Clock::now();
+    for (size_t i = 0; i < dense_steps; ++i) {
+      CXLKV_RETURN_IF_ERROR(pnm::Attend(L.g, next_query(), L.Ctx(next_layer()), nullptr, 0, &part));
+    }
+    r.dense_ms.push_back(Seconds(t0) * 1e3 / static_cast<double>(dense_steps));
+    for (size_t b = 0; b < budgets.size(); ++b) {
+      pnm::SelectOptions o;
+      o.budget_tokens = budgets[b];
+      double select_s = 0;
+      auto s0 = Clock::now();
+      for (size_t i = 0; i < layers; ++i) {
+        const size_t l = next_layer();
+        const float* q = next_query();
+        auto a = Clock::now();
+        CXLKV_RETURN_IF_ERROR(pnm::SelectPages(L.g, q, L.digests[l], L.tokens, o, &sel));
+        select_s += Seconds(a);
+        CXLKV_RETURN_IF_ERROR(pnm::Attend(L.g, q, L.Ctx(l), &sel, 0, &part));
+        r.selected_bytes[b] += static_cast<double>(sel.TotalPages() * head_page_bytes);
+        ++selected_steps[b];
+      }
+      r.sparse_ms[b].push_back(Seconds(s0) * 1e3 / static_cast<double>(layers));
+      r.select_ms[b].push_back(select_s * 1e3 / static_cast<double>(layers));
+    }
+  }
+  for (size_t b = 0; b < budgets.size(); ++b) r.selected_bytes[b] /= static_cast<double>(selected_steps[b]);
+  return r;
+}
+
+}  // namespace
+
+Result<nlohmann::json> RunPnmBench(const BenchOptions& options) {
+  const int reps = options.quick ? 2 : options.repetitions;
+  const uint64_t llc = LlcBytes();
+  // Whole 512 MiB layers of the 128K case (and 1 GiB ones of the 1M case), ≥ 4× the LLC.
+  const uint64_t unit = options.quick ? 512 * kMiB : kGiB;
+  uint64_t arena_bytes = std::max<uint64_t>(options.quick ? kGiB : 2 * kGiB, 4 * llc);
+  arena_bytes = (arena_bytes + unit - 1) / unit * unit;
+  Arena arena(arena_bytes);
+  if (!arena.ok()) return Internal("bench pnm: cannot map " + std::to_string(arena_bytes >> 20) + " MiB");
+  FillFp16(arena.data(), arena_bytes, 0x9e11a7e5eedull);
+  // The digests are 1/16 of the KV for fp16 with 16-token pages, whatever the head count.
+  std::vector<uint16_t> digest(arena_bytes / 16 / sizeof(uint16_t));
+
+  pnm::Geometry g8;
+  g8.num_heads = 32;
+  g8.num_kv_heads = 8;
+  g8.head_dim = 128;
+  g8.page_tokens = 16;
+  g8.dtype = KvDtype::kFp16;
+  pnm::Geometry g2 = g8;
+  g2.num_heads = 8;
+  g2.num_kv_heads = 2;
+
+  // Queries: random fp32 in [-1, 1), a fixed set cycled through.
+  uint64_t seed = 0x5eed;
+  std::vector<std::vector<float>> q8(64, std::vector<float>(uint64_t{g8.num_heads} * g8.head_dim));
+  for (auto& q : q8) {
+    for (float& x : q) x = static_cast<float>(SplitMix(seed) >> 40) / static_cast<float>(1 << 23) - 1.0f;
+  }
+  std::vector<std::vector<float>> q2(64);
+  for (size_t i = 0; i < q2.size(); ++i) q2[i].assign(q8[i].begin(), q8[i].begin() + uint64_t{g2.num_heads} * g2.head_dim);
+
+  std::vector<nlohmann::json> results;
+  nlohmann::json cases = nlohmann::json::array();
+
+  // The reference first: the same arena, read whole, reps times (cold: 4× the LLC or more).
+  std::vector<double> mem_bw;
+  volatile uint64_t sink = 0;
+  ReadSum(arena.data(), arena_bytes);  // warm the TLB / page tables once
+  for (int rep = 0; rep < std::max(reps, 3); ++rep) {
+    auto t0 = Clock::now();
+    sink = sink + ReadSum(arena.data(), arena_bytes);
+    mem_bw.push_back(static_cast<double>(arena_bytes) / Seconds(t0) / 1e9);
+  }
+  results.push_back(FigureJson({"memory_read_bw", "GB/s", true, mem_bw, "", {},
+                                "one thread, streaming read-sum over the KV arena: the reference"}));
+
+  struct Ctx {
+    uint64_t tokens;
+    const pnm::Geometry* g;
+    const std::vector<std::vector<float>>* q;
+    std::string name;
+  };
+  std::vector<Ctx> ctxs = {{32ull << 10, &g8, &q8, "32K"}, {128ull << 10, &g8, &q8, "128K"}};
+  if (!options.quick) ctxs.push_back({1ull << 20, &g2, &q2, "1M_2kvh"});
+
+  const pnm::Geometry* built_for = nullptr;
+  std::vector<double> build_tps;
+  double build_bound_tps = 0;
+  for (const Ctx& c : ctxs) {
+    Layers L = MakeLayers(*c.g, c.tokens, arena.data(), arena_bytes, digest.data());
+    if (L.page_kv.empty()) return Internal("bench pnm: arena too small for " + c.name);
+    if (built_for != c.g) {
+      // Digests depend on the head count, not on how pages are grouped into layers.
+      auto tps = BuildAll(L, digest.data());
+      if (!tps.ok()) return tps.status();
+      if (built_for == nullptr) {
+        build_tps = *tps;
+        // The memory bound in tokens/s: K bytes per token at memory_read_bw.
+        build_bound_tps = Median(mem_bw) * 1e9 / static_cast<double>(L.g.RowBytes());
+      }
+      built_for = c.g;
+    }
+    const std::vector<uint32_t> budgets = {static_cast<uint32_t>(c.tokens / 8), static_cast<uint32_t>(c.tokens / 32)};
+    const std::vector<std::string> bnames = {"1_8", "1_32"};
+    auto r = RunCase(L, budgets, reps, *c.q);
+    if (!r.ok()) return r.status();
+
+    const double dense_bytes = static_cast<double>(L.LayerBytes());
+    const double digest_bytes = static_cast<double>(L.DigestBytes());
+    std::vector<double> attend_bw, mem_ref;
+    for (double ms : r->dense_ms) attend_bw.push_back(dense_bytes / (ms * 1e-3) / 1e9);
+    results.push_back(FigureJson({"attend_bw/" + c.name, "GB/s", true, attend_bw, "memory_read_bw", mem_bw,
+                                  "KV bytes/s Attend reads over every page (dense); goal >=0.7"}));
+    results.push_back(FigureJson({"step_ms/" + c.name + "/dense", "ms", false, r->dense_ms, "", {},
+                                  "Attend over every page, one query, one layer"}));
+    nlohmann::json cj = {{"context", c.name},
+                         {"tokens", c.tokens},
+                         {"num_heads", c.g->num_heads},
+                         {"num_kv_heads", c.g->num_kv_heads},
+                         {"head_dim", c.g->head_dim},
+                         {"page_tokens", c.g->page_tokens},
+                         {"layers", L.page_kv.size()},
+                         {"layer_MiB", L.LayerBytes() >> 20},
+                         {"digest_MiB_per_layer", L.DigestBytes() >> 20}};
+    for (size_t b = 0; b < budgets.size(); ++b) {
+      const std::string tag = c.name + "/" + bnames[b];
+      std::vector<double> speedup, score_bw;
+      for (size_t i = 0; i < r->dense_ms.size(); ++i) speedup.push_back(r->dense_ms[i] / r->sparse_ms[b][i]);
+      for (double ms : r->select_ms[b]) score_bw.push_back(digest_bytes / (ms * 1e-3) / 1e9);
+      const double sel_bytes = r->selected_bytes[b];
+      const double limit = dense_bytes / (sel_bytes + digest_bytes);
+      results.push_back(FigureJson({"step_ms/" + tag, "ms", false, r->sparse_ms[b], "step_ms/" + c.name + "/dense",
+                                    r->dense_ms, "SelectPages + Attend over the selected pages vs dense"}));
+      const char* goal = bnames[b] != "1_32" ? ""
+                         : c.tokens == (32ull << 10) ? "; goal >=6x"
+                         : c.tokens == (128ull << 10) ? "; goal >=8x"
+                                                      : "; goal >=12x";
+      results.push_back(FigureJson({"speedup/" + tag, "x", true, speedup, "byte_limit/" + tag, {limit},
+                                    std::string("dense/sparse step time vs dense KV bytes / (selected KV + digest bytes)") + goal}));
+      if (b + 1 == budgets.size()) {
+        results.push_back(FigureJson({"score_bw/" + tag, "GB/s", true, score_bw, "memory_read_bw", mem_bw,
+                                      "digest bytes/s SelectPages reads (scoring + top-K)"}));
+      }
+      // Link bytes per step: q in, output and LSE out (fp32) vs the selected K+V pages recalled.
+      const double near = (2.0 * c.g->num_heads * c.g->head_dim + c.g->num_heads) * sizeof(float) / 1024.0;
+      results.push_back(FigureJson({"link_KiB/" + tag, "KiB", false, {near}, "recall_KiB/" + tag, {sel_bytes / 1024.0},
+                                    "near memory (query + output + LSE) vs recalling the selected KV pages"}));
+      cj["selected_MiB_" + bnames[b]] = sel_bytes / kMiB;
+    }
+    cases.push_back(cj);
+  }
+  results.push_back(FigureJson({"build_digests", "tokens/s", true, build_tps, "build_digests_memory_bound", {build_bound_tps},
+                                "BuildDigests per layer (8 KV heads) vs K bytes at memory_read_bw"}));
+
+  nlohmann::json report;
+  report["suite"] = "pnm";
+  report["machine"] = MachineJson();
+  report["repetitions"] = reps;
+  report["kernels"] = pnm::internal::Active().name;
+  report["llc_bytes"] = llc;
+  report["arena_MiB"] = arena_bytes >> 20;
+  report["cases"] = cases;
+  report["note"] = "fp16 KV, 32 query / 8 KV heads, head_dim 128, 16-token pages; the 1M case uses 8 query / 2 KV "
+                   "heads so a layer is 1 GiB; layers rotate so every step reads cold memory; one thread";
+  report["results"] = results;
+  return report;
+}
+
+}  // namespace cxlkv::bench
