@@ -13,13 +13,13 @@ namespace {
 
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
-// Per-thread buffers of one KV head's work: its group's running max, sum and output.
+// Per-thread buffers: every query head's running max, sum and output, and one page's rows.
 struct Scratch {
   std::vector<float> row;     // one K or V row, as fp32
   std::vector<float> logits;  // [group][page_tokens]
-  std::vector<float> acc;     // [group][head_dim]
-  std::vector<float> max;     // [group]
-  std::vector<float> sum;     // [group]
+  std::vector<float> acc;     // [num_heads][head_dim]
+  std::vector<float> max;     // [num_heads]
+  std::vector<float> sum;     // [num_heads]
 };
 
 Status CheckSelection(const Geometry& g, const ContextView& ctx, const Selection& s) {
@@ -38,11 +38,34 @@ Status CheckSelection(const Geometry& g, const ContextView& ctx, const Selection
   return Status::Ok();
 }
 
+// Asks for KV head h's K and V rows of a page ahead of use. A head's rows are a few cache lines
+// out of every token's row across the heads: a strided walk the hardware prefetchers do not
+// follow, so without this each row is a full memory latency.
+void PrefetchPage(const Geometry& g, const PageKv& page, uint32_t tokens, uint32_t h) {
+  const uint64_t head_bytes = uint64_t{g.head_dim} * g.elem_bytes();
+  const uint64_t head_offset = h * head_bytes;
+  for (const void* slab : {page.k, page.v}) {
+    const auto* base = static_cast<const uint8_t*>(slab) + head_offset;
+    for (uint32_t t = 0; t < tokens; ++t) {
+      for (uint64_t b = 0; b < head_bytes; b += 64) __builtin_prefetch(base + t * g.RowBytes() + b, 0, 3);
+    }
+  }
+}
+
 // Online softmax over one page for the G query heads of KV head h: logits, a new running max,
 // rescale what was accumulated, then add the page's values weighted by exp(logit - max).
+// The group's state (max, sum, acc) is at its query heads' places in the scratch.
 void AttendPage(const Geometry& g, const internal::Kernels& k, const float* q_group, float scale, const PageKv& page,
-                uint32_t tokens, uint32_t h, Scratch& s) {
+                uint32_t tokens, uint32_t h, Scratch& scratch) {
   const uint32_t group = g.group(), dim = g.head_dim;
+  struct GroupState {
+    std::vector<float>& row;
+    std::vector<float>& logits;
+    float* acc;
+    float* max;
+    float* sum;
+  } s{scratch.row, scratch.logits, scratch.acc.data() + uint64_t{h} * group * dim, scratch.max.data() + h * group,
+      scratch.sum.data() + h * group};
   const uint64_t head_offset = uint64_t{h} * dim * g.elem_bytes();
   const auto* kslab = static_cast<const uint8_t*>(page.k) + head_offset;
   const auto* vslab = static_cast<const uint8_t*>(page.v) + head_offset;
@@ -64,7 +87,7 @@ void AttendPage(const Geometry& g, const internal::Kernels& k, const float* q_gr
     const float rescale = std::exp(s.max[i] - new_max);  // exp(-inf) = 0 on the first page
     if (rescale != 1.0f) {
       s.sum[i] *= rescale;
-      float* acc = s.acc.data() + uint64_t{i} * dim;
+      float* acc = s.acc + uint64_t{i} * dim;
       for (uint32_t d = 0; d < dim; ++d) acc[d] *= rescale;
     }
     s.max[i] = new_max;
@@ -77,7 +100,7 @@ void AttendPage(const Geometry& g, const internal::Kernels& k, const float* q_gr
     k.to_float(g.dtype, vslab + t * g.RowBytes(), s.row.data(), dim);
     for (uint32_t i = 0; i < group; ++i) {
       const float w = s.logits[i * g.page_tokens + t];
-      if (w != 0) k.axpy(w, s.row.data(), s.acc.data() + uint64_t{i} * dim, dim);
+      if (w != 0) k.axpy(w, s.row.data(), s.acc + uint64_t{i} * dim, dim);
     }
   }
 }
@@ -104,30 +127,40 @@ Status Attend(const Geometry& g, const float* q, const ContextView& ctx, const S
   thread_local Scratch s;
   s.row.resize(dim);
   s.logits.resize(uint64_t{group} * g.page_tokens);
-  s.acc.resize(uint64_t{group} * dim);
-  s.max.resize(group);
-  s.sum.resize(group);
+  s.acc.assign(uint64_t{g.num_heads} * dim, 0.0f);
+  s.max.assign(g.num_heads, kMinusInf);
+  s.sum.assign(g.num_heads, 0.0f);
   out->Reset(g.num_heads, dim);
 
-  for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
-    std::fill(s.acc.begin(), s.acc.end(), 0.0f);
-    std::fill(s.max.begin(), s.max.end(), kMinusInf);
-    std::fill(s.sum.begin(), s.sum.end(), 0.0f);
-    const float* q_group = q + uint64_t{h} * group * dim;
-    auto visit = [&](uint64_t p) { AttendPage(g, k, q_group, scale, ctx.pages[p], ctx.TokensOf(p, g.page_tokens), h, s); };
-    if (selection != nullptr) {
-      for (uint32_t p : selection->Of(h)) visit(p);
-    } else {
-      for (uint64_t p = 0; p < ctx.pages.size(); ++p) visit(p);
+  auto visit = [&](uint32_t h, uint64_t p) {
+    AttendPage(g, k, q + uint64_t{h} * group * dim, scale, ctx.pages[p], ctx.TokensOf(p, g.page_tokens), h, s);
+  };
+  if (selection == nullptr || selection->SameForAllHeads()) {
+    // One page list for every head: walk the pages once, every head per page, so each page's
+    // slabs are read front to back (a stream the hardware prefetchers follow).
+    const uint64_t n = selection == nullptr ? ctx.pages.size() : selection->Of(0).size();
+    for (uint64_t i = 0; i < n; ++i) {
+      const uint64_t p = selection == nullptr ? i : selection->Of(0)[i];
+      for (uint32_t h = 0; h < g.num_kv_heads; ++h) visit(h, p);
     }
-    for (uint32_t i = 0; i < group; ++i) {
-      const uint32_t head = h * group + i;
-      if (!(s.sum[i] > 0)) continue;  // no token (or only -inf logits): the empty partial
-      float* o = out->out.data() + uint64_t{head} * dim;
-      const float inv = 1.0f / s.sum[i];
-      for (uint32_t d = 0; d < dim; ++d) o[d] = s.acc[uint64_t{i} * dim + d] * inv;
-      out->lse[head] = s.max[i] + std::log(s.sum[i]);
+  } else {
+    // Each head its own pages: one head at a time, the next page's rows asked for ahead.
+    for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
+      auto pages = selection->Of(h);
+      for (size_t i = 0; i < pages.size(); ++i) {
+        if (i + 1 < pages.size()) {
+          PrefetchPage(g, ctx.pages[pages[i + 1]], ctx.TokensOf(pages[i + 1], g.page_tokens), h);
+        }
+        visit(h, pages[i]);
+      }
     }
+  }
+  for (uint32_t head = 0; head < g.num_heads; ++head) {
+    if (!(s.sum[head] > 0)) continue;  // no token (or only -inf logits): the empty partial
+    float* o = out->out.data() + uint64_t{head} * dim;
+    const float inv = 1.0f / s.sum[head];
+    for (uint32_t d = 0; d < dim; ++d) o[d] = s.acc[uint64_t{head} * dim + d] * inv;
+    out->lse[head] = s.max[head] + std::log(s.sum[head]);
   }
   return Status::Ok();
 }

@@ -15,6 +15,7 @@
 #ifndef CXLKV_SRC_PNM_SELECT_H_
 #define CXLKV_SRC_PNM_SELECT_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <utility>
@@ -54,6 +55,10 @@ class Selection {
     return {pages_.data() + begin_[kv_head], count_[kv_head]};
   }
   uint64_t TotalPages() const { return pages_.size(); }
+  // Whether every head has the one list (SamePagesForAllHeads, All).
+  bool SameForAllHeads() const {
+    return std::all_of(begin_.begin(), begin_.end(), [&](uint64_t b) { return b == begin_[0]; });
+  }
 
  private:
   friend Status SelectPages(const Geometry&, const float*, const uint16_t*, uint64_t, const SelectOptions&,

@@ -66,6 +66,62 @@ TEST(PnmAttend, EveryPageSelectedEqualsDenseAttentionInFp64) {
   }
 }
 
+// Heads with different page lists (a real selection) take the head-by-head path with prefetch;
+// each head's output equals attending to its list alone through the page-by-page path, bit for
+// bit, and lies within fp32 rounding of fp64 attention over exactly those pages.
+TEST(PnmAttend, PerHeadSelectionsEqualEachHeadsOwnPagesAttendedAlone) {
+  std::mt19937_64 rng(31);
+  Geometry g;
+  g.num_kv_heads = 4;
+  g.num_heads = 8;
+  g.head_dim = 64;
+  g.page_tokens = 16;
+  TestContext c(g, 16 * 64 - 3);
+  c.FillNormal(rng);
+  const auto q = testing::RandomQuery(g, rng, 2.0f);
+  const auto digests = c.Digests();
+  SelectOptions o;
+  o.budget_tokens = 16 * 8;
+  Selection sel;
+  ASSERT_TRUE(SelectPages(g, q.data(), digests.data(), c.tokens(), o, &sel).ok());
+  ASSERT_FALSE(sel.SameForAllHeads()) << "random heads chose the same pages: the test would not take the per-head path";
+  Partial got;
+  ASSERT_TRUE(Attend(g, q.data(), c.View(), &sel, 0, &got).ok());
+  for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
+    auto mine = sel.Of(h);
+    Selection alone = Selection::SamePagesForAllHeads(g.num_kv_heads, std::vector<uint32_t>(mine.begin(), mine.end()));
+    Partial want;
+    ASSERT_TRUE(Attend(g, q.data(), c.View(), &alone, 0, &want).ok());
+    for (uint32_t head = h * g.group(); head < (h + 1) * g.group(); ++head) {
+      ASSERT_EQ(got.lse[head], want.lse[head]) << "head " << head;
+      for (uint32_t d = 0; d < g.head_dim; ++d) {
+        ASSERT_EQ(got.out[head * g.head_dim + d], want.out[head * g.head_dim + d]) << "head " << head;
+      }
+      // fp64 over the same tokens: the dense softmax restricted to them, renormalized.
+      const double scale = 1.0 / std::sqrt(static_cast<double>(g.head_dim));
+      double m = -INFINITY;
+      std::vector<std::pair<uint64_t, double>> logits;
+      for (uint32_t p : mine) {
+        for (uint64_t t = uint64_t{p} * g.page_tokens; t < std::min(c.tokens(), uint64_t{p + 1} * g.page_tokens); ++t) {
+          double l = 0;
+          for (uint32_t d = 0; d < g.head_dim; ++d) l += double{q[head * g.head_dim + d]} * c.Key(t, h, d);
+          logits.push_back({t, l * scale});
+          m = std::max(m, l * scale);
+        }
+      }
+      double sum = 0;
+      std::vector<double> out(g.head_dim, 0.0);
+      for (auto& [t, l] : logits) {
+        const double w = std::exp(l - m);
+        sum += w;
+        for (uint32_t d = 0; d < g.head_dim; ++d) out[d] += w * c.Value(t, h, d);
+      }
+      EXPECT_NEAR(got.lse[head], m + std::log(sum), 1e-4 * std::max(1.0, std::fabs(m)));
+      for (uint32_t d = 0; d < g.head_dim; ++d) EXPECT_NEAR(got.out[head * g.head_dim + d], out[d] / sum, 1e-4);
+    }
+  }
+}
+
 // Split the pages into 1..64 random pieces (some empty), attend each piece, merge the partials
 // in a random order: the union's attention, within fp32 rounding.
 TEST(PnmAttend, PartialsOfAnySplitMergeExactlyInAnyOrder) {
