@@ -13,9 +13,8 @@ namespace {
 
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
-// Per-thread buffers: every query head's running max, sum and output, and one page's rows.
+// Per-thread buffers: every query head's running max, sum and output, and one page's logits.
 struct Scratch {
-  std::vector<float> row;     // one K or V row, as fp32
   std::vector<float> logits;  // [group][page_tokens]
   std::vector<float> acc;     // [num_heads][head_dim]
   std::vector<float> max;     // [num_heads]
@@ -52,56 +51,43 @@ void PrefetchPage(const Geometry& g, const PageKv& page, uint32_t tokens, uint32
   }
 }
 
-// Online softmax over one page for the G query heads of KV head h: logits, a new running max,
-// rescale what was accumulated, then add the page's values weighted by exp(logit - max).
-// The group's state (max, sum, acc) is at its query heads' places in the scratch.
+// Online softmax over one page for the G query heads of KV head h: the G × tokens logits, a new
+// running max per head, what was accumulated rescaled, then the page's values added weighted by
+// e^(logit − max). Each K and V row is read and widened once for the whole group. The group's
+// state (max, sum, acc) is at its query heads' places in the scratch.
 void AttendPage(const Geometry& g, const internal::Kernels& k, const float* q_group, float scale, const PageKv& page,
-                uint32_t tokens, uint32_t h, Scratch& scratch) {
-  const uint32_t group = g.group(), dim = g.head_dim;
-  struct GroupState {
-    std::vector<float>& row;
-    std::vector<float>& logits;
-    float* acc;
-    float* max;
-    float* sum;
-  } s{scratch.row, scratch.logits, scratch.acc.data() + uint64_t{h} * group * dim, scratch.max.data() + h * group,
-      scratch.sum.data() + h * group};
+                uint32_t tokens, uint32_t h, Scratch& s) {
+  const uint32_t group = g.group(), dim = g.head_dim, stride = g.page_tokens;
   const uint64_t head_offset = uint64_t{h} * dim * g.elem_bytes();
   const auto* kslab = static_cast<const uint8_t*>(page.k) + head_offset;
   const auto* vslab = static_cast<const uint8_t*>(page.v) + head_offset;
+  float* acc = s.acc.data() + uint64_t{h} * group * dim;
+  float* max = s.max.data() + h * group;
+  float* sum = s.sum.data() + h * group;
+  float* logits = s.logits.data();  // [group][page_tokens]
   for (uint32_t t = 0; t < tokens; ++t) {
-    k.to_float(g.dtype, kslab + t * g.RowBytes(), s.row.data(), dim);
-    for (uint32_t i = 0; i < group; ++i) {
-      s.logits[i * g.page_tokens + t] = scale * k.dot(q_group + uint64_t{i} * dim, s.row.data(), dim);
-    }
+    k.group_dot(g.dtype, kslab + t * g.RowBytes(), q_group, group, dim, logits + t, stride);
   }
   for (uint32_t i = 0; i < group; ++i) {
-    float* logits = s.logits.data() + i * g.page_tokens;
+    float* li = logits + i * stride;
     float page_max = kMinusInf;
-    for (uint32_t t = 0; t < tokens; ++t) page_max = std::max(page_max, logits[t]);
-    const float new_max = std::max(s.max[i], page_max);
+    for (uint32_t t = 0; t < tokens; ++t) page_max = std::max(page_max, li[t] *= scale);
+    const float new_max = std::max(max[i], page_max);
     if (new_max == kMinusInf) {  // every logit so far is -inf: nothing to weigh yet
-      for (uint32_t t = 0; t < tokens; ++t) logits[t] = 0;
+      std::fill(li, li + tokens, 0.0f);
       continue;
     }
-    const float rescale = std::exp(s.max[i] - new_max);  // exp(-inf) = 0 on the first page
+    const float rescale = std::exp(max[i] - new_max);  // exp(-inf) = 0 on the first page
     if (rescale != 1.0f) {
-      s.sum[i] *= rescale;
-      float* acc = s.acc + uint64_t{i} * dim;
-      for (uint32_t d = 0; d < dim; ++d) acc[d] *= rescale;
+      sum[i] *= rescale;
+      float* ai = acc + uint64_t{i} * dim;
+      for (uint32_t d = 0; d < dim; ++d) ai[d] *= rescale;
     }
-    s.max[i] = new_max;
-    for (uint32_t t = 0; t < tokens; ++t) {
-      logits[t] = std::exp(logits[t] - new_max);  // now the weight
-      s.sum[i] += logits[t];
-    }
+    max[i] = new_max;
+    sum[i] += k.exp_sum(li, tokens, new_max);  // the logits become the weights
   }
   for (uint32_t t = 0; t < tokens; ++t) {
-    k.to_float(g.dtype, vslab + t * g.RowBytes(), s.row.data(), dim);
-    for (uint32_t i = 0; i < group; ++i) {
-      const float w = s.logits[i * g.page_tokens + t];
-      if (w != 0) k.axpy(w, s.row.data(), s.acc + uint64_t{i} * dim, dim);
-    }
+    k.group_axpy(g.dtype, vslab + t * g.RowBytes(), logits + t, stride, group, dim, acc);
   }
 }
 
@@ -114,23 +100,25 @@ void Partial::Reset(uint32_t heads, uint32_t dim) {
   lse.assign(heads, kMinusInf);
 }
 
-Status Attend(const Geometry& g, const float* q, const ContextView& ctx, const Selection* selection, float scale,
-              Partial* out) {
+Status CheckAttend(const Geometry& g, const ContextView& ctx, const Selection* selection) {
   if (Status s = g.Validate(); !s.ok()) return s;
   if (Status s = ctx.Validate(g); !s.ok()) return s;
-  if (selection != nullptr) {
-    if (Status s = CheckSelection(g, ctx, *selection); !s.ok()) return s;
-  }
+  if (selection != nullptr) return CheckSelection(g, ctx, *selection);
+  return Status::Ok();
+}
+
+namespace internal {
+
+void AttendKvHeads(const Geometry& g, const float* q, const ContextView& ctx, const Selection* selection, float scale,
+                   uint32_t h_begin, uint32_t h_end, Partial* out) {
   if (scale == 0) scale = 1.0f / std::sqrt(static_cast<float>(g.head_dim));
-  const internal::Kernels& k = internal::Active();
+  const Kernels& k = Active();
   const uint32_t group = g.group(), dim = g.head_dim;
   thread_local Scratch s;
-  s.row.resize(dim);
   s.logits.resize(uint64_t{group} * g.page_tokens);
   s.acc.assign(uint64_t{g.num_heads} * dim, 0.0f);
   s.max.assign(g.num_heads, kMinusInf);
   s.sum.assign(g.num_heads, 0.0f);
-  out->Reset(g.num_heads, dim);
 
   auto visit = [&](uint32_t h, uint64_t p) {
     AttendPage(g, k, q + uint64_t{h} * group * dim, scale, ctx.pages[p], ctx.TokensOf(p, g.page_tokens), h, s);
@@ -141,11 +129,11 @@ Status Attend(const Geometry& g, const float* q, const ContextView& ctx, const S
     const uint64_t n = selection == nullptr ? ctx.pages.size() : selection->Of(0).size();
     for (uint64_t i = 0; i < n; ++i) {
       const uint64_t p = selection == nullptr ? i : selection->Of(0)[i];
-      for (uint32_t h = 0; h < g.num_kv_heads; ++h) visit(h, p);
+      for (uint32_t h = h_begin; h < h_end; ++h) visit(h, p);
     }
   } else {
     // Each head its own pages: one head at a time, the next page's rows asked for ahead.
-    for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
+    for (uint32_t h = h_begin; h < h_end; ++h) {
       auto pages = selection->Of(h);
       for (size_t i = 0; i < pages.size(); ++i) {
         if (i + 1 < pages.size()) {
@@ -155,13 +143,22 @@ Status Attend(const Geometry& g, const float* q, const ContextView& ctx, const S
       }
     }
   }
-  for (uint32_t head = 0; head < g.num_heads; ++head) {
+  for (uint32_t head = h_begin * group; head < h_end * group; ++head) {
     if (!(s.sum[head] > 0)) continue;  // no token (or only -inf logits): the empty partial
     float* o = out->out.data() + uint64_t{head} * dim;
     const float inv = 1.0f / s.sum[head];
     for (uint32_t d = 0; d < dim; ++d) o[d] = s.acc[uint64_t{head} * dim + d] * inv;
     out->lse[head] = s.max[head] + std::log(s.sum[head]);
   }
+}
+
+}  // namespace internal
+
+Status Attend(const Geometry& g, const float* q, const ContextView& ctx, const Selection* selection, float scale,
+              Partial* out) {
+  if (Status s = CheckAttend(g, ctx, selection); !s.ok()) return s;
+  out->Reset(g.num_heads, g.head_dim);
+  internal::AttendKvHeads(g, q, ctx, selection, scale, 0, g.num_kv_heads, out);
   return Status::Ok();
 }
 

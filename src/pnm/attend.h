@@ -5,6 +5,7 @@
 // near-memory rest (the hybrid) — merge exactly (MergeInto), in any order.
 //
 // Thread-safety: Attend is reentrant (its scratch is per thread); a Partial is one caller's.
+// AttendPool (attend_pool.h) runs many across threads.
 #ifndef CXLKV_SRC_PNM_ATTEND_H_
 #define CXLKV_SRC_PNM_ATTEND_H_
 
@@ -35,6 +36,17 @@ struct Partial {
 // head count, or a page index past the context.
 Status Attend(const Geometry& g, const float* q, const ContextView& ctx, const Selection* selection, float scale,
               Partial* out);
+
+// What Attend checks before it reads anything: the geometry, the context, the selection.
+Status CheckAttend(const Geometry& g, const ContextView& ctx, const Selection* selection);
+
+namespace internal {
+// Attend's work for KV heads [h_begin, h_end) only: writes the out and lse of their query heads
+// and nothing else, so disjoint ranges may run on different threads into one Partial.
+// REQUIRES: CheckAttend(g, ctx, selection) ok; out->Reset(g.num_heads, g.head_dim) done.
+void AttendKvHeads(const Geometry& g, const float* q, const ContextView& ctx, const Selection* selection, float scale,
+                   uint32_t h_begin, uint32_t h_end, Partial* out);
+}  // namespace internal
 
 // acc ← the attention over acc's tokens ∪ part's tokens (the sets must be disjoint):
 // m = max(s_a, s_b); v = (e^{s_a−m}·v_a + e^{s_b−m}·v_b) / (e^{s_a−m} + e^{s_b−m}); s = m + log(e^{s_a−m} + e^{s_b−m}).

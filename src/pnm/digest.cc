@@ -1,5 +1,6 @@
 #include "pnm/digest.h"
 
+#include <limits>
 #include <vector>
 
 #include "pnm/kernels.h"
@@ -22,21 +23,31 @@ void ClearPageDigest(const Geometry& g, uint16_t* out) {
 }
 
 void ExtendPageDigest(const Geometry& g, const PageKv& page, uint32_t from, uint32_t to, uint16_t* digest) {
+  if (from >= to) return;
   const internal::Kernels& k = internal::Active();
-  thread_local std::vector<float> row;
-  row.resize(uint64_t{g.num_kv_heads} * g.head_dim);
+  const uint32_t width = g.num_kv_heads * g.head_dim;  // one token's keys across the heads
+  thread_local std::vector<float> row, lo, hi;
+  row.resize(width);
+  lo.assign(width, std::numeric_limits<float>::infinity());
+  hi.assign(width, -std::numeric_limits<float>::infinity());
+  // The rows' min and max in fp32 first (loops the compiler vectorizes), rounded once after:
+  // rounding is monotonic, so round(min) = min(round) and the result is the same either way.
   const auto* slab = static_cast<const uint8_t*>(page.k);
   for (uint32_t t = from; t < to; ++t) {
-    k.to_float(g.dtype, slab + t * g.RowBytes(), row.data(), static_cast<uint32_t>(row.size()));
-    for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
-      uint16_t* lo = digest + uint64_t{h} * 2 * g.head_dim;
-      uint16_t* hi = lo + g.head_dim;
-      const float* key = row.data() + uint64_t{h} * g.head_dim;
-      for (uint32_t d = 0; d < g.head_dim; ++d) {
-        // NaN compares false both ways: it widens nothing.
-        if (key[d] < Bf16ToFloat(lo[d])) lo[d] = Bf16RoundDown(key[d]);
-        if (key[d] > Bf16ToFloat(hi[d])) hi[d] = Bf16RoundUp(key[d]);
-      }
+    k.to_float(g.dtype, slab + t * g.RowBytes(), row.data(), width);
+    for (uint32_t j = 0; j < width; ++j) {
+      lo[j] = row[j] < lo[j] ? row[j] : lo[j];  // NaN compares false: it widens nothing
+      hi[j] = row[j] > hi[j] ? row[j] : hi[j];
+    }
+  }
+  for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
+    uint16_t* dlo = digest + uint64_t{h} * 2 * g.head_dim;
+    uint16_t* dhi = dlo + g.head_dim;
+    const float* flo = lo.data() + uint64_t{h} * g.head_dim;
+    const float* fhi = hi.data() + uint64_t{h} * g.head_dim;
+    for (uint32_t d = 0; d < g.head_dim; ++d) {
+      if (flo[d] < Bf16ToFloat(dlo[d])) dlo[d] = Bf16RoundDown(flo[d]);
+      if (fhi[d] > Bf16ToFloat(dhi[d])) dhi[d] = Bf16RoundUp(fhi[d]);
     }
   }
 }

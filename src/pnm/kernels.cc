@@ -94,6 +94,47 @@ float DigestScoreScalar(const float* q, const uint16_t* lo, const uint16_t* hi, 
   return sum;
 }
 
+// One head at a time through the table's own digest_score: equal to it by construction.
+template <float (*Score)(const float*, const uint16_t*, const uint16_t*, uint32_t, float*)>
+void GroupDigestScoreEach(const float* q, uint32_t heads, const uint16_t* lo, const uint16_t* hi, uint32_t n,
+                          float* score, float* magnitude) {
+  for (uint32_t i = 0; i < heads; ++i) score[i] = Score(q + uint64_t{i} * n, lo, hi, n, magnitude + i);
+}
+
+float LoadScalar(KvDtype dtype, const void* row, uint32_t d) {
+  if (dtype == KvDtype::kFp32) return static_cast<const float*>(row)[d];
+  const uint16_t v = static_cast<const uint16_t*>(row)[d];
+  return dtype == KvDtype::kBf16 ? Bf16ToFloat(v) : HalfToFloat(v);
+}
+
+void GroupDotScalar(KvDtype dtype, const void* row, const float* q, uint32_t heads, uint32_t n, float* out,
+                    uint32_t out_stride) {
+  float widened[1024];  // n <= 1024 (Geometry::Validate)
+  for (uint32_t d = 0; d < n; ++d) widened[d] = LoadScalar(dtype, row, d);
+  for (uint32_t i = 0; i < heads; ++i) out[i * out_stride] = DotScalar(q + uint64_t{i} * n, widened, n);
+}
+
+void GroupAxpyScalar(KvDtype dtype, const void* row, const float* w, uint32_t w_stride, uint32_t heads, uint32_t n,
+                     float* acc) {
+  float widened[1024];
+  for (uint32_t d = 0; d < n; ++d) widened[d] = LoadScalar(dtype, row, d);
+  for (uint32_t i = 0; i < heads; ++i) AxpyScalar(w[i * w_stride], widened, acc + uint64_t{i} * n, n);
+}
+
+float ExpSumScalar(float* x, uint32_t n, float shift) {
+  float sum = 0;
+  for (uint32_t i = 0; i < n; ++i) sum += (x[i] = std::exp(x[i] - shift));
+  return sum;
+}
+
+// e^r on |r| <= ln2/2 by its Taylor polynomial to degree 6 (truncation below 1.3e-7 relative);
+// with x = k·ln2 + r, e^x = 2^k·e^r. ln2 is split in two so k·ln2 is exact enough.
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;
+constexpr float kLn2Lo = -2.12194440e-4f;
+constexpr float kExpLow = -87.0f;  // 2^k stays a normal float
+constexpr float kExpHigh = 88.0f;
+
 // ---- AVX2 + F16C + FMA ---------------------------------------------------------------------
 
 #define CXLKV_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -155,6 +196,90 @@ CXLKV_AVX2 float DigestScoreAvx2(const float* q, const uint16_t* lo, const uint1
   }
   *magnitude = HorizontalSum256(mag);
   return HorizontalSum256(sum);
+}
+
+CXLKV_AVX2 __m256 Load8(KvDtype dtype, const void* row, uint32_t d) {
+  switch (dtype) {
+    case KvDtype::kFp32:
+      return _mm256_loadu_ps(static_cast<const float*>(row) + d);
+    case KvDtype::kBf16:
+      return LoadBf16x8(static_cast<const uint16_t*>(row) + d);
+    default:
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + d)));
+  }
+}
+
+CXLKV_AVX2 void GroupDotAvx2(KvDtype dtype, const void* row, const float* q, uint32_t heads, uint32_t n, float* out,
+                             uint32_t out_stride) {
+  uint32_t i = 0;
+  for (; i + 4 <= heads; i += 4) {  // four heads share each widened chunk of the row
+    const float* q0 = q + uint64_t{i} * n;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (uint32_t d = 0; d < n; d += 8) {
+      const __m256 k = Load8(dtype, row, d);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), k, a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + n + d), k, a1);
+      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 2 * n + d), k, a2);
+      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 3 * n + d), k, a3);
+    }
+    out[i * out_stride] = HorizontalSum256(a0);
+    out[(i + 1) * out_stride] = HorizontalSum256(a1);
+    out[(i + 2) * out_stride] = HorizontalSum256(a2);
+    out[(i + 3) * out_stride] = HorizontalSum256(a3);
+  }
+  for (; i < heads; ++i) {
+    const float* qi = q + uint64_t{i} * n;
+    __m256 a = _mm256_setzero_ps();
+    for (uint32_t d = 0; d < n; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d), Load8(dtype, row, d), a);
+    out[i * out_stride] = HorizontalSum256(a);
+  }
+}
+
+CXLKV_AVX2 void GroupAxpyAvx2(KvDtype dtype, const void* row, const float* w, uint32_t w_stride, uint32_t heads,
+                              uint32_t n, float* acc) {
+  for (uint32_t d = 0; d < n; d += 8) {
+    const __m256 v = Load8(dtype, row, d);
+    for (uint32_t i = 0; i < heads; ++i) {
+      float* a = acc + uint64_t{i} * n + d;
+      _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(w[i * w_stride]), v, _mm256_loadu_ps(a)));
+    }
+  }
+}
+
+CXLKV_AVX2 __m256 Exp8(__m256 x) {
+  // max/min with x second keep a NaN (they return the second operand when one is NaN).
+  x = _mm256_min_ps(_mm256_set1_ps(kExpHigh), _mm256_max_ps(_mm256_set1_ps(kExpLow), x));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
+}
+
+CXLKV_AVX2 float ExpSumAvx2(float* x, uint32_t n, float shift) {
+  const __m256 s = _mm256_set1_ps(shift);
+  __m256 sum = _mm256_setzero_ps();
+  uint32_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), s));
+    _mm256_storeu_ps(x + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float total = HorizontalSum256(sum);
+  if (i < n) {  // the tail through the same polynomial, so every element is computed alike
+    float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (uint32_t j = i; j < n; ++j) tail[j - i] = x[j] - shift;
+    _mm256_storeu_ps(tail, Exp8(_mm256_loadu_ps(tail)));
+    for (uint32_t j = i; j < n; ++j) total += (x[j] = tail[j - i]);
+  }
+  return total;
 }
 
 #undef CXLKV_AVX2
@@ -221,14 +346,120 @@ CXLKV_AVX512 float DigestScoreAvx512(const float* q, const uint16_t* lo, const u
   return _mm512_reduce_add_ps(sum);
 }
 
+CXLKV_AVX512 __m512 Load16(KvDtype dtype, const void* row, uint32_t d) {
+  switch (dtype) {
+    case KvDtype::kFp32:
+      return _mm512_loadu_ps(static_cast<const float*>(row) + d);
+    case KvDtype::kBf16:
+      return LoadBf16x16(static_cast<const uint16_t*>(row) + d);
+    default:
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + d)));
+  }
+}
+
+CXLKV_AVX512 void GroupDotAvx512(KvDtype dtype, const void* row, const float* q, uint32_t heads, uint32_t n, float* out,
+                                 uint32_t out_stride) {
+  uint32_t i = 0;
+  for (; i + 4 <= heads; i += 4) {  // four heads share each widened chunk of the row
+    const float* q0 = q + uint64_t{i} * n;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    for (uint32_t d = 0; d < n; d += 16) {
+      const __m512 k = Load16(dtype, row, d);
+      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + d), k, a0);
+      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + n + d), k, a1);
+      a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + 2 * n + d), k, a2);
+      a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + 3 * n + d), k, a3);
+    }
+    out[i * out_stride] = _mm512_reduce_add_ps(a0);
+    out[(i + 1) * out_stride] = _mm512_reduce_add_ps(a1);
+    out[(i + 2) * out_stride] = _mm512_reduce_add_ps(a2);
+    out[(i + 3) * out_stride] = _mm512_reduce_add_ps(a3);
+  }
+  for (; i < heads; ++i) {
+    const float* qi = q + uint64_t{i} * n;
+    __m512 a = _mm512_setzero_ps();
+    for (uint32_t d = 0; d < n; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qi + d), Load16(dtype, row, d), a);
+    out[i * out_stride] = _mm512_reduce_add_ps(a);
+  }
+}
+
+CXLKV_AVX512 void GroupAxpyAvx512(KvDtype dtype, const void* row, const float* w, uint32_t w_stride, uint32_t heads,
+                                  uint32_t n, float* acc) {
+  for (uint32_t d = 0; d < n; d += 16) {
+    const __m512 v = Load16(dtype, row, d);
+    for (uint32_t i = 0; i < heads; ++i) {
+      float* a = acc + uint64_t{i} * n + d;
+      _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(w[i * w_stride]), v, _mm512_loadu_ps(a)));
+    }
+  }
+}
+
+CXLKV_AVX512 void GroupDigestScoreAvx512(const float* q, uint32_t heads, const uint16_t* lo, const uint16_t* hi,
+                                         uint32_t n, float* score, float* magnitude) {
+  uint32_t i = 0;
+  for (; i + 4 <= heads; i += 4) {  // the bounds widened once for four heads; per head the same
+    const float* q0 = q + uint64_t{i} * n;  // operations in the same order as DigestScoreAvx512
+    __m512 s[4], m[4];
+    for (int j = 0; j < 4; ++j) s[j] = m[j] = _mm512_setzero_ps();
+    for (uint32_t d = 0; d < n; d += 16) {
+      const __m512 l = LoadBf16x16(lo + d), h = LoadBf16x16(hi + d);
+      for (int j = 0; j < 4; ++j) {
+        const __m512 vq = _mm512_loadu_ps(q0 + uint64_t{static_cast<uint32_t>(j)} * n + d);
+        const __m512 t = _mm512_max_ps(_mm512_mul_ps(vq, l), _mm512_mul_ps(vq, h));
+        s[j] = _mm512_add_ps(s[j], t);
+        m[j] = _mm512_add_ps(m[j], _mm512_abs_ps(t));
+      }
+    }
+    for (int j = 0; j < 4; ++j) {
+      magnitude[i + j] = _mm512_reduce_add_ps(m[j]);
+      score[i + j] = _mm512_reduce_add_ps(s[j]);
+    }
+  }
+  for (; i < heads; ++i) score[i] = DigestScoreAvx512(q + uint64_t{i} * n, lo, hi, n, magnitude + i);
+}
+
+CXLKV_AVX512 __m512 Exp16(__m512 x) {
+  // max/min with x second keep a NaN (they return the second operand when one is NaN).
+  x = _mm512_min_ps(_mm512_set1_ps(kExpHigh), _mm512_max_ps(_mm512_set1_ps(kExpLow), x));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, k);
+}
+
+CXLKV_AVX512 float ExpSumAvx512(float* x, uint32_t n, float shift) {
+  const __m512 s = _mm512_set1_ps(shift);
+  __m512 sum = _mm512_setzero_ps();
+  for (uint32_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 e = Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), s));
+    _mm512_mask_storeu_ps(x + i, m, e);
+    sum = _mm512_mask_add_ps(sum, m, sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
 #undef CXLKV_AVX512
 
-constexpr Kernels kScalar{Isa::kScalar, "scalar", ToFloatScalar, DotScalar, AxpyScalar, DigestScoreScalar};
-constexpr Kernels kAvx2{Isa::kAvx2, "avx2", ToFloatAvx2, DotAvx2, AxpyAvx2, DigestScoreAvx2};
-constexpr Kernels kAvx512{Isa::kAvx512, "avx512", ToFloatAvx512, DotAvx512, AxpyAvx512, DigestScoreAvx512};
+constexpr Kernels kScalar{Isa::kScalar,     "scalar",        ToFloatScalar,   DotScalar,   AxpyScalar,
+                          DigestScoreScalar, GroupDotScalar, GroupAxpyScalar, GroupDigestScoreEach<DigestScoreScalar>,
+                          ExpSumScalar};
+constexpr Kernels kAvx2{Isa::kAvx2,     "avx2",        ToFloatAvx2,   DotAvx2,     AxpyAvx2,
+                        DigestScoreAvx2, GroupDotAvx2, GroupAxpyAvx2, GroupDigestScoreEach<DigestScoreAvx2>,
+                        ExpSumAvx2};
+constexpr Kernels kAvx512{Isa::kAvx512,     "avx512",        ToFloatAvx512,   DotAvx512,     AxpyAvx512,
+                          DigestScoreAvx512, GroupDotAvx512, GroupAxpyAvx512, GroupDigestScoreAvx512,
+                          ExpSumAvx512};
 
 const Kernels& Choose() {
   const Kernels* best = ForIsa(Isa::kAvx512);

@@ -30,6 +30,23 @@ struct Kernels {
   // Σ_d |max(q_d·lo_d, q_d·hi_d)|, from which the caller bounds the sum's rounding error.
   // REQUIRES: n % 16 == 0.
   float (*digest_score)(const float* q, const uint16_t* lo, const uint16_t* hi, uint32_t n, float* magnitude);
+
+  // The group kernels: one row of KV (dtype) read and widened once for the `heads` query heads
+  // of a GQA group, whose vectors are consecutive (q[i·n .. i·n + n)). REQUIRES: n % 16 == 0.
+  // out[i·out_stride] = Σ_d q[i·n + d]·row[d].
+  void (*group_dot)(KvDtype dtype, const void* row, const float* q, uint32_t heads, uint32_t n, float* out,
+                    uint32_t out_stride);
+  // acc[i·n + d] += w[i·w_stride]·row[d].
+  void (*group_axpy)(KvDtype dtype, const void* row, const float* w, uint32_t w_stride, uint32_t heads, uint32_t n,
+                     float* acc);
+  // digest_score for `heads` consecutive query heads against one digest, each bound widened
+  // once: score[i], magnitude[i] equal digest_score(q + i·n, ...) bit for bit.
+  void (*group_digest_score)(const float* q, uint32_t heads, const uint16_t* lo, const uint16_t* hi, uint32_t n,
+                             float* score, float* magnitude);
+  // x[i] = e^(x[i] − shift) for any n; returns Σ of the results. For −87 <= x − shift <= 0
+  // (what the online softmax passes) the relative error is below 4e-7; below −87 the result is
+  // below 2e-38, negligible next to the e^0 that every such sum holds. NaN in, NaN out.
+  float (*exp_sum)(float* x, uint32_t n, float shift);
 };
 
 // The table in use: the best the CPU supports, or the one CXLKV_PNM_ISA names.

@@ -25,13 +25,20 @@ Selection Selection::All(uint32_t num_kv_heads, uint64_t pages) {
   return SamePagesForAllHeads(num_kv_heads, std::move(all));
 }
 
-float PageScoreBound(const Geometry& g, const float* q_head, const uint16_t* digest_lo) {
-  float magnitude = 0;
-  const float score =
-      internal::Active().digest_score(q_head, digest_lo, digest_lo + g.head_dim, g.head_dim, &magnitude);
-  // An fp32 sum of n terms is within (n - 1)·2^-24·Σ|term| of the exact sum, and each product
-  // within 2^-24·|term|: twice that covers the bound's own rounding too.
+namespace {
+
+// An fp32 sum of n terms is within (n - 1)·2^-24·Σ|term| of the exact sum, and each product
+// within 2^-24·|term|: twice that covers the bound's own rounding too.
+float WithRoundingSlack(const Geometry& g, float score, float magnitude) {
   return score + magnitude * static_cast<float>(g.head_dim + 4) * 0x1p-23f;
+}
+
+}  // namespace
+
+float PageScoreBound(const Geometry& g, const float* q_head, const uint16_t* digest_lo) {
+  float magnitude = 0, score = 0;
+  internal::Active().group_digest_score(q_head, 1, digest_lo, digest_lo + g.head_dim, g.head_dim, &score, &magnitude);
+  return WithRoundingSlack(g, score, magnitude);
 }
 
 namespace {
@@ -63,12 +70,21 @@ Status SelectPages(const Geometry& g, const float* q, const uint16_t* digests, u
   const uint64_t cap = wanted > forced ? wanted - forced : 0;  // pages chosen by score, per head
 
   const uint32_t heads = g.num_heads, group = g.group();
+  out->scores_.resize(2 * uint64_t{group});
   out->heap_.resize(cap * heads);
   out->heap_size_.assign(heads, 0);
+  const internal::Kernels& k = internal::Active();
+  float* scores = out->scores_.data();
+  float* magnitudes = scores + group;
   if (cap > 0) {
     for (uint64_t p = sinks; p < recent_from; ++p) {
       for (uint32_t head = 0; head < heads; ++head) {
-        float score = PageScoreBound(g, q + uint64_t{head} * g.head_dim, DigestLo(g, digests, p, head / group));
+        if (head % group == 0) {  // the group's scores against its KV head's digest, at once
+          const uint16_t* lo = DigestLo(g, digests, p, head / group);
+          k.group_digest_score(q + uint64_t{head} * g.head_dim, group, lo, lo + g.head_dim, g.head_dim, scores,
+                               magnitudes);
+        }
+        float score = WithRoundingSlack(g, scores[head % group], magnitudes[head % group]);
         if (std::isnan(score)) score = std::numeric_limits<float>::infinity();
         Scored* heap = out->heap_.data() + head * cap;
         uint32_t& size = out->heap_size_[head];

@@ -69,7 +69,8 @@ class Selection {
   // Scratch kept between calls: one bounded min-heap of (score, page) per query head.
   std::vector<std::pair<float, uint32_t>> heap_;
   std::vector<uint32_t> heap_size_;
-  std::vector<uint8_t> taken_;  // per page, while one KV head's union is taken
+  std::vector<uint8_t> taken_;
+  std::vector<float> scores_;  // one page's scores and magnitudes for a group  // per page, while one KV head's union is taken
 };
 
 // The upper bound that SelectPages ranks by, for one query head and one page: the digest score

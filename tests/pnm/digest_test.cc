@@ -82,10 +82,96 @@ TEST(PnmKernels, EveryIsaAgreesOnDotAxpyAndDigestScores) {
       float mag = 0;
       EXPECT_NEAR(k->digest_score(a.data(), lo.data(), hi.data(), dim, &mag), score, 1e-4 * (1 + std::fabs(score)) * dim);
       EXPECT_GE(mag, std::fabs(score) * 0.999);
+      // The group form scores several heads, each bit for bit as digest_score alone.
+      for (uint32_t heads : {1u, 3u, 4u, 6u}) {
+        std::vector<float> qs(heads * dim), scores(heads), mags(heads);
+        for (float& x : qs) x = n(rng);
+        k->group_digest_score(qs.data(), heads, lo.data(), hi.data(), dim, scores.data(), mags.data());
+        for (uint32_t i = 0; i < heads; ++i) {
+          float one_mag = 0;
+          ASSERT_EQ(scores[i], k->digest_score(qs.data() + i * dim, lo.data(), hi.data(), dim, &one_mag));
+          ASSERT_EQ(mags[i], one_mag);
+        }
+      }
       std::vector<float> y = y0;
       k->axpy(0.5f, a.data(), y.data(), dim);
       for (uint32_t i = 0; i < dim; ++i) EXPECT_FLOAT_EQ(y[i], y0[i] + 0.5f * a[i]);
     }
+  }
+}
+
+// The group kernels equal the single-head ones on the widened row, for every dtype, head count
+// (4-at-a-time and the rest) and ISA.
+TEST(PnmKernels, GroupDotAndAxpyEqualOneHeadAtATime) {
+  std::mt19937_64 rng(21);
+  std::normal_distribution<float> n(0.0f, 2.0f);
+  for (KvDtype dtype : {KvDtype::kFp16, KvDtype::kBf16, KvDtype::kFp32}) {
+    for (uint32_t dim : {16u, 64u, 128u}) {
+      std::vector<uint8_t> row(dim * 4);
+      for (uint32_t d = 0; d < dim; ++d) {
+        const float x = n(rng);
+        if (dtype == KvDtype::kFp32) {
+          std::memcpy(row.data() + d * 4, &x, 4);
+        } else {
+          const uint16_t v = dtype == KvDtype::kFp16 ? testing::FloatToHalf(x) : internal::Bf16RoundDown(x);
+          std::memcpy(row.data() + d * 2, &v, 2);
+        }
+      }
+      for (uint32_t heads : {1u, 3u, 4u, 7u, 8u}) {
+        std::vector<float> q(heads * dim), w(heads * 5), acc0(heads * dim);
+        for (float& x : q) x = n(rng);
+        for (float& x : w) x = n(rng);
+        for (float& x : acc0) x = n(rng);
+        for (const Kernels* k : AvailableKernels()) {
+          SCOPED_TRACE(std::string(k->name) + " dtype " + std::to_string(static_cast<int>(dtype)) + " dim " +
+                       std::to_string(dim) + " heads " + std::to_string(heads));
+          std::vector<float> widened(dim);
+          k->to_float(dtype, row.data(), widened.data(), dim);
+          std::vector<float> out(heads * 3, -1.0f);
+          k->group_dot(dtype, row.data(), q.data(), heads, dim, out.data(), 3);
+          std::vector<float> acc = acc0;
+          k->group_axpy(dtype, row.data(), w.data(), 5, heads, dim, acc.data());
+          for (uint32_t i = 0; i < heads; ++i) {
+            const float want = k->dot(q.data() + i * dim, widened.data(), dim);
+            EXPECT_NEAR(out[i * 3], want, 1e-5f * (1 + std::fabs(want)) * dim);
+            EXPECT_EQ(out[i * 3 + 1], -1.0f) << "wrote between strided outputs";
+            std::vector<float> one(acc0.begin() + i * dim, acc0.begin() + (i + 1) * dim);
+            k->axpy(w[i * 5], widened.data(), one.data(), dim);
+            for (uint32_t d = 0; d < dim; ++d) ASSERT_EQ(acc[i * dim + d], one[d]) << "head " << i << " dim " << d;
+          }
+        }
+      }
+    }
+  }
+}
+
+// The vector exponentials against std::exp over the softmax's range, every length (tails
+// included), and the edges: -inf, NaN, far below the range.
+TEST(PnmKernels, ExpSumIsAccurateOverTheSoftmaxRange) {
+  std::mt19937_64 rng(8);
+  std::uniform_real_distribution<float> u(-87.0f, 0.0f);
+  for (const Kernels* k : AvailableKernels()) {
+    SCOPED_TRACE(k->name);
+    for (uint32_t n : {1u, 7u, 8u, 15u, 16u, 17u, 33u, 1000u}) {
+      std::vector<float> x(n);
+      for (float& v : x) v = u(rng) + 3.0f;
+      std::vector<float> y = x;
+      const float sum = k->exp_sum(y.data(), n, 3.0f);
+      double want_sum = 0;
+      for (uint32_t i = 0; i < n; ++i) {
+        const double want = std::exp(double{x[i]} - 3.0);
+        want_sum += want;
+        ASSERT_NEAR(y[i], want, 4e-7 * want + 1e-38) << "x " << x[i] - 3.0f;
+      }
+      ASSERT_NEAR(sum, want_sum, 1e-6 * want_sum);
+    }
+    float edge[4] = {-INFINITY, std::numeric_limits<float>::quiet_NaN(), -500.0f, 0.0f};
+    k->exp_sum(edge, 4, 0.0f);
+    EXPECT_LT(edge[0], 2e-38f);
+    EXPECT_GE(edge[0], 0.0f);
+    EXPECT_TRUE(std::isnan(edge[1]));
+    EXPECT_LT(edge[2], 2e-38f);
+    EXPECT_EQ(edge[3], 1.0f);
   }
 }
 

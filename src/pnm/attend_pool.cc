@@ -1,0 +1,84 @@
+#include "pnm/attend_pool.h"
+
+namespace cxlkv::pnm {
+
+AttendPool::AttendPool(uint32_t threads) {
+  workers_.reserve(threads);
+  for (uint32_t i = 0; i < threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+}
+
+AttendPool::~AttendPool() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+void AttendPool::Drain() {
+  const uint64_t total = tasks_.size();
+  for (uint64_t i = next_.fetch_add(1); i < total; i = next_.fetch_add(1)) {
+    const Task t = tasks_[i];
+    AttendJob& j = jobs_[t.job];
+    internal::AttendKvHeads(*j.g, j.q, j.ctx, j.selection, j.scale, t.kv_head, t.kv_head + 1, j.out);
+    finished_.fetch_add(1);
+  }
+}
+
+void AttendPool::WorkerLoop() {
+  uint64_t seen = 0;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      if (!open_) continue;  // woke after that batch closed: nothing of it is left
+      ++active_;
+    }
+    Drain();
+    {
+      std::lock_guard<std::mutex> lock(mu_);  // the caller checks under mu_: no lost wake-up
+      --active_;
+    }
+    done_.notify_one();
+  }
+}
+
+Status AttendPool::Run(std::span<AttendJob> jobs) {
+  std::lock_guard<std::mutex> run(run_mu_);
+  Status first;
+  tasks_.clear();
+  for (uint32_t j = 0; j < jobs.size(); ++j) {
+    AttendJob& job = jobs[j];
+    job.status = job.g == nullptr || job.q == nullptr || job.out == nullptr
+                     ? InvalidArgument("attention job without a geometry, a query or an output")
+                     : CheckAttend(*job.g, job.ctx, job.selection);
+    if (!job.status.ok()) {
+      if (first.ok()) first = job.status;
+      continue;
+    }
+    job.out->Reset(job.g->num_heads, job.g->head_dim);
+    for (uint32_t h = 0; h < job.g->num_kv_heads; ++h) tasks_.push_back({j, h});
+  }
+  if (tasks_.empty()) return first;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    jobs_ = jobs;
+    next_.store(0);
+    finished_.store(0);
+    open_ = true;
+    ++generation_;
+  }
+  wake_.notify_all();
+  Drain();  // the caller works too
+  // Closed only when every task is done and no worker is still inside Drain: until then the
+  // batch's tasks and jobs stay as they are, and after it no worker reads them.
+  std::unique_lock<std::mutex> lock(mu_);
+  done_.wait(lock, [&] { return finished_.load() == tasks_.size() && active_ == 0; });
+  open_ = false;
+  return first;
+}
+
+}  // namespace cxlkv::pnm

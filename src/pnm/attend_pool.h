@@ -1,0 +1,74 @@
+// AttendPool: near-memory attention across threads — every (request, KV head) of a batch is one
+// task, taken by the next free thread, the caller's included. Requests are independent (data
+// parallelism, PNM §3.2), and KV heads split one long request across threads too.
+//
+// Idle workers sleep on a condition variable (no spinning: the machine may have two cores).
+// Thread-safety: one Run at a time per pool (Run serializes callers).
+#ifndef CXLKV_SRC_PNM_ATTEND_POOL_H_
+#define CXLKV_SRC_PNM_ATTEND_POOL_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <span>
+#include <thread>
+#include <vector>
+
+#include "cxlkv/status.h"
+#include "pnm/attend.h"
+
+namespace cxlkv::pnm {
+
+// One request's decode attention: Attend(*g, q, ctx, selection, scale, out), status its result.
+struct AttendJob {
+  const Geometry* g = nullptr;
+  const float* q = nullptr;
+  ContextView ctx;
+  const Selection* selection = nullptr;  // every page when null
+  float scale = 0;                       // 0: 1/sqrt(head_dim)
+  Partial* out = nullptr;
+  Status status;
+};
+
+class AttendPool {
+ public:
+  // `threads` workers besides the caller (0: none — Run works alone on the caller's thread).
+  explicit AttendPool(uint32_t threads);
+  ~AttendPool();
+  AttendPool(const AttendPool&) = delete;
+  AttendPool& operator=(const AttendPool&) = delete;
+
+  // Runs every job; returns when all are done. A job that fails its checks gets its status and
+  // no work; the others run. Returns the first failed job's status, or ok.
+  Status Run(std::span<AttendJob> jobs);
+
+  uint32_t threads() const { return static_cast<uint32_t>(workers_.size()); }
+
+ private:
+  struct Task {
+    uint32_t job;
+    uint32_t kv_head;
+  };
+  void WorkerLoop();
+  void Drain();  // takes tasks until none are left
+
+  std::mutex run_mu_;  // one Run at a time
+  std::mutex mu_;
+  std::condition_variable wake_;  // workers: a new batch (or stop)
+  std::condition_variable done_;  // the caller: a worker left Drain
+  uint64_t generation_ = 0;       // guarded by mu_
+  bool stop_ = false;             // guarded by mu_
+  bool open_ = false;             // guarded by mu_: a batch is running; workers may join it
+  uint32_t active_ = 0;           // guarded by mu_: workers inside Drain
+  // The batch: written by Run only while no worker is inside Drain (open_ false, active_ 0).
+  std::span<AttendJob> jobs_;
+  std::vector<Task> tasks_;
+  std::atomic<uint64_t> next_{0};
+  std::atomic<uint64_t> finished_{0};
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace cxlkv::pnm
+
+#endif  // CXLKV_SRC_PNM_ATTEND_POOL_H_

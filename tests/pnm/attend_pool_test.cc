@@ -1,0 +1,95 @@
+// AttendPool: a batch of requests spread over threads by (request, KV head) gives each request
+// exactly what Attend gives it alone; a bad job gets its error and the others still run.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <random>
+
+#include "pnm/attend_pool.h"
+#include "pnm_test_util.h"
+
+namespace cxlkv::pnm {
+namespace {
+
+using testing::TestContext;
+
+TEST(PnmAttendPool, ABatchOverThreadsEqualsEachRequestAlone) {
+  std::mt19937_64 rng(44);
+  Geometry a;
+  a.num_kv_heads = 4;
+  a.num_heads = 16;
+  a.head_dim = 64;
+  Geometry b = a;
+  b.num_kv_heads = 2;
+  b.num_heads = 2;
+  b.head_dim = 32;
+  b.dtype = KvDtype::kBf16;
+  std::vector<std::unique_ptr<TestContext>> contexts;
+  std::vector<std::vector<float>> queries;
+  std::vector<Selection> selections;
+  for (int r = 0; r < 6; ++r) {
+    const Geometry& g = r % 2 ? b : a;
+    contexts.push_back(std::make_unique<TestContext>(g, 100 + 97 * r));
+    contexts.back()->FillNormal(rng);
+    queries.push_back(testing::RandomQuery(g, rng));
+    const auto digests = contexts.back()->Digests();
+    Selection sel;
+    SelectOptions o;
+    o.budget_tokens = 64;
+    ASSERT_TRUE(SelectPages(g, queries.back().data(), digests.data(), contexts.back()->tokens(), o, &sel).ok());
+    selections.push_back(std::move(sel));
+  }
+  for (uint32_t threads : {0u, 1u, 3u}) {
+    AttendPool pool(threads);
+    EXPECT_EQ(pool.threads(), threads);
+    for (int round = 0; round < 20; ++round) {
+      std::vector<Partial> outs(contexts.size());
+      std::vector<AttendJob> jobs(contexts.size());
+      for (size_t r = 0; r < contexts.size(); ++r) {
+        jobs[r].g = &contexts[r]->geometry();
+        jobs[r].q = queries[r].data();
+        jobs[r].ctx = contexts[r]->View();
+        jobs[r].selection = r % 3 == 0 ? nullptr : &selections[r];
+        jobs[r].out = &outs[r];
+      }
+      ASSERT_TRUE(pool.Run(jobs).ok());
+      for (size_t r = 0; r < contexts.size(); ++r) {
+        Partial alone;
+        ASSERT_TRUE(Attend(*jobs[r].g, jobs[r].q, jobs[r].ctx, jobs[r].selection, 0, &alone).ok());
+        ASSERT_TRUE(jobs[r].status.ok());
+        ASSERT_EQ(outs[r].out, alone.out) << "threads " << threads << " request " << r;
+        ASSERT_EQ(outs[r].lse, alone.lse) << "threads " << threads << " request " << r;
+      }
+    }
+  }
+}
+
+TEST(PnmAttendPool, ABadJobGetsItsErrorAndTheOthersRun) {
+  std::mt19937_64 rng(45);
+  Geometry g;
+  g.num_kv_heads = 2;
+  g.num_heads = 4;
+  g.head_dim = 32;
+  TestContext c(g, 50);
+  c.FillNormal(rng);
+  const auto q = testing::RandomQuery(g, rng);
+  Selection wrong = Selection::All(5, 4);
+  Partial good, bad, missing;
+  std::vector<AttendJob> jobs(3);
+  jobs[0] = {&g, q.data(), c.View(), &wrong, 0, &bad, {}};
+  jobs[1] = {&g, q.data(), c.View(), nullptr, 0, &good, {}};
+  jobs[2] = {&g, nullptr, c.View(), nullptr, 0, &missing, {}};
+  AttendPool pool(1);
+  Status s = pool.Run(jobs);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(jobs[0].status.message().find("5 KV heads"), std::string::npos) << jobs[0].status.message();
+  EXPECT_TRUE(jobs[1].status.ok());
+  EXPECT_EQ(jobs[2].status.code(), StatusCode::kInvalidArgument);
+  Partial alone;
+  ASSERT_TRUE(Attend(g, q.data(), c.View(), nullptr, 0, &alone).ok());
+  EXPECT_EQ(good.out, alone.out);
+  EXPECT_EQ(bad.num_heads, 0u) << "a refused job's output was touched";
+}
+
+}  // namespace
+}  // namespace cxlkv::pnm
