@@ -12,10 +12,23 @@ namespace cxlkv::pnm {
 
 Selection Selection::SamePagesForAllHeads(uint32_t num_kv_heads, std::vector<uint32_t> pages) {
   Selection s;
+  s.ranked_ = pages;
   std::sort(pages.begin(), pages.end());
   s.begin_.assign(num_kv_heads, 0);
   s.count_.assign(num_kv_heads, static_cast<uint32_t>(pages.size()));
   s.pages_ = std::move(pages);
+  return s;
+}
+
+Selection Selection::PerHead(std::vector<std::vector<uint32_t>> pages_per_head) {
+  Selection s;
+  for (auto& pages : pages_per_head) {
+    s.begin_.push_back(s.pages_.size());
+    s.count_.push_back(static_cast<uint32_t>(pages.size()));
+    s.ranked_.insert(s.ranked_.end(), pages.begin(), pages.end());
+    std::sort(pages.begin(), pages.end());
+    s.pages_.insert(s.pages_.end(), pages.begin(), pages.end());
+  }
   return s;
 }
 
@@ -107,6 +120,7 @@ Status SelectPages(const Geometry& g, const float* q, const uint16_t* digests, u
   }
 
   out->pages_.clear();
+  out->ranked_.clear();
   out->taken_.resize(pages);  // all 0 between uses
   out->begin_.resize(kv_heads);
   out->count_.resize(kv_heads);
@@ -128,6 +142,11 @@ Status SelectPages(const Geometry& g, const float* q, const uint16_t* digests, u
       }
     }
     for (size_t i = scored_from; i < out->pages_.size(); ++i) out->taken_[out->pages_[i]] = 0;
+    // Best first: the forced pages, then the scored ones in the order they were taken.
+    for (uint64_t p = 0; p < sinks; ++p) out->ranked_.push_back(static_cast<uint32_t>(p));
+    for (uint64_t p = recent_from; p < pages; ++p) out->ranked_.push_back(static_cast<uint32_t>(p));
+    out->ranked_.insert(out->ranked_.end(), out->pages_.begin() + static_cast<std::ptrdiff_t>(scored_from),
+                        out->pages_.end());
     std::sort(out->pages_.begin() + static_cast<std::ptrdiff_t>(scored_from), out->pages_.end());
     for (uint64_t p = recent_from; p < pages; ++p) out->pages_.push_back(static_cast<uint32_t>(p));
     out->count_[h] = static_cast<uint32_t>(out->pages_.size() - out->begin_[h]);

@@ -45,8 +45,11 @@ Status SelectPages(const Geometry& g, const float* q, const uint16_t* digests, u
 // Pages chosen per KV head, ascending within each head (so reads walk memory forward).
 class Selection {
  public:
-  // The same pages for every head (a hybrid's split, or dense attention). Pages must be distinct.
+  // The same pages for every head (a hybrid's split, or dense attention), ranked in the order
+  // given. Pages must be distinct.
   static Selection SamePagesForAllHeads(uint32_t num_kv_heads, std::vector<uint32_t> pages);
+  // Each head its own pages, ranked in the order given. Pages must be distinct within a head.
+  static Selection PerHead(std::vector<std::vector<uint32_t>> pages_per_head);
   // Every page of a context of `pages` pages, for every head.
   static Selection All(uint32_t num_kv_heads, uint64_t pages);
 
@@ -55,6 +58,11 @@ class Selection {
     return {pages_.data() + begin_[kv_head], count_[kv_head]};
   }
   uint64_t TotalPages() const { return pages_.size(); }
+  // The same pages best first: the forced ones, then by the group's ranks (SelectPages), or in
+  // the order given (SamePagesForAllHeads). Steady-token selection recalls in this order.
+  std::span<const uint32_t> RankedOf(uint32_t kv_head) const {
+    return {ranked_.data() + begin_[kv_head], count_[kv_head]};
+  }
   // Whether every head has the one list (SamePagesForAllHeads, All).
   bool SameForAllHeads() const {
     return std::all_of(begin_.begin(), begin_.end(), [&](uint64_t b) { return b == begin_[0]; });
@@ -64,6 +72,7 @@ class Selection {
   friend Status SelectPages(const Geometry&, const float*, const uint16_t*, uint64_t, const SelectOptions&,
                             Selection*);
   std::vector<uint32_t> pages_;
+  std::vector<uint32_t> ranked_;  // pages_ per head again, best first
   std::vector<uint64_t> begin_;
   std::vector<uint32_t> count_;
   // Scratch kept between calls: one bounded min-heap of (score, page) per query head.
