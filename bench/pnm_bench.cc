@@ -18,6 +18,12 @@
 //   link_KiB/CTX/B        bytes crossing the link per step when attention runs near memory
 //                         (query + output + LSE, fp32) vs recalling the selected pages to the
 //                         engine (selected KV bytes).
+//   attend_bw_1engine/CTX, attend_bw_2engines/CTX
+//                         a batch of requests attended by an AttendPool of one thread and of two
+//                         (each owning whole requests: data parallelism); the ratio is 2 vs 1.
+//   recall_KiB_per_step/steady/32K vs .../arkvale/32K
+//                         KV recalled to the engine per step on a drifting query at budget 1/32:
+//                         steady-token selection (engine holds half the budget) vs ArkVale-style.
 //
 // Geometry: fp16, 32 query heads, 8 KV heads, head_dim 128, 16-token pages (4 KiB of KV per
 // token). At 1M tokens that is 4 GiB per layer, so the 1M case uses 2 KV heads and 8 query heads
@@ -41,6 +47,8 @@
 #include "pnm/geometry.h"
 #include "pnm/kernels.h"
 #include "pnm/select.h"
+#include "pnm/attend_pool.h"
+#include "pnm/steady.h"
 #include "region/cpu.h"
 #include "suites.h"
 
@@ -244,6 +252,77 @@ Result<CaseResult> RunCase(const Layers& L, const std::vector<uint32_t>& budgets
   return r;
 }
 
+// Two engines vs one (PNM §3.2: data parallelism, each engine owns whole requests): a batch of
+// requests, one per layer, attended densely by an AttendPool of one thread (the caller) and of
+// two (the caller and a worker). Returns GB/s of KV read, per repetition, for each.
+Result<std::pair<std::vector<double>, std::vector<double>>> RunEngines(const Layers& L, int reps,
+                                                                       const std::vector<std::vector<float>>& queries) {
+  const size_t requests = std::min<size_t>(L.page_kv.size(), 4);
+  std::vector<pnm::Partial> outs(requests);
+  std::vector<pnm::AttendJob> jobs(requests);
+  std::pair<std::vector<double>, std::vector<double>> bw;
+  size_t first = 0;
+  for (int rep = 0; rep < reps; ++rep) {
+    for (uint32_t workers : {0u, 1u}) {
+      pnm::AttendPool pool(workers);
+      for (size_t r = 0; r < requests; ++r) {
+        const size_t l = (first + r) % L.page_kv.size();  // rotate: the next batch reads other layers
+        jobs[r] = {&L.g, queries[r % queries.size()].data(), L.Ctx(l), nullptr, 0, &outs[r], {}};
+      }
+      first += requests;
+      auto t0 = Clock::now();
+      CXLKV_RETURN_IF_ERROR(pool.Run(jobs));
+      const double gbps = static_cast<double>(requests * L.LayerBytes()) / Seconds(t0) / 1e9;
+      (workers == 0 ? bw.first : bw.second).push_back(gbps);
+    }
+  }
+  return bw;
+}
+
+// Recall volume on a drifting decode query (one layer's digests, budget 1/32): steady-token
+// selection with the engine holding half the budget (the paper's steady ratio for one engine and
+// one near-memory device) vs ArkVale-style replacement holding the whole budget. KiB recalled
+// per step, per step after the first.
+struct RecallTrace {
+  std::vector<double> steady_kib, arkvale_kib;
+};
+
+Result<RecallTrace> RunRecallTrace(const Layers& L, uint32_t budget_tokens, int steps) {
+  const pnm::Geometry& g = L.g;
+  std::vector<float> q(uint64_t{g.num_heads} * g.head_dim);
+  uint64_t seed = 0xd21f7;
+  auto noise = [&] { return static_cast<float>(SplitMix(seed) >> 40) / static_cast<float>(1 << 23) - 1.0f; };
+  for (float& x : q) x = noise();
+  const uint32_t budget_pages = budget_tokens / g.page_tokens;
+  std::vector<pnm::ResidentPages> steady, arkvale;
+  for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
+    steady.emplace_back(budget_pages / 2, L.pages);
+    arkvale.emplace_back(budget_pages, L.pages);
+  }
+  const double head_page_kib = 2.0 * g.page_tokens * g.head_dim * g.elem_bytes() / 1024.0;
+  pnm::SelectOptions o;
+  o.budget_tokens = budget_tokens;
+  pnm::Selection sel;
+  RecallTrace t;
+  for (int step = 0; step < steps; ++step) {
+    for (float& x : q) x = 0.9f * x + 0.44f * noise();  // drifts; the variance stays put
+    CXLKV_RETURN_IF_ERROR(pnm::SelectPages(g, q.data(), L.digests[0], L.tokens, o, &sel));
+    double s = 0, a = 0;
+    for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
+      auto st = steady[h].SteadyStep(sel.RankedOf(h));
+      auto ak = arkvale[h].ArkValeStep(sel.RankedOf(h));
+      if (!st.ok()) return st.status();
+      if (!ak.ok()) return ak.status();
+      s += static_cast<double>(st->recalled.size()) * head_page_kib;
+      a += static_cast<double>(ak->recalled.size()) * head_page_kib;
+    }
+    if (step == 0) continue;  // both fill from empty
+    t.steady_kib.push_back(s);
+    t.arkvale_kib.push_back(a);
+  }
+  return t;
+}
+
 }  // namespace
 
 Result<nlohmann::json> RunPnmBench(const BenchOptions& options) {
@@ -365,6 +444,22 @@ Result<nlohmann::json> RunPnmBench(const BenchOptions& options) {
       results.push_back(FigureJson({"link_KiB/" + tag, "KiB", false, {near}, "recall_KiB/" + tag, {sel_bytes / 1024.0},
                                     "near memory (query + output + LSE) vs recalling the selected KV pages"}));
       cj["selected_MiB_" + bnames[b]] = sel_bytes / kMiB;
+    }
+    if (c.name == "128K" || (options.quick && c.name == "32K")) {
+      auto e = RunEngines(L, reps, *c.q);
+      if (!e.ok()) return e.status();
+      results.push_back(FigureJson({"attend_bw_1engine/" + c.name, "GB/s", true, e->first, "memory_read_bw", mem_bw,
+                                    "a batch of requests, dense, one thread"}));
+      results.push_back(FigureJson({"attend_bw_2engines/" + c.name, "GB/s", true, e->second, "attend_bw_1engine/" + c.name,
+                                    e->first, "the same batch over two threads, each owning whole requests: ideal 2"}));
+    }
+    if (c.name == "32K") {
+      auto t = RunRecallTrace(L, static_cast<uint32_t>(c.tokens / 32), options.quick ? 40 : 200);
+      if (!t.ok()) return t.status();
+      results.push_back(FigureJson({"recall_KiB_per_step/steady/" + c.name, "KiB", false, t->steady_kib,
+                                    "recall_KiB_per_step/arkvale/" + c.name, t->arkvale_kib,
+                                    "drifting query, budget 1/32: steady (engine holds half the budget) vs "
+                                    "ArkVale-style (holds all of it)"}));
     }
     cases.push_back(cj);
   }

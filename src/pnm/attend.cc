@@ -51,43 +51,50 @@ void PrefetchPage(const Geometry& g, const PageKv& page, uint32_t tokens, uint32
   }
 }
 
-// Online softmax over one page for the G query heads of KV head h: the G × tokens logits, a new
-// running max per head, what was accumulated rescaled, then the page's values added weighted by
-// e^(logit − max). Each K and V row is read and widened once for the whole group. The group's
-// state (max, sum, acc) is at its query heads' places in the scratch.
-void AttendPage(const Geometry& g, const internal::Kernels& k, const float* q_group, float scale, const PageKv& page,
-                uint32_t tokens, uint32_t h, Scratch& s) {
+// Online softmax over one page for the query heads of KV heads [h_begin, h_end): the logits, a
+// new running max per query head, what was accumulated rescaled, then the page's values added
+// weighted by e^(logit − max). Rows are walked token by token and, within a token, head by head:
+// with every head at once that reads the page's slabs front to back. Each K and V row of a head
+// is widened once for its whole group. State (max, sum, acc, logits) is indexed by query head.
+void AttendPage(const Geometry& g, const internal::Kernels& k, const float* q, float scale, const PageKv& page,
+                uint32_t tokens, uint32_t h_begin, uint32_t h_end, Scratch& s) {
   const uint32_t group = g.group(), dim = g.head_dim, stride = g.page_tokens;
-  const uint64_t head_offset = uint64_t{h} * dim * g.elem_bytes();
-  const auto* kslab = static_cast<const uint8_t*>(page.k) + head_offset;
-  const auto* vslab = static_cast<const uint8_t*>(page.v) + head_offset;
-  float* acc = s.acc.data() + uint64_t{h} * group * dim;
-  float* max = s.max.data() + h * group;
-  float* sum = s.sum.data() + h * group;
-  float* logits = s.logits.data();  // [group][page_tokens]
+  const uint64_t head_bytes = uint64_t{dim} * g.elem_bytes();
+  const auto* kslab = static_cast<const uint8_t*>(page.k);
+  const auto* vslab = static_cast<const uint8_t*>(page.v);
   for (uint32_t t = 0; t < tokens; ++t) {
-    k.group_dot(g.dtype, kslab + t * g.RowBytes(), q_group, group, dim, logits + t, stride);
+    const uint8_t* row = kslab + t * g.RowBytes();
+    for (uint32_t h = h_begin; h < h_end; ++h) {
+      const uint64_t first = uint64_t{h} * group;  // the group's first query head
+      k.group_dot(g.dtype, row + h * head_bytes, q + first * dim, group, dim, s.logits.data() + first * stride + t,
+                  stride);
+    }
   }
-  for (uint32_t i = 0; i < group; ++i) {
-    float* li = logits + i * stride;
+  for (uint32_t i = h_begin * group; i < h_end * group; ++i) {
+    float* li = s.logits.data() + uint64_t{i} * stride;
     float page_max = kMinusInf;
     for (uint32_t t = 0; t < tokens; ++t) page_max = std::max(page_max, li[t] *= scale);
-    const float new_max = std::max(max[i], page_max);
+    const float new_max = std::max(s.max[i], page_max);
     if (new_max == kMinusInf) {  // every logit so far is -inf: nothing to weigh yet
       std::fill(li, li + tokens, 0.0f);
       continue;
     }
-    const float rescale = std::exp(max[i] - new_max);  // exp(-inf) = 0 on the first page
+    const float rescale = std::exp(s.max[i] - new_max);  // exp(-inf) = 0 on the first page
     if (rescale != 1.0f) {
-      sum[i] *= rescale;
-      float* ai = acc + uint64_t{i} * dim;
+      s.sum[i] *= rescale;
+      float* ai = s.acc.data() + uint64_t{i} * dim;
       for (uint32_t d = 0; d < dim; ++d) ai[d] *= rescale;
     }
-    max[i] = new_max;
-    sum[i] += k.exp_sum(li, tokens, new_max);  // the logits become the weights
+    s.max[i] = new_max;
+    s.sum[i] += k.exp_sum(li, tokens, new_max);  // the logits become the weights
   }
   for (uint32_t t = 0; t < tokens; ++t) {
-    k.group_axpy(g.dtype, vslab + t * g.RowBytes(), logits + t, stride, group, dim, acc);
+    const uint8_t* row = vslab + t * g.RowBytes();
+    for (uint32_t h = h_begin; h < h_end; ++h) {
+      const uint64_t first = uint64_t{h} * group;
+      k.group_axpy(g.dtype, row + h * head_bytes, s.logits.data() + first * stride + t, stride, group, dim,
+                   s.acc.data() + first * dim);
+    }
   }
 }
 
@@ -115,22 +122,19 @@ void AttendKvHeads(const Geometry& g, const float* q, const ContextView& ctx, co
   const Kernels& k = Active();
   const uint32_t group = g.group(), dim = g.head_dim;
   thread_local Scratch s;
-  s.logits.resize(uint64_t{group} * g.page_tokens);
+  s.logits.resize(uint64_t{g.num_heads} * g.page_tokens);
   s.acc.assign(uint64_t{g.num_heads} * dim, 0.0f);
   s.max.assign(g.num_heads, kMinusInf);
   s.sum.assign(g.num_heads, 0.0f);
 
-  auto visit = [&](uint32_t h, uint64_t p) {
-    AttendPage(g, k, q + uint64_t{h} * group * dim, scale, ctx.pages[p], ctx.TokensOf(p, g.page_tokens), h, s);
+  auto visit = [&](uint64_t p, uint32_t from, uint32_t to) {
+    AttendPage(g, k, q, scale, ctx.pages[p], ctx.TokensOf(p, g.page_tokens), from, to, s);
   };
   if (selection == nullptr || selection->SameForAllHeads()) {
-    // One page list for every head: walk the pages once, every head per page, so each page's
-    // slabs are read front to back (a stream the hardware prefetchers follow).
+    // One page list for every head: walk the pages once, all the heads per page, so each
+    // page's slabs are read front to back (a stream the hardware prefetchers follow).
     const uint64_t n = selection == nullptr ? ctx.pages.size() : selection->Of(0).size();
-    for (uint64_t i = 0; i < n; ++i) {
-      const uint64_t p = selection == nullptr ? i : selection->Of(0)[i];
-      for (uint32_t h = h_begin; h < h_end; ++h) visit(h, p);
-    }
+    for (uint64_t i = 0; i < n; ++i) visit(selection == nullptr ? i : selection->Of(0)[i], h_begin, h_end);
   } else {
     // Each head its own pages: one head at a time, the next page's rows asked for ahead.
     for (uint32_t h = h_begin; h < h_end; ++h) {
@@ -139,7 +143,7 @@ void AttendKvHeads(const Geometry& g, const float* q, const ContextView& ctx, co
         if (i + 1 < pages.size()) {
           PrefetchPage(g, ctx.pages[pages[i + 1]], ctx.TokensOf(pages[i + 1], g.page_tokens), h);
         }
-        visit(h, pages[i]);
+        visit(pages[i], h, h + 1);
       }
     }
   }

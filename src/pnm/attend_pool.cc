@@ -1,5 +1,7 @@
 #include "pnm/attend_pool.h"
 
+#include <algorithm>
+
 namespace cxlkv::pnm {
 
 AttendPool::AttendPool(uint32_t threads) {
@@ -21,7 +23,7 @@ void AttendPool::Drain() {
   for (uint64_t i = next_.fetch_add(1); i < total; i = next_.fetch_add(1)) {
     const Task t = tasks_[i];
     AttendJob& j = jobs_[t.job];
-    internal::AttendKvHeads(*j.g, j.q, j.ctx, j.selection, j.scale, t.kv_head, t.kv_head + 1, j.out);
+    internal::AttendKvHeads(*j.g, j.q, j.ctx, j.selection, j.scale, t.h_begin, t.h_end, j.out);
     finished_.fetch_add(1);
   }
 }
@@ -50,6 +52,8 @@ Status AttendPool::Run(std::span<AttendJob> jobs) {
   std::lock_guard<std::mutex> run(run_mu_);
   Status first;
   tasks_.clear();
+  const uint32_t threads = static_cast<uint32_t>(workers_.size()) + 1;
+  const bool split_heads = jobs.size() < threads;
   for (uint32_t j = 0; j < jobs.size(); ++j) {
     AttendJob& job = jobs[j];
     job.status = job.g == nullptr || job.q == nullptr || job.out == nullptr
@@ -60,7 +64,11 @@ Status AttendPool::Run(std::span<AttendJob> jobs) {
       continue;
     }
     job.out->Reset(job.g->num_heads, job.g->head_dim);
-    for (uint32_t h = 0; h < job.g->num_kv_heads; ++h) tasks_.push_back({j, h});
+    const uint32_t heads = job.g->num_kv_heads;
+    const uint32_t parts = split_heads ? std::min(threads, heads) : 1;
+    for (uint32_t part = 0; part < parts; ++part) {
+      tasks_.push_back({j, heads * part / parts, heads * (part + 1) / parts});
+    }
   }
   if (tasks_.empty()) return first;
   {

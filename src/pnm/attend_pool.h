@@ -1,6 +1,8 @@
-// AttendPool: near-memory attention across threads — every (request, KV head) of a batch is one
-// task, taken by the next free thread, the caller's included. Requests are independent (data
-// parallelism, PNM §3.2), and KV heads split one long request across threads too.
+// AttendPool: near-memory attention across threads — each request of a batch is a task, taken
+// by the next free thread, the caller's included. Requests are independent (data parallelism,
+// PNM §3.2). When a batch has fewer requests than threads, a request's KV heads are split into
+// ranges, one per thread: whole requests are better while there are enough of them, because all
+// of a page's heads together read its slabs front to back.
 //
 // Idle workers sleep on a condition variable (no spinning: the machine may have two cores).
 // Thread-safety: one Run at a time per pool (Run serializes callers).
@@ -48,7 +50,8 @@ class AttendPool {
  private:
   struct Task {
     uint32_t job;
-    uint32_t kv_head;
+    uint32_t h_begin;  // KV heads [h_begin, h_end)
+    uint32_t h_end;
   };
   void WorkerLoop();
   void Drain();  // takes tasks until none are left

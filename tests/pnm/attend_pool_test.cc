@@ -1,4 +1,5 @@
-// AttendPool: a batch of requests spread over threads by (request, KV head) gives each request
+// AttendPool: a batch of requests spread over threads (whole requests, or KV head ranges when
+// requests are fewer than threads) gives each request
 // exactly what Attend gives it alone; a bad job gets its error and the others still run.
 #include <gtest/gtest.h>
 
@@ -43,9 +44,11 @@ TEST(PnmAttendPool, ABatchOverThreadsEqualsEachRequestAlone) {
     AttendPool pool(threads);
     EXPECT_EQ(pool.threads(), threads);
     for (int round = 0; round < 20; ++round) {
-      std::vector<Partial> outs(contexts.size());
-      std::vector<AttendJob> jobs(contexts.size());
-      for (size_t r = 0; r < contexts.size(); ++r) {
+      // Odd rounds: one or two requests, fewer than the threads, so their KV heads are split.
+      const size_t batch = round % 2 ? 1 + round % 3 / 2 : contexts.size();
+      std::vector<Partial> outs(batch);
+      std::vector<AttendJob> jobs(batch);
+      for (size_t r = 0; r < batch; ++r) {
         jobs[r].g = &contexts[r]->geometry();
         jobs[r].q = queries[r].data();
         jobs[r].ctx = contexts[r]->View();
@@ -53,7 +56,7 @@ TEST(PnmAttendPool, ABatchOverThreadsEqualsEachRequestAlone) {
         jobs[r].out = &outs[r];
       }
       ASSERT_TRUE(pool.Run(jobs).ok());
-      for (size_t r = 0; r < contexts.size(); ++r) {
+      for (size_t r = 0; r < batch; ++r) {
         Partial alone;
         ASSERT_TRUE(Attend(*jobs[r].g, jobs[r].q, jobs[r].ctx, jobs[r].selection, 0, &alone).ok());
         ASSERT_TRUE(jobs[r].status.ok());
