@@ -399,21 +399,29 @@ CXLKV_AVX512 void GroupDigestScoreAvx512(const float* q, uint32_t heads, const u
   uint32_t i = 0;
   for (; i + 4 <= heads; i += 4) {  // the bounds widened once for four heads; per head the same
     const float* q0 = q + uint64_t{i} * n;  // operations in the same order as DigestScoreAvx512
-    __m512 s[4], m[4];
-    for (int j = 0; j < 4; ++j) s[j] = m[j] = _mm512_setzero_ps();
+    // Named registers, not arrays: at -O2 an array of vectors with a loop over it stays in memory.
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, m0 = s0, m1 = s0, m2 = s0, m3 = s0;
     for (uint32_t d = 0; d < n; d += 16) {
       const __m512 l = LoadBf16x16(lo + d), h = LoadBf16x16(hi + d);
-      for (int j = 0; j < 4; ++j) {
-        const __m512 vq = _mm512_loadu_ps(q0 + uint64_t{static_cast<uint32_t>(j)} * n + d);
+      auto step = [&](const float* qj, __m512& sj, __m512& mj) CXLKV_AVX512 {
+        const __m512 vq = _mm512_loadu_ps(qj + d);
         const __m512 t = _mm512_max_ps(_mm512_mul_ps(vq, l), _mm512_mul_ps(vq, h));
-        s[j] = _mm512_add_ps(s[j], t);
-        m[j] = _mm512_add_ps(m[j], _mm512_abs_ps(t));
-      }
+        sj = _mm512_add_ps(sj, t);
+        mj = _mm512_add_ps(mj, _mm512_abs_ps(t));
+      };
+      step(q0, s0, m0);
+      step(q0 + n, s1, m1);
+      step(q0 + 2 * n, s2, m2);
+      step(q0 + 3 * n, s3, m3);
     }
-    for (int j = 0; j < 4; ++j) {
-      magnitude[i + j] = _mm512_reduce_add_ps(m[j]);
-      score[i + j] = _mm512_reduce_add_ps(s[j]);
-    }
+    magnitude[i] = _mm512_reduce_add_ps(m0);
+    magnitude[i + 1] = _mm512_reduce_add_ps(m1);
+    magnitude[i + 2] = _mm512_reduce_add_ps(m2);
+    magnitude[i + 3] = _mm512_reduce_add_ps(m3);
+    score[i] = _mm512_reduce_add_ps(s0);
+    score[i + 1] = _mm512_reduce_add_ps(s1);
+    score[i + 2] = _mm512_reduce_add_ps(s2);
+    score[i + 3] = _mm512_reduce_add_ps(s3);
   }
   for (; i < heads; ++i) score[i] = DigestScoreAvx512(q + uint64_t{i} * n, lo, hi, n, magnitude + i);
 }

@@ -58,7 +58,11 @@ namespace {
 
 using Scored = std::pair<float, uint32_t>;
 // A min-heap's order: the worst kept page on top. Ties keep the later page (nearer the query).
-bool Better(const Scored& a, const Scored& b) { return a.first > b.first || (a.first == b.first && a.second > b.second); }
+struct Better {
+  bool operator()(const Scored& a, const Scored& b) const {
+    return a.first > b.first || (a.first == b.first && a.second > b.second);
+  }
+};
 
 }  // namespace
 
@@ -90,7 +94,14 @@ Status SelectPages(const Geometry& g, const float* q, const uint16_t* digests, u
   float* scores = out->scores_.data();
   float* magnitudes = scores + group;
   if (cap > 0) {
+    const uint64_t page_bytes = DigestBytesPerPage(g);
     for (uint64_t p = sinks; p < recent_from; ++p) {
+      // Each page's digests are a few KiB of their own: ask for the next page's while this one
+      // is scored (the hardware prefetchers stop at 4 KiB page boundaries).
+      if (p + 1 < recent_from) {
+        const auto* next = reinterpret_cast<const uint8_t*>(DigestLo(g, digests, p + 1, 0));
+        for (uint64_t b = 0; b < page_bytes; b += 64) __builtin_prefetch(next + b, 0, 3);
+      }
       for (uint32_t head = 0; head < heads; ++head) {
         if (head % group == 0) {  // the group's scores against its KV head's digest, at once
           const uint16_t* lo = DigestLo(g, digests, p, head / group);
@@ -104,18 +115,18 @@ Status SelectPages(const Geometry& g, const float* q, const uint16_t* digests, u
         const Scored item{score, static_cast<uint32_t>(p)};
         if (size < cap) {
           heap[size++] = item;
-          std::push_heap(heap, heap + size, Better);
-        } else if (Better(item, heap[0])) {
-          std::pop_heap(heap, heap + size, Better);
+          std::push_heap(heap, heap + size, Better{});
+        } else if (Better{}(item, heap[0])) {
+          std::pop_heap(heap, heap + size, Better{});
           heap[size - 1] = item;
-          std::push_heap(heap, heap + size, Better);
+          std::push_heap(heap, heap + size, Better{});
         }
       }
     }
     // Best first within each head's heap.
     for (uint32_t head = 0; head < heads; ++head) {
       Scored* heap = out->heap_.data() + head * cap;
-      std::sort_heap(heap, heap + out->heap_size_[head], Better);
+      std::sort_heap(heap, heap + out->heap_size_[head], Better{});
     }
   }
 
