@@ -16,10 +16,7 @@ using testing::TestContext;
 
 TEST(PnmAttendPool, ABatchOverThreadsEqualsEachRequestAlone) {
   std::mt19937_64 rng(44);
-  Geometry a;
-  a.num_kv_heads = 4;
-  a.num_heads = 16;
-  a.head_dim = 64;
+  Geometry a = testing::MakeGeometry(16, 4, 64);
   Geometry b = a;
   b.num_kv_heads = 2;
   b.num_heads = 2;
@@ -69,10 +66,7 @@ TEST(PnmAttendPool, ABatchOverThreadsEqualsEachRequestAlone) {
 
 TEST(PnmAttendPool, ABadJobGetsItsErrorAndTheOthersRun) {
   std::mt19937_64 rng(45);
-  Geometry g;
-  g.num_kv_heads = 2;
-  g.num_heads = 4;
-  g.head_dim = 32;
+  Geometry g = testing::MakeGeometry(4, 2, 32);
   TestContext c(g, 50);
   c.FillNormal(rng);
   const auto q = testing::RandomQuery(g, rng);

@@ -71,11 +71,7 @@ TEST(PnmAttend, EveryPageSelectedEqualsDenseAttentionInFp64) {
 // bit, and lies within fp32 rounding of fp64 attention over exactly those pages.
 TEST(PnmAttend, PerHeadSelectionsEqualEachHeadsOwnPagesAttendedAlone) {
   std::mt19937_64 rng(31);
-  Geometry g;
-  g.num_kv_heads = 4;
-  g.num_heads = 8;
-  g.head_dim = 64;
-  g.page_tokens = 16;
+  Geometry g = testing::MakeGeometry(8, 4, 64, 16);
   TestContext c(g, 16 * 64 - 3);
   c.FillNormal(rng);
   const auto q = testing::RandomQuery(g, rng, 2.0f);
@@ -126,12 +122,7 @@ TEST(PnmAttend, PerHeadSelectionsEqualEachHeadsOwnPagesAttendedAlone) {
 // in a random order: the union's attention, within fp32 rounding.
 TEST(PnmAttend, PartialsOfAnySplitMergeExactlyInAnyOrder) {
   std::mt19937_64 rng(99);
-  Geometry g;
-  g.num_kv_heads = 2;
-  g.num_heads = 8;
-  g.head_dim = 32;
-  g.page_tokens = 4;
-  g.dtype = KvDtype::kFp16;
+  Geometry g = testing::MakeGeometry(8, 2, 32, 4, KvDtype::kFp16);
   TestContext c(g, 4 * 80 - 1);
   c.FillNormal(rng);
   for (float logit_scale : {1.0f, 60.0f}) {  // 60: logits in the hundreds, e^x far past fp32
@@ -198,11 +189,7 @@ TEST(PnmAttend, MergingEmptyPartialsAndExtremeLogSumExpsStaysFinite) {
 }
 
 TEST(PnmAttend, BadInputIsRefusedAndLeavesTheOutputAlone) {
-  Geometry g;
-  g.num_kv_heads = 2;
-  g.num_heads = 4;
-  g.head_dim = 16;
-  g.page_tokens = 8;
+  Geometry g = testing::MakeGeometry(4, 2, 16, 8);
   TestContext c(g, 20);
   std::vector<float> q(4 * 16, 1.0f);
   Partial out;

@@ -203,15 +203,7 @@ TEST(PnmKernels, Bf16BoundsRoundOutwardAndAreExactWhenRepresentable) {
   EXPECT_EQ(internal::Bf16RoundUp(-1.0f - 0x1p-20f), 0xbf80);
 }
 
-Geometry SmallGeometry(KvDtype dtype, uint32_t group = 4) {
-  Geometry g;
-  g.num_kv_heads = 2;
-  g.num_heads = 2 * group;
-  g.head_dim = 64;
-  g.page_tokens = 16;
-  g.dtype = dtype;
-  return g;
-}
+Geometry SmallGeometry(KvDtype dtype, uint32_t group = 4) { return testing::MakeGeometry(2 * group, 2, 64, 16, dtype); }
 
 TEST(PnmDigest, GrowingAPartialPageRowByRowEqualsBuildingItAtOnce) {
   for (KvDtype dtype : {KvDtype::kFp16, KvDtype::kBf16, KvDtype::kFp32}) {

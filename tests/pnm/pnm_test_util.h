@@ -28,6 +28,18 @@ inline uint16_t FloatToHalf(float x) {
   return static_cast<uint16_t>(sign | (static_cast<uint32_t>(exp) << 10) | ((b >> 13) & 0x3ffu));
 }
 
+// A geometry in one line: query heads, KV heads, head size, page size, dtype.
+inline Geometry MakeGeometry(uint32_t num_heads, uint32_t num_kv_heads, uint32_t head_dim, uint32_t page_tokens = 16,
+                             KvDtype dtype = KvDtype::kFp16) {
+  Geometry g;
+  g.num_heads = num_heads;
+  g.num_kv_heads = num_kv_heads;
+  g.head_dim = head_dim;
+  g.page_tokens = page_tokens;
+  g.dtype = dtype;
+  return g;
+}
+
 // A context's KV in pool block format: per page a K slab then a V slab.
 class TestContext {
  public:

@@ -40,11 +40,7 @@ float Norm1(const float* q, uint32_t n) {
 }
 
 TEST(PnmSelect, ForcedPagesPlusExactlyTheBestScoresUnderTheBudget) {
-  Geometry g;
-  g.num_kv_heads = 2;
-  g.num_heads = 6;
-  g.head_dim = 32;
-  g.page_tokens = 16;
+  Geometry g = testing::MakeGeometry(6, 2, 32, 16);
   std::mt19937_64 rng(17);
   TestContext c(g, 16 * 100 - 5);
   c.FillNormal(rng);
@@ -95,11 +91,7 @@ TEST(PnmSelect, ForcedPagesPlusExactlyTheBestScoresUnderTheBudget) {
 // query head of a GQA group; the group's other heads are unrelated. At budgets of 256 tokens and
 // more its page is selected, every time.
 TEST(PnmSelect, APlantedNeedlesPageIsSelectedAt32K128KAnd1MTokens) {
-  Geometry g;
-  g.num_kv_heads = 1;
-  g.num_heads = 4;
-  g.head_dim = 64;
-  g.page_tokens = 16;
+  Geometry g = testing::MakeGeometry(4, 1, 64, 16);
   const uint32_t kOutlier = 5;
   for (uint64_t tokens : {uint64_t{32} << 10, uint64_t{128} << 10, uint64_t{1} << 20}) {
     std::mt19937_64 rng(tokens);
@@ -153,11 +145,10 @@ struct RecallRun {
 
 double Scale(const Geometry& g) { return 1.0 / std::sqrt(static_cast<double>(g.head_dim)); }
 
-RecallRun MeasureRecall(const TestContext& c, const std::vector<float>& q, const testing::DenseResult& dense,
-                        uint32_t budget) {
+RecallRun MeasureRecall(const TestContext& c, const std::vector<uint16_t>& digests, const std::vector<float>& q,
+                        const testing::DenseResult& dense, uint32_t budget) {
   const Geometry& g = c.geometry();
   const double scale = Scale(g);
-  const auto digests = c.Digests();
   Selection sel;
   SelectOptions o;
   o.budget_tokens = budget;
@@ -188,11 +179,7 @@ RecallRun MeasureRecall(const TestContext& c, const std::vector<float>& q, const
 // attention mass (median of 9 queries) at a budget of 1/32 of the context. The sparse output's
 // error is printed against the budget.
 TEST(PnmSelect, AttentionMassRecallOnSinksAndNeedlesAndTheFlatCaseReported) {
-  Geometry g;
-  g.num_kv_heads = 2;
-  g.num_heads = 8;
-  g.head_dim = 64;
-  g.page_tokens = 16;
+  Geometry g = testing::MakeGeometry(8, 2, 64, 16);
   const uint64_t tokens = 32 << 10;
   std::vector<double> recalls;
   std::map<uint32_t, std::vector<double>> errors;
@@ -221,8 +208,11 @@ TEST(PnmSelect, AttentionMassRecallOnSinksAndNeedlesAndTheFlatCaseReported) {
       }
     }
     const auto dense = testing::DenseFp64(c, q, Scale(g));
-    recalls.push_back(MeasureRecall(c, q, dense, tokens / 32).recall);
-    for (uint32_t budget : {256u, 1024u, 4096u}) errors[budget].push_back(MeasureRecall(c, q, dense, budget).error);
+    const auto digests = c.Digests();
+    recalls.push_back(MeasureRecall(c, digests, q, dense, tokens / 32).recall);
+    for (uint32_t budget : {256u, 1024u, 4096u}) {
+      errors[budget].push_back(MeasureRecall(c, digests, q, dense, budget).error);
+    }
   }
   std::sort(recalls.begin(), recalls.end());
   std::printf("sinks + needles, 32K tokens, budget 1/32: median attention-mass recall %.4f (min %.4f)\n",
@@ -240,7 +230,7 @@ TEST(PnmSelect, AttentionMassRecallOnSinksAndNeedlesAndTheFlatCaseReported) {
   TestContext flat(g, tokens);
   FillNoiseKeys(flat, rng, 9);
   const auto q = testing::RandomQuery(g, rng);
-  const RecallRun r = MeasureRecall(flat, q, testing::DenseFp64(flat, q, Scale(g)), tokens / 32);
+  const RecallRun r = MeasureRecall(flat, flat.Digests(), q, testing::DenseFp64(flat, q, Scale(g)), tokens / 32);
   std::printf("flat attention, 32K tokens, budget 1/32: attention-mass recall %.4f (the budget's share is %.4f)\n",
               r.recall, 1.0 / 32);
   EXPECT_GE(r.recall, 0.9 / 32) << "selection did worse than picking pages at random";

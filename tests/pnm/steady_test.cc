@@ -113,10 +113,7 @@ TEST(PnmSteady, SteadySelectionRecallsLessThanArkValeOnADriftingQuery) {
 // side over the others; merged, that is the attention over the whole selection.
 TEST(PnmSteady, EnginePartMergedWithNearMemoryPartEqualsTheWholeSelection) {
   std::mt19937_64 rng(6);
-  Geometry g;
-  g.num_kv_heads = 2;
-  g.num_heads = 8;
-  g.head_dim = 64;
+  Geometry g = testing::MakeGeometry(8, 2, 64);
   TestContext c(g, 16 * 200 - 9);
   c.FillNormal(rng);
   const auto digests = c.Digests();
