@@ -154,13 +154,14 @@ Result<std::vector<float>> Model::Prefill(
                            " is not a multiple of the block size " +
                            std::to_string(cache.block_size()));
   }
-  return Run(tokens.subspan(start), start, cache, block_table, before_layer);
+  return Run(tokens.subspan(start), start, cache, block_table, before_layer, nullptr);
 }
 
 Result<std::vector<float>> Model::Decode(int32_t token, uint32_t pos, PagedKvCache& cache,
-                                         std::span<const uint32_t> block_table) const {
+                                         std::span<const uint32_t> block_table,
+                                         DecodeAttention* attention) const {
   CXLKV_RETURN_IF_ERROR(CheckRequest({&token, 1}, uint64_t{pos} + 1, cache, block_table));
-  return Run({&token, 1}, pos, cache, block_table, {});
+  return Run({&token, 1}, pos, cache, block_table, {}, attention);
 }
 
 int32_t Model::Argmax(std::span<const float> logits) {
@@ -188,9 +189,10 @@ Result<std::vector<int32_t>> Model::Generate(std::span<const int32_t> tokens, ui
   return out;
 }
 
-std::vector<float> Model::Run(std::span<const int32_t> tokens, uint32_t first, PagedKvCache& cache,
-                              std::span<const uint32_t> block_table,
-                              const std::function<void(uint32_t)>& before_layer) const {
+Result<std::vector<float>> Model::Run(std::span<const int32_t> tokens, uint32_t first,
+                                      PagedKvCache& cache, std::span<const uint32_t> block_table,
+                                      const std::function<void(uint32_t)>& before_layer,
+                                      DecodeAttention* attention) const {
   const ModelConfig& c = config_;
   const uint32_t bs = cache.block_size();
   const uint32_t h = c.hidden_size, half = c.head_dim / 2;
@@ -229,8 +231,8 @@ std::vector<float> Model::Run(std::span<const int32_t> tokens, uint32_t first, P
       const uint32_t row_begin = std::max(first, pos0) - pos0;
       const uint32_t row_end = std::min(end, pos0 + bs) - pos0;
       const uint64_t r0 = uint64_t{ch} * bs;
-      LayerChunk(l, &x[r0 * h], pos0, row_begin, row_end, &cos[r0 * half], &sin[r0 * half], cache,
-                 block_table, s);
+      CXLKV_RETURN_IF_ERROR(LayerChunk(l, &x[r0 * h], pos0, row_begin, row_end, &cos[r0 * half],
+                                       &sin[r0 * half], cache, block_table, attention, s));
     }
   }
 
@@ -242,9 +244,10 @@ std::vector<float> Model::Run(std::span<const int32_t> tokens, uint32_t first, P
   return logits;
 }
 
-void Model::LayerChunk(uint32_t layer, float* x, uint32_t pos0, uint32_t row_begin,
-                       uint32_t row_end, const float* cos, const float* sin, PagedKvCache& cache,
-                       std::span<const uint32_t> block_table, Scratch& s) const {
+Status Model::LayerChunk(uint32_t layer, float* x, uint32_t pos0, uint32_t row_begin,
+                         uint32_t row_end, const float* cos, const float* sin, PagedKvCache& cache,
+                         std::span<const uint32_t> block_table, DecodeAttention* attention,
+                         Scratch& s) const {
   const ModelConfig& c = config_;
   const Layer& w = layers_[layer];
   const uint32_t bs = cache.block_size();
@@ -270,14 +273,19 @@ void Model::LayerChunk(uint32_t layer, float* x, uint32_t pos0, uint32_t row_beg
     std::memcpy(cache.Value(layer, block, pos % bs), row + nq + nkv, nkv * sizeof(float));
   }
   std::fill(s.attn.begin(), s.attn.end(), 0.0f);
-  internal::KvView kv;
-  kv.k_base = cache.Key(layer, 0, 0);
-  kv.v_base = cache.Value(layer, 0, 0);
-  kv.table = block_table.data();
-  kv.block_size = bs;
-  kv.row_floats = nkv;
-  internal::Attend({c.num_heads, c.num_kv_heads, hd}, s.qkv.data(), nqkv, pos0, row_begin, row_end,
-                   kv, s.attn.data(), s.attention);
+  if (attention != nullptr && row_end == row_begin + 1) {
+    CXLKV_RETURN_IF_ERROR(attention->Attend(layer, &s.qkv[uint64_t{row_begin} * nqkv], pos0 + row_begin, cache,
+                                            block_table, &s.attn[uint64_t{row_begin} * nq]));
+  } else {
+    internal::KvView kv;
+    kv.k_base = cache.Key(layer, 0, 0);
+    kv.v_base = cache.Value(layer, 0, 0);
+    kv.table = block_table.data();
+    kv.block_size = bs;
+    kv.row_floats = nkv;
+    internal::Attend({c.num_heads, c.num_kv_heads, hd}, s.qkv.data(), nqkv, pos0, row_begin, row_end,
+                     kv, s.attn.data(), s.attention);
+  }
   Gemm(s.attn.data(), bs, nq, w.o.data(), h, s.tmp.data());
   AddInPlace(x, s.tmp.data(), uint64_t{bs} * h);
 
@@ -296,6 +304,7 @@ void Model::LayerChunk(uint32_t layer, float* x, uint32_t pos0, uint32_t row_beg
   }
   Gemm(s.act.data(), bs, inter, w.down.data(), h, s.tmp.data());
   AddInPlace(x, s.tmp.data(), uint64_t{bs} * h);
+  return Status::Ok();
 }
 
 }  // namespace cxlkv::engine

@@ -25,6 +25,7 @@
 
 #include "cxlkv/status.h"
 #include "engine/config.h"
+#include "engine/decode_attention.h"
 #include "engine/kv_cache.h"
 #include "engine/weights.h"
 
@@ -56,8 +57,11 @@ class Model {
 
   // One decode step: `token` at position `pos` (the KV of positions < pos is in the cache);
   // writes its KV and returns its logits. Errors as Prefill's (pos + 1 positions covered).
+  // `attention`, if set, computes each layer's attention of the token (sparse or hybrid,
+  // decode_attention.h) instead of the dense default; its error is the step's.
   Result<std::vector<float>> Decode(int32_t token, uint32_t pos, PagedKvCache& cache,
-                                    std::span<const uint32_t> block_table) const;
+                                    std::span<const uint32_t> block_table,
+                                    DecodeAttention* attention = nullptr) const;
 
   // The index of the largest logit, the lowest on ties; NaNs are skipped. -1 when empty or all NaN.
   static int32_t Argmax(std::span<const float> logits);
@@ -87,13 +91,16 @@ class Model {
                       std::span<const uint32_t> block_table) const;
   // Runs new tokens at positions [first, first + tokens.size()) and returns the logits of the
   // last one.
-  std::vector<float> Run(std::span<const int32_t> tokens, uint32_t first, PagedKvCache& cache,
-                         std::span<const uint32_t> block_table,
-                         const std::function<void(uint32_t)>& before_layer) const;
+  // `attention` (decode only: one new token) replaces the dense attention of that token.
+  Result<std::vector<float>> Run(std::span<const int32_t> tokens, uint32_t first, PagedKvCache& cache,
+                                 std::span<const uint32_t> block_table,
+                                 const std::function<void(uint32_t)>& before_layer,
+                                 DecodeAttention* attention) const;
   // One layer over one chunk of block_size rows; rows [row_begin, row_end) hold new tokens.
-  void LayerChunk(uint32_t layer, float* x, uint32_t pos0, uint32_t row_begin, uint32_t row_end,
-                  const float* cos, const float* sin, PagedKvCache& cache,
-                  std::span<const uint32_t> block_table, Scratch& s) const;
+  Status LayerChunk(uint32_t layer, float* x, uint32_t pos0, uint32_t row_begin, uint32_t row_end,
+                    const float* cos, const float* sin, PagedKvCache& cache,
+                    std::span<const uint32_t> block_table, DecodeAttention* attention,
+                    Scratch& s) const;
 
   ModelConfig config_;
   Status status_;
