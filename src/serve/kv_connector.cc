@@ -392,8 +392,10 @@ Result<DecodeResult> KvConnector::Decode(uint64_t request_id, std::span<const in
 
   // Step 9-10: greedy generation.
   out.tokens.push_back(first_token);
+  if (decode_attention_) decode_attention_->Reset();  // another sequence: digests from scratch
   for (uint32_t i = 1; i < max_new; ++i) {
-    CXLKV_ASSIGN_OR_RETURN(auto logits, model_.Decode(out.tokens.back(), n + i - 1, engine_cache_, ids));
+    CXLKV_ASSIGN_OR_RETURN(auto logits, model_.Decode(out.tokens.back(), n + i - 1, engine_cache_, ids,
+                                                      decode_attention_.get()));
     out.tokens.push_back(engine::Model::Argmax(logits));
   }
   return out;

@@ -19,6 +19,7 @@
 #define CXLKV_SRC_SERVE_KV_CONNECTOR_H_
 
 #include <list>
+#include <memory>
 #include <span>
 #include <unordered_map>
 #include <vector>
@@ -26,6 +27,7 @@
 #include "cxlkv/cache.h"
 #include "engine/kv_cache.h"
 #include "engine/model.h"
+#include "engine/sparse_attention.h"
 #include "transfer/transfer.h"
 
 namespace cxlkv::serve {
@@ -137,6 +139,8 @@ class KvConnector {
   // (false, the default), or read them straight into the engine's blocks, leaving them where
   // they are (true: transfer::CpuTransfer::LoadFromCapacity).
   void SetStreamCapacity(bool stream) { stream_capacity_ = stream; }
+  // Decode with this attention (sparse or hybrid; reset for each request) instead of dense.
+  void SetDecodeAttention(std::unique_ptr<engine::SparseDecodeAttention> a) { decode_attention_ = std::move(a); }
   uint64_t BlockBytes() const { return layout_.PoolBlockBytes(); }
 
  private:
@@ -173,6 +177,7 @@ class KvConnector {
   uint64_t run_id_;
   PrivateBlockCache private_;
   bool stream_capacity_ = false;
+  std::unique_ptr<engine::SparseDecodeAttention> decode_attention_;  // null: dense
 };
 
 }  // namespace cxlkv::serve

@@ -122,6 +122,8 @@ Status Router::Spawn(WorkerRole role, uint32_t index, uint32_t node, uint64_t ru
   wo.engine_blocks = engine_blocks;
   wo.private_cache_bytes = o_.private_cache_bytes;
   wo.stream_capacity = o_.stream_capacity;
+  wo.attention = o_.attention;
+  wo.attention_budget = o_.attention_budget;
   wo.channel_fd = 3;
   const std::string args = WorkerOptionsToJson(wo).dump();
   std::fflush(nullptr);

@@ -49,6 +49,10 @@ struct ServeOptions {
   // loads them); true reads them straight into the engine (transfer's capacity source) and
   // leaves them where they are.
   bool stream_capacity = false;
+  // Decode workers' attention (engine/sparse_attention.h): "dense" (default), "sparse" (top-K
+  // pages next to the memory) or "hybrid"; attention_budget is the sparse budget in tokens.
+  std::string attention = "dense";
+  uint32_t attention_budget = 2048;
   uint32_t concurrency = 4;           // closed loop: requests in flight. Default 4.
   bool open_loop = false;             // true: requests start at their arrival_s instead
   uint32_t max_per_worker = 2;        // requests queued at one prefill worker at most

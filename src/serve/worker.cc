@@ -57,6 +57,15 @@ Status Setup(const WorkerOptions& o, WorkerState& w) {
   w.connector = std::make_unique<KvConnector>(o.mode, *w.model, *w.engine_cache, *cache, handle, o.run_id,
                                               o.private_cache_bytes);
   w.connector->SetStreamCapacity(o.stream_capacity);
+  CXLKV_ASSIGN_OR_RETURN(engine::AttentionMode attention, engine::ParseAttentionMode(o.attention));
+  if (attention != engine::AttentionMode::kDense) {
+    engine::SparseAttentionOptions so;
+    so.mode = attention;
+    so.select.budget_tokens = o.attention_budget;
+    CXLKV_ASSIGN_OR_RETURN(auto sparse,
+                           engine::SparseDecodeAttention::Create(config, w.engine_cache->block_size(), so));
+    w.connector->SetDecodeAttention(std::move(sparse));
+  }
   if (o.role == WorkerRole::kDecode && o.mode == KvMode::kTcp) {
     CXLKV_ASSIGN_OR_RETURN(w.tcp_server, TcpHandoffServer::Start());
   }
@@ -140,6 +149,8 @@ nlohmann::json WorkerOptionsToJson(const WorkerOptions& o) {
           {"engine_blocks", o.engine_blocks},
           {"private_cache_bytes", o.private_cache_bytes},
           {"stream_capacity", o.stream_capacity},
+          {"attention", o.attention},
+          {"attention_budget", o.attention_budget},
           {"channel_fd", o.channel_fd}};
 }
 
@@ -158,6 +169,8 @@ Result<WorkerOptions> WorkerOptionsFromJson(const nlohmann::json& j) {
     o.engine_blocks = j.at("engine_blocks");
     o.private_cache_bytes = j.at("private_cache_bytes");
     o.stream_capacity = j.value("stream_capacity", false);
+    o.attention = j.value("attention", std::string("dense"));
+    o.attention_budget = j.value("attention_budget", uint32_t{2048});
     o.channel_fd = j.at("channel_fd");
   } catch (const nlohmann::json::exception& e) {
     return InvalidArgument(std::string("serve-worker: malformed options: ") + e.what());

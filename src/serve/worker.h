@@ -37,6 +37,8 @@ struct WorkerOptions {
   uint32_t engine_blocks = 512;    // blocks of the engine's paged cache
   uint64_t private_cache_bytes = 256ull << 20;
   bool stream_capacity = false;    // read capacity-tier hits into the engine, not promote them
+  std::string attention = "dense"; // decode attention: dense, sparse or hybrid
+  uint32_t attention_budget = 2048;  // sparse/hybrid: tokens attended per KV head
   int channel_fd = 3;
 };
 

@@ -261,6 +261,9 @@ TEST(Cli, DemoComparesFourConfigurationsWithIdenticalTokens) {
   EXPECT_EQ(plain["hit_rate_by_tier"]["dram"].get<double>() + plain["hit_rate_by_tier"]["ssd"].get<double>(), 0);
   EXPECT_GT(tiered["second_half_hit_rate"].get<double>(), plain["second_half_hit_rate"].get<double>());
   EXPECT_TRUE(lc["tokens_identical"].get<bool>());
+  // Last, the long-context attention scenario: dense, then sparse and hybrid per budget.
+  EXPECT_THAT(r.out, HasSubstr("dense vs near-memory sparse vs hybrid attention"));
+  ASSERT_EQ(j["long_attention"]["rows"].size(), 6u) << j["long_attention"].dump();
   // The SSD tier's file and catalog were removed with the region.
   EXPECT_TRUE(std::filesystem::is_empty(tier_dir));
   std::filesystem::remove_all(tier_dir);
@@ -364,6 +367,59 @@ TEST(Cli, ServeOpenLoopTraceShapedWorkloadWithPrefixAffinity) {
   // Table 1's requests share a few system prefixes: later ones reuse earlier ones' blocks.
   EXPECT_GT(j["hit_rate"].get<double>(), 0.0);
   EXPECT_EQ(Cli("check --path " + path.path() + " --watch-ms 50").code, 0);
+}
+
+// Decode workers attending through near-memory sparse attention (and the hybrid): with a budget
+// that covers every document the tokens are dense decoding's; with a small one they still come
+// out, one per step; a mode that does not exist is refused before anything starts.
+TEST(Cli, ServeDecodesWithSparseAndHybridAttention) {
+  std::vector<std::vector<nlohmann::json>> tokens;
+  for (const std::string extra : {"", "--attention sparse --attention-budget 4096",
+                                  "--attention hybrid --attention-budget 64"}) {
+    cxlkv::testing::TempRegionPath path("cli-serve-sparse");
+    auto j = ServeDocQa(path.path(), "--concurrency 1 " + extra, nullptr, 2);
+    ASSERT_TRUE(j.contains("requests")) << extra;
+    tokens.emplace_back();
+    for (const auto& q : j["requests"]) {
+      EXPECT_EQ(q["tokens"].size(), 6u) << extra;
+      tokens.back().push_back(q["tokens"]);
+    }
+  }
+  EXPECT_EQ(tokens[0], tokens[1]) << "a budget covering the context must decode as dense does";
+  auto bad = Cli("serve --path /dev/shm/x --attention fast");
+  EXPECT_NE(bad.code, 0);
+  EXPECT_THAT(bad.out, HasSubstr("dense, sparse, hybrid"));
+}
+
+// The long-context decode scenario at a small size: a row per mode and budget, each with its
+// step time, bytes and agreement; bad lists are refused with the option's name.
+TEST(Cli, LongContextComparesDenseSparseAndHybrid) {
+  auto r = Cli("longctx --contexts 4K --budgets 4,16 --steps 2 --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.stdout_only);
+  ASSERT_EQ(j["rows"].size(), 6u);  // dense, dense-nm, then sparse and hybrid per budget
+  EXPECT_EQ(j["rows"][0]["mode"], "dense");
+  EXPECT_EQ(j["rows"][1]["mode"], "dense-nm");
+  EXPECT_EQ(j["rows"][1]["tokens_agree"].get<uint32_t>(), 2u) << "every page selected must decode as dense does";
+  EXPECT_LT(j["rows"][1]["logits_rel_err_max"].get<double>(), 1e-4);
+  for (size_t i = 2; i < 6; ++i) {
+    const auto& row = j["rows"][i];
+    EXPECT_EQ(row["mode"], i % 2 ? "hybrid" : "sparse");
+    EXPECT_EQ(row["budget_tokens"].get<uint32_t>(), i <= 3 ? 1024u : 256u);
+    EXPECT_GT(row["step_ms"].get<double>(), 0);
+    EXPECT_GT(row["mass_recall_mean"].get<double>(), 0);
+    EXPECT_LE(row["mass_recall_mean"].get<double>(), 1.0 + 1e-6);
+    // What reaches the engine: a few KiB of q/out/lse (plus the hybrid's recalls), not the KV.
+    EXPECT_LT(row["engine_bytes_per_step"].get<double>(), j["rows"][0]["engine_bytes_per_step"].get<double>());
+    EXPECT_LE(row["tokens_agree"].get<uint32_t>(), 2u);
+  }
+  EXPECT_GT(j["rows"][3]["recalled_bytes_per_step"].get<double>(), 0) << "the hybrid recalled nothing";
+  auto zero = Cli("longctx --contexts 4K --budgets 0");
+  EXPECT_NE(zero.code, 0);
+  EXPECT_THAT(zero.out, HasSubstr("--budgets"));
+  auto odd = Cli("longctx --contexts 1000");
+  EXPECT_NE(odd.code, 0);
+  EXPECT_THAT(odd.out, HasSubstr("multiple of 16"));
 }
 
 TEST(Cli, ServeRejectsBadInputClearly) {

@@ -4,7 +4,8 @@
 // configurations in one run: no KV reuse, a private per-worker DRAM cache, that cache with a
 // TCP handoff, and the cxlkv shared pool. Prints the table, checks that every configuration
 // generated the same tokens, and writes the JSON and a TTFT CDF plot. Then the long-context
-// scenario: a working set beyond the region, the pool without and with capacity tiers.
+// scenario: a working set beyond the region, the pool without and with capacity tiers. Last, a
+// million-token context decoded with dense, near-memory sparse and hybrid attention.
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -38,6 +39,8 @@ struct DemoArgs {
   bool long_context = true;
   std::string long_size = "32M";
   std::string tier_dir = ".";  // where the SSD tier's file goes (removed after)
+  // The long-context attention scenario: dense vs near-memory sparse vs hybrid decoding.
+  bool long_attention = true;
 };
 
 // Long documents whose KV outgrows the region: the pool alone loses what LRU evicts before the
@@ -169,6 +172,12 @@ Status RunDemo(const DemoArgs& a) {
   if (a.long_context) {
     CXLKV_ASSIGN_OR_RETURN(results["long_context"], RunLongContext(a, config, co));
   }
+  if (a.long_attention) {
+    std::printf("\n== a million-token context: dense vs near-memory sparse vs hybrid attention ==\n");
+    const std::vector<uint64_t> contexts = a.quick ? std::vector<uint64_t>{32768} : std::vector<uint64_t>{131072, 1048576};
+    CXLKV_ASSIGN_OR_RETURN(results["long_attention"],
+                           RunLongContextAttention(config, contexts, {8, 32}, a.quick ? 4 : 8, 1, /*print=*/true));
+  }
   const std::string out = a.out.empty() ? "/tmp/cxlkv-demo-" + std::to_string(::getuid()) : a.out;
   ::mkdir(out.c_str(), 0755);
   std::ofstream json(out + "/e2e.json");
@@ -203,6 +212,8 @@ void AddDemoCommands(CLI::App& app, CommandResult& result) {
       ->capture_default_str();
   cmd->add_flag("--quick", a->quick, "A smaller workload (tests)");
   cmd->add_flag("!--no-long-context", a->long_context, "Skip the long-context scenario (capacity tiers)");
+  cmd->add_flag("!--no-long-attention", a->long_attention,
+                "Skip the long-context attention scenario (dense vs near-memory sparse vs hybrid)");
   cmd->add_option("--long-size", a->long_size, "Region size of the long-context scenario (smaller than its KV)")
       ->capture_default_str();
   cmd->add_option("--tier-dir", a->tier_dir, "Where the long-context scenario's SSD tier file goes (removed after)")

@@ -9,6 +9,7 @@
 
 #include "commands.h"
 #include "engine/config.h"
+#include "engine/sparse_attention.h"
 #include "serve/report.h"
 #include "serve/router.h"
 #include "serve/worker.h"
@@ -49,6 +50,8 @@ struct ServeArgs {
   std::string metadata = "decentralized";  // for a pool this command creates
   std::vector<std::string> tiers;          // capacity tiers the router's node serves
   std::string capacity_read = "promote";   // what a hit on a capacity tier does
+  std::string attention = "dense";          // decode workers' attention
+  uint32_t attention_budget = 2048;
 };
 
 Result<std::vector<serve::Request>> MakeRequests(const ServeArgs& a, uint32_t vocab) {
@@ -77,6 +80,10 @@ Status RunServe(const ServeArgs& a) {
     return InvalidArgument("--capacity-read must be promote or stream, not '" + a.capacity_read + "'");
   }
   so.stream_capacity = a.capacity_read == "stream";
+  CXLKV_RETURN_IF_ERROR(engine::ParseAttentionMode(a.attention).status());
+  if (a.attention_budget == 0) return InvalidArgument("--attention-budget must be at least 1 token");
+  so.attention = a.attention;
+  so.attention_budget = a.attention_budget;
   CXLKV_ASSIGN_OR_RETURN(auto requests, MakeRequests(a, config.at("vocab_size").get<uint32_t>()));
   if (a.qps > 0) {
     CXLKV_RETURN_IF_ERROR(serve::AssignPoissonArrivals(requests, a.qps, a.w.seed));
@@ -169,6 +176,11 @@ void AddServeCommands(CLI::App& app, CommandResult& result) {
   cmd->add_option("--tier", a->tiers,
                   "A capacity tier the router's node serves, as cxlkvd's: dram:SIZE[:numa=N] | ssd:PATH:SIZE "
                   "(repeat for several; decentralized metadata)");
+  cmd->add_option("--attention", a->attention,
+                  "Decode attention: dense | sparse (top-K pages next to the memory) | hybrid (engine + near memory)")
+      ->capture_default_str();
+  cmd->add_option("--attention-budget", a->attention_budget, "Sparse/hybrid: tokens attended per KV head")
+      ->capture_default_str();
   cmd->add_option("--capacity-read", a->capacity_read,
                   "A prefix hit on a capacity tier: promote (into the region, then load) | stream (straight into "
                   "the engine, left where it is)")->capture_default_str();

@@ -26,6 +26,14 @@ void AddCacheCommands(CLI::App& app, CommandResult& result);   // put, get, evic
 void AddServeCommands(CLI::App& app, CommandResult& result);   // serve, serve-worker
 
 void AddDaemonCommands(CLI::App& app, CommandResult& result);  // ping
+void AddLongContextCommands(CLI::App& app, CommandResult& result);  // longctx
+
+// The long-context decode scenario (cmd_longctx.cc), shared by longctx and demo: runs it,
+// prints its table when `print`, returns its JSON. Negative heavy_* keep the scenario's defaults.
+Result<nlohmann::json> RunLongContextAttention(const nlohmann::json& model_config, std::vector<uint64_t> contexts,
+                                               std::vector<uint32_t> budget_divisors, uint32_t steps,
+                                               uint32_t threads, bool print, double heavy_fraction = -1,
+                                               double heavy_scale = -1);
 
 // Joins the pool as a short-lived client (no recovery, no prefault): as `node`, or (node < 0)
 // as a node id nobody uses (cmd_cache.cc).

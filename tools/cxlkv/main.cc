@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   cxlkv::cli::AddPoolCommands(app, result);
   cxlkv::cli::AddCacheCommands(app, result);
   cxlkv::cli::AddServeCommands(app, result);
+  cxlkv::cli::AddLongContextCommands(app, result);
   cxlkv::cli::AddDaemonCommands(app, result);
   try {
     app.parse(argc, argv);
