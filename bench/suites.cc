@@ -36,6 +36,10 @@ const std::vector<Suite>& Suites() {
        "bandwidth; dense vs sparse decode step at 32K/128K/1M tokens, budgets 1/8 and 1/32, vs the byte-count "
        "limit; link bytes near memory vs recalling the selected pages",
        &RunPnmBench},
+      {"longctx",
+       "long-context decode with the reference engine at 128K and 1M tokens: a whole step with near-memory sparse "
+       "and hybrid attention (budgets 1/8, 1/32) vs dense, bytes reaching the engine, attention mass kept",
+       &RunLongContextBench},
   };
   return suites;
 }

@@ -34,6 +34,7 @@ Result<nlohmann::json> RunE2eBench(const BenchOptions& options);
 Result<nlohmann::json> RunRpcBench(const BenchOptions& options);
 Result<nlohmann::json> RunTierBench(const BenchOptions& options);
 Result<nlohmann::json> RunPnmBench(const BenchOptions& options);
+Result<nlohmann::json> RunLongContextBench(const BenchOptions& options);  // longctx_bench.cc
 
 // The reference every cross-process protocol chases: two processes bounce a counter through two
 // cache lines, each publishing with store + clflush and observing with invalidate + load.

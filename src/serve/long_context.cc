@@ -167,6 +167,7 @@ Result<LongContextResult> RunLongContextDecode(const LongContextOptions& o) {
     d.context_tokens = n;
     d.mode = "dense";
     d.step_ms = Median(dense.step_s) * 1e3;
+    for (double s : dense.step_s) d.step_ms_samples.push_back(s * 1e3);
     d.kv_read_bytes_per_step = double(n) * config.KvBytesPerToken();
     d.engine_bytes_per_step = d.kv_read_bytes_per_step;  // the engine reads every page from the pool
     d.steps = d.tokens_agree = o.decode_steps;
@@ -194,6 +195,7 @@ Result<LongContextResult> RunLongContextDecode(const LongContextOptions& o) {
       r.mode = label;
       r.budget_tokens = budget;
       r.step_ms = Median(run.step_s) * 1e3;
+      for (double s : run.step_s) r.step_ms_samples.push_back(s * 1e3);
       r.speedup = d.step_ms / r.step_ms;
       r.steps = o.decode_steps;
       r.engine_bytes_per_step = double(st.link_bytes) / o.decode_steps;

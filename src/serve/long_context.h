@@ -46,6 +46,7 @@ struct LongContextRow {
   std::string mode;
   uint32_t budget_tokens = 0;       // 0 for dense
   double step_ms = 0;               // median decode step (all layers, the whole model)
+  std::vector<double> step_ms_samples;  // every step
   double speedup = 1;               // dense step_ms / step_ms
   double speedup_vs_nm_dense = 0;   // sparse, hybrid: dense-nm step_ms / step_ms
   double engine_bytes_per_step = 0; // bytes that reach the engine per step if the KV lives in the pool

@@ -422,6 +422,22 @@ TEST(Cli, LongContextComparesDenseSparseAndHybrid) {
   EXPECT_THAT(odd.out, HasSubstr("multiple of 16"));
 }
 
+TEST(Cli, BenchLongctxQuickReportsStepTimesNextToDense) {
+  auto r = Cli("bench longctx --quick --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.stdout_only);
+  EXPECT_EQ(j["suite"], "longctx");
+  std::map<std::string, nlohmann::json> by_name;
+  for (const auto& f : j["results"]) by_name[f["name"].get<std::string>()] = f;
+  for (const std::string name : {"step_ms/32K/dense-nm", "step_ms/32K/sparse/1_32", "step_ms/32K/hybrid/1_8",
+                                 "engine_bytes/32K/sparse/1_32", "mass_kept/32K/sparse/1_8"}) {
+    ASSERT_TRUE(by_name.count(name)) << name << " is missing";
+    EXPECT_GT(by_name[name]["ratio"].get<double>(), 0) << name;
+  }
+  EXPECT_EQ(by_name["step_ms/32K/sparse/1_32"]["reference"], "step_ms/32K/dense");
+  EXPECT_LT(by_name["engine_bytes/32K/sparse/1_32"]["ratio"].get<double>(), 0.01);
+}
+
 TEST(Cli, ServeRejectsBadInputClearly) {
   cxlkv::testing::TempRegionPath path("cli-serve-bad");
   auto zero = Cli("serve --path " + path.path() + " --size 64M --prefill 0");
