@@ -392,11 +392,22 @@ Result<DecodeResult> KvConnector::Decode(uint64_t request_id, std::span<const in
 
   // Step 9-10: greedy generation.
   out.tokens.push_back(first_token);
-  if (decode_attention_) decode_attention_->Reset();  // another sequence: digests from scratch
+  if (decode_attention_) {  // another sequence: digests from scratch
+    decode_attention_->Reset();
+    decode_attention_->ResetStats();
+  }
   for (uint32_t i = 1; i < max_new; ++i) {
     CXLKV_ASSIGN_OR_RETURN(auto logits, model_.Decode(out.tokens.back(), n + i - 1, engine_cache_, ids,
                                                       decode_attention_.get()));
     out.tokens.push_back(engine::Model::Argmax(logits));
+  }
+  if (decode_attention_) {
+    const engine::SparseAttentionStats& a = decode_attention_->stats();
+    out.stats.attention_layer_steps = a.layer_steps;
+    out.stats.attention_selected_pages = a.selected_pages;
+    out.stats.attention_context_pages = a.context_pages;
+    out.stats.attention_link_bytes = a.link_bytes;
+    out.stats.attention_kv_bytes = a.near_kv_bytes + a.engine_kv_bytes;
   }
   return out;
 }

@@ -51,6 +51,14 @@ struct KvStats {
   uint32_t blocks_not_stored = 0; // the pool had no room (pinned and in-flight blocks filled it):
                                   // served without caching them; a missing handoff block is
                                   // recomputed by the decode side
+  // Decode with sparse or hybrid attention (engine::SparseAttentionStats, summed over layers and
+  // steps): pages attended and in context, per KV head; bytes that crossed to the engine (q,
+  // out, lse, recalls); KV bytes the attention read.
+  uint64_t attention_layer_steps = 0;
+  uint64_t attention_selected_pages = 0;
+  uint64_t attention_context_pages = 0;
+  uint64_t attention_link_bytes = 0;
+  uint64_t attention_kv_bytes = 0;
 };
 
 // A private per-worker DRAM cache of pool-format blocks, LRU, bounded in bytes.

@@ -118,7 +118,10 @@ nlohmann::json KvStatsToJson(const KvStats& s) {
   return {{"prompt_tokens", s.prompt_tokens}, {"prompt_blocks", s.prompt_blocks},  {"hit_blocks", s.hit_blocks},
           {"computed_tokens", s.computed_tokens}, {"bytes_loaded", s.bytes_loaded}, {"bytes_stored", s.bytes_stored},
           {"hit_from_mem", s.hit_from_mem}, {"hit_from_ssd", s.hit_from_ssd}, {"wait_ms", s.wait_ms},
-          {"blocks_not_stored", s.blocks_not_stored}};
+          {"blocks_not_stored", s.blocks_not_stored}, {"attention_layer_steps", s.attention_layer_steps},
+          {"attention_selected_pages", s.attention_selected_pages},
+          {"attention_context_pages", s.attention_context_pages}, {"attention_link_bytes", s.attention_link_bytes},
+          {"attention_kv_bytes", s.attention_kv_bytes}};
 }
 
 KvStats KvStatsFromJson(const nlohmann::json& j) {
@@ -133,6 +136,11 @@ KvStats KvStatsFromJson(const nlohmann::json& j) {
   s.bytes_loaded = j.value("bytes_loaded", uint64_t{0});
   s.bytes_stored = j.value("bytes_stored", uint64_t{0});
   s.wait_ms = j.value("wait_ms", 0.0);
+  s.attention_layer_steps = j.value("attention_layer_steps", uint64_t{0});
+  s.attention_selected_pages = j.value("attention_selected_pages", uint64_t{0});
+  s.attention_context_pages = j.value("attention_context_pages", uint64_t{0});
+  s.attention_link_bytes = j.value("attention_link_bytes", uint64_t{0});
+  s.attention_kv_bytes = j.value("attention_kv_bytes", uint64_t{0});
   return s;
 }
 

@@ -374,11 +374,14 @@ TEST(Cli, ServeOpenLoopTraceShapedWorkloadWithPrefixAffinity) {
 // out, one per step; a mode that does not exist is refused before anything starts.
 TEST(Cli, ServeDecodesWithSparseAndHybridAttention) {
   std::vector<std::vector<nlohmann::json>> tokens;
+  std::vector<double> share;
   for (const std::string extra : {"", "--attention sparse --attention-budget 4096",
                                   "--attention hybrid --attention-budget 64"}) {
     cxlkv::testing::TempRegionPath path("cli-serve-sparse");
     auto j = ServeDocQa(path.path(), "--concurrency 1 " + extra, nullptr, 2);
     ASSERT_TRUE(j.contains("requests")) << extra;
+    share.push_back(j["attention"]["selected_page_share"].get<double>());
+    if (!extra.empty()) EXPECT_GT(j["attention"]["layer_steps"].get<uint64_t>(), 0u) << extra;
     tokens.emplace_back();
     for (const auto& q : j["requests"]) {
       EXPECT_EQ(q["tokens"].size(), 6u) << extra;
@@ -386,6 +389,8 @@ TEST(Cli, ServeDecodesWithSparseAndHybridAttention) {
     }
   }
   EXPECT_EQ(tokens[0], tokens[1]) << "a budget covering the context must decode as dense does";
+  EXPECT_EQ(share[1], 1.0);
+  EXPECT_LT(share[2], 0.5) << "64 tokens of a 512-token document";
   auto bad = Cli("serve --path /dev/shm/x --attention fast");
   EXPECT_NE(bad.code, 0);
   EXPECT_THAT(bad.out, HasSubstr("dense, sparse, hybrid"));

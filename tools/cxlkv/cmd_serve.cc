@@ -3,6 +3,7 @@
 // worker process the router starts (not for people).
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -110,8 +111,26 @@ Status RunServe(const ServeArgs& a) {
       passes.push_back(serve::HitRate(run, p * a.w.documents, (p + 1) * a.w.documents));
     }
   }
+  // What the decode workers' attention read and moved, over every request (sparse and hybrid).
+  serve::KvStats att;
+  for (const auto& r : run.records) {
+    att.attention_layer_steps += r.decode.attention_layer_steps;
+    att.attention_selected_pages += r.decode.attention_selected_pages;
+    att.attention_context_pages += r.decode.attention_context_pages;
+    att.attention_link_bytes += r.decode.attention_link_bytes;
+    att.attention_kv_bytes += r.decode.attention_kv_bytes;
+  }
+  const double steps = std::max<double>(1, att.attention_layer_steps);
+  const double selected_share =
+      att.attention_context_pages ? double(att.attention_selected_pages) / att.attention_context_pages : 1.0;
   if (a.json) {
     nlohmann::json out = serve::SummaryJson(summary);
+    out["attention"] = {{"mode", a.attention},
+                        {"budget_tokens", a.attention == "dense" ? 0 : a.attention_budget},
+                        {"layer_steps", att.attention_layer_steps},
+                        {"selected_page_share", selected_share},
+                        {"link_bytes_per_layer_step", att.attention_link_bytes / steps},
+                        {"kv_bytes_per_layer_step", att.attention_kv_bytes / steps}};
     out["mode"] = run.mode;
     out["policy"] = run.policy;
     out["pass_hit_rates"] = passes;
@@ -131,6 +150,12 @@ Status RunServe(const ServeArgs& a) {
     std::printf("%s\n", out.dump(2).c_str());
   } else {
     serve::PrintTable(stdout, std::span(&summary, 1));
+    if (a.attention != "dense") {
+      std::printf("decode attention %s, budget %u tokens: %.1f%% of context pages attended; per layer step %s of KV "
+                  "read, %s to the engine\n", a.attention.c_str(), a.attention_budget, 100 * selected_share,
+                  util::FormatBytes(static_cast<uint64_t>(att.attention_kv_bytes / steps)).c_str(),
+                  util::FormatBytes(static_cast<uint64_t>(att.attention_link_bytes / steps)).c_str());
+    }
     if (!a.tiers.empty()) serve::PrintTierHits(stdout, std::span(&summary, 1));
     for (size_t p = 0; p < passes.size(); ++p) {
       std::printf("pass %zu: %.1f%% of prompt blocks hit\n", p + 1, 100 * passes[p].get<double>());
