@@ -113,11 +113,12 @@ Status SparseDecodeAttention::CatchUp(uint32_t layer, const PagedKvCache& cache,
                            std::to_string(tokens) + " positions");
   }
   Layer& L = *layers_[layer];
-  // A block table that changed under viewed pages is another sequence from there on.
+  // A block table that changed under viewed pages is another sequence from there on. Views past
+  // the context (it got shorter) are compared once the context grows over them again.
   uint64_t same = 0;
   const uint64_t viewed = std::min<uint64_t>(L.blocks.size(), pages);
   while (same < viewed && L.blocks[same] == block_table[same]) ++same;
-  if (same < L.blocks.size() && same < pages) {
+  if (same < viewed) {
     const uint64_t digested = std::min(L.digested, same * bs);
     std::vector<uint16_t> digests = std::move(L.digests);
     L = Layer{};  // resident copies of the old sequence go too

@@ -210,6 +210,31 @@ TEST_F(SparseDecode, AnotherSequenceInTheSameInstanceStartsClean) {
   }
 }
 
+TEST_F(SparseDecode, AShorterSequenceSharingAPrefixThenGrowingMatchesAFreshInstance) {
+  // B is A's first 200 tokens (its first 15 blocks are A's: a cached prefix) and then grows
+  // into blocks of its own. An instance that saw A must not keep A's views past B's end when B
+  // grows into them.
+  PagedKvCache cache(model.config(), 128, kBlock);
+  const auto ta = Allocate(cache, 64), own = Allocate(cache, 64);
+  const auto tok_a = RandomTokens(kPrompt, model.config().vocab_size, 1);
+  std::vector<uint32_t> tb(ta.begin(), ta.begin() + 15);
+  tb.insert(tb.end(), own.begin(), own.begin() + 49);
+  for (AttentionMode mode : {AttentionMode::kSparse, AttentionMode::kHybrid}) {
+    ASSERT_TRUE(model.Prefill(tok_a, 0, cache, ta).ok());
+    auto reused = Make(model, mode, 64, 2);
+    auto fresh = Make(model, mode, 64, 2);
+    ASSERT_TRUE(model.Decode(5, kPrompt, cache, ta, reused.get()).ok());
+    int32_t t = tok_a[200];
+    for (uint32_t pos = 200; pos < 280; ++pos) {  // past position 240: B's own blocks
+      auto x = model.Decode(t, pos, cache, tb, reused.get());
+      auto y = model.Decode(t, pos, cache, tb, fresh.get());
+      ASSERT_TRUE(x.ok() && y.ok());
+      ASSERT_TRUE(test_util::BitwiseEqual(*x, *y)) << AttentionModeName(mode) << " pos " << pos;
+      t = Model::Argmax(*x);
+    }
+  }
+}
+
 TEST_F(SparseDecode, NearMemoryThreadsGiveTheSameBits) {
   Sequence a_seq(model), b_seq(model);
   auto alone = Make(model, AttentionMode::kSparse, 128, 0, /*threads=*/0);
