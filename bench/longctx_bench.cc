@@ -27,22 +27,36 @@ Result<nlohmann::json> RunLongContextBench(const BenchOptions& options) {
     }
     if (row.mode == "dense-nm") {
       nm_dense = &row;
-      results.push_back(FigureJson({"step_ms/" + ctx + "/dense-nm", "ms", false, row.step_ms_samples,
-                                    "step_ms/" + ctx + "/dense", dense->step_ms_samples,
-                                    "decode step, near-memory kernel over every page / engine's dense attention"}));
+      results.push_back(FigureJson(
+          {"step_ms/" + ctx + "/dense-nm", "ms", false, row.step_ms_samples,
+           "step_ms/" + ctx + "/dense", dense->step_ms_samples,
+           "decode step, near-memory kernel over every page / engine's dense attention"}));
       continue;
     }
-    const std::string name = ctx + "/" + row.mode + "/1_" + std::to_string(row.context_tokens / row.budget_tokens);
-    results.push_back(FigureJson({"step_ms/" + name, "ms", false, row.step_ms_samples, "step_ms/" + ctx + "/dense",
-                                  dense->step_ms_samples, "decode step / dense step: below 1 is the speedup's inverse"}));
-    results.push_back(FigureJson({"step_ms/" + name + "_vs_dense-nm", "ms", false, row.step_ms_samples,
-                                  "step_ms/" + ctx + "/dense-nm", nm_dense->step_ms_samples,
-                                  "the same against dense with the near-memory kernel"}));
-    results.push_back(FigureJson({"engine_bytes/" + name, "B/step", false, {row.engine_bytes_per_step},
-                                  "engine_bytes/" + ctx + "/dense", {dense->engine_bytes_per_step},
-                                  "bytes reaching the engine per step (q, out, lse, recalls) / dense's KV"}));
+    const std::string name =
+        ctx + "/" + row.mode + "/1_" + std::to_string(row.context_tokens / row.budget_tokens);
+    results.push_back(FigureJson({"step_ms/" + name, "ms", false, row.step_ms_samples,
+                                  "step_ms/" + ctx + "/dense", dense->step_ms_samples,
+                                  "decode step / dense step: below 1 is the speedup's inverse"}));
+    results.push_back(
+        FigureJson({"step_ms/" + name + "_vs_dense-nm", "ms", false, row.step_ms_samples,
+                    "step_ms/" + ctx + "/dense-nm", nm_dense->step_ms_samples,
+                    "the same against dense with the near-memory kernel"}));
+    results.push_back(
+        FigureJson({"engine_bytes/" + name,
+                    "B/step",
+                    false,
+                    {row.engine_bytes_per_step},
+                    "engine_bytes/" + ctx + "/dense",
+                    {dense->engine_bytes_per_step},
+                    "bytes reaching the engine per step (q, out, lse, recalls) / dense's KV"}));
     if (row.mode == "sparse") {
-      results.push_back(FigureJson({"mass_kept/" + name, "share", true, {row.mass_recall_mean}, "mass_kept/all", {1.0},
+      results.push_back(FigureJson({"mass_kept/" + name,
+                                    "share",
+                                    true,
+                                    {row.mass_recall_mean},
+                                    "mass_kept/all",
+                                    {1.0},
                                     "dense softmax mass on the selected tokens (goal >= 0.95)"}));
     }
   }

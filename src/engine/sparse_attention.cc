@@ -29,9 +29,12 @@ Result<AttentionMode> ParseAttentionMode(const std::string& s) {
 
 const char* AttentionModeName(AttentionMode m) {
   switch (m) {
-    case AttentionMode::kDense: return "dense";
-    case AttentionMode::kSparse: return "sparse";
-    case AttentionMode::kHybrid: return "hybrid";
+    case AttentionMode::kDense:
+      return "dense";
+    case AttentionMode::kSparse:
+      return "sparse";
+    case AttentionMode::kHybrid:
+      return "hybrid";
   }
   return "?";
 }
@@ -69,19 +72,20 @@ SparseDecodeAttention::SparseDecodeAttention(const ModelConfig& c, uint32_t bloc
 
 SparseDecodeAttention::~SparseDecodeAttention() = default;
 
-Result<std::unique_ptr<SparseDecodeAttention>> SparseDecodeAttention::Create(const ModelConfig& c,
-                                                                             uint32_t block_size,
-                                                                             const SparseAttentionOptions& o) {
+Result<std::unique_ptr<SparseDecodeAttention>> SparseDecodeAttention::Create(
+    const ModelConfig& c, uint32_t block_size, const SparseAttentionOptions& o) {
   CXLKV_RETURN_IF_ERROR(c.Validate());
   if (o.mode == AttentionMode::kDense) {
-    return InvalidArgument("SparseDecodeAttention serves the sparse and hybrid modes; dense attention is the "
-                           "engine's default (pass no DecodeAttention)");
+    return InvalidArgument(
+        "SparseDecodeAttention serves the sparse and hybrid modes; dense attention is the "
+        "engine's default (pass no DecodeAttention)");
   }
   if (o.select.budget_tokens == 0) return InvalidArgument("sparse attention budget is 0 tokens");
   if (block_size == 0) return InvalidArgument("sparse attention needs a block size above 0");
   std::unique_ptr<SparseDecodeAttention> a(new SparseDecodeAttention(c, block_size, o));
   if (Status s = a->geometry_.Validate(); !s.ok()) {
-    return InvalidArgument("model '" + c.name + "' cannot use near-memory attention: " + s.message());
+    return InvalidArgument("model '" + c.name +
+                           "' cannot use near-memory attention: " + s.message());
   }
   return a;
 }
@@ -90,9 +94,10 @@ void SparseDecodeAttention::Reset() {
   for (auto& l : layers_) l = std::make_unique<Layer>();
 }
 
-Status SparseDecodeAttention::Prepare(const PagedKvCache& cache, std::span<const uint32_t> block_table,
-                                      uint64_t tokens) {
-  for (uint32_t l = 0; l < num_layers_; ++l) CXLKV_RETURN_IF_ERROR(CatchUp(l, cache, block_table, tokens));
+Status SparseDecodeAttention::Prepare(const PagedKvCache& cache,
+                                      std::span<const uint32_t> block_table, uint64_t tokens) {
+  for (uint32_t l = 0; l < num_layers_; ++l)
+    CXLKV_RETURN_IF_ERROR(CatchUp(l, cache, block_table, tokens));
   return Status::Ok();
 }
 
@@ -100,17 +105,19 @@ Status SparseDecodeAttention::CatchUp(uint32_t layer, const PagedKvCache& cache,
                                       std::span<const uint32_t> block_table, uint64_t tokens) {
   const pnm::Geometry& g = geometry_;
   if (layer >= num_layers_) {
-    return InvalidArgument("layer " + std::to_string(layer) + " of a model with " + std::to_string(num_layers_));
+    return InvalidArgument("layer " + std::to_string(layer) + " of a model with " +
+                           std::to_string(num_layers_));
   }
   if (cache.num_layers() != num_layers_ || cache.num_kv_heads() != g.num_kv_heads ||
       cache.head_dim() != g.head_dim || cache.block_size() != g.page_tokens) {
-    return InvalidArgument("KV cache shape differs from the model this sparse attention was made for");
+    return InvalidArgument(
+        "KV cache shape differs from the model this sparse attention was made for");
   }
   const uint32_t bs = g.page_tokens;
   const uint64_t pages = g.PagesFor(tokens);
   if (tokens == 0 || block_table.size() < pages) {
-    return InvalidArgument("block table of " + std::to_string(block_table.size()) + " blocks cannot hold " +
-                           std::to_string(tokens) + " positions");
+    return InvalidArgument("block table of " + std::to_string(block_table.size()) +
+                           " blocks cannot hold " + std::to_string(tokens) + " positions");
   }
   Layer& L = *layers_[layer];
   // A block table that changed under viewed pages is another sequence from there on. Views past
@@ -126,13 +133,15 @@ Status SparseDecodeAttention::CatchUp(uint32_t layer, const PagedKvCache& cache,
     L.digested = digested;
     L.blocks.assign(block_table.begin(), block_table.begin() + same);
     for (uint64_t i = 0; i < same; ++i) {
-      L.pages.push_back({cache.Key(layer, block_table[i], 0), cache.Value(layer, block_table[i], 0)});
+      L.pages.push_back(
+          {cache.Key(layer, block_table[i], 0), cache.Value(layer, block_table[i], 0)});
     }
   }
   for (uint64_t i = L.blocks.size(); i < pages; ++i) {
     if (block_table[i] >= cache.num_blocks()) {
-      return InvalidArgument("block table entry " + std::to_string(i) + " is block " + std::to_string(block_table[i]) +
-                             ", the cache has " + std::to_string(cache.num_blocks()));
+      return InvalidArgument("block table entry " + std::to_string(i) + " is block " +
+                             std::to_string(block_table[i]) + ", the cache has " +
+                             std::to_string(cache.num_blocks()));
     }
     L.blocks.push_back(block_table[i]);
     L.pages.push_back({cache.Key(layer, block_table[i], 0), cache.Value(layer, block_table[i], 0)});
@@ -168,7 +177,8 @@ Status SparseDecodeAttention::AttendNear(const float* q, const pnm::ContextView&
   return pool_->Run({&job, 1});
 }
 
-Status SparseDecodeAttention::Attend(uint32_t layer, const float* q, uint32_t pos, const PagedKvCache& cache,
+Status SparseDecodeAttention::Attend(uint32_t layer, const float* q, uint32_t pos,
+                                     const PagedKvCache& cache,
                                      std::span<const uint32_t> block_table, float* out) {
   const pnm::Geometry& g = geometry_;
   const uint64_t tokens = uint64_t{pos} + 1;
@@ -176,8 +186,10 @@ Status SparseDecodeAttention::Attend(uint32_t layer, const float* q, uint32_t po
   Layer& L = *layers_[layer];
   const uint64_t pages = g.PagesFor(tokens);
   const pnm::ContextView ctx{std::span<const pnm::PageKv>(L.pages.data(), pages), tokens};
-  CXLKV_RETURN_IF_ERROR(pnm::SelectPages(g, q, L.digests.data(), tokens, options_.select, &selection_));
-  const uint64_t page_bytes = 2ull * g.page_tokens * g.head_dim * sizeof(float);  // one KV head's K and V
+  CXLKV_RETURN_IF_ERROR(
+      pnm::SelectPages(g, q, L.digests.data(), tokens, options_.select, &selection_));
+  const uint64_t page_bytes =
+      2ull * g.page_tokens * g.head_dim * sizeof(float);  // one KV head's K and V
   stats_.layer_steps++;
   stats_.context_pages += pages * g.num_kv_heads;
   stats_.selected_pages += PagesOverHeads(selection_);
@@ -205,16 +217,18 @@ Status SparseDecodeAttention::Attend(uint32_t layer, const float* q, uint32_t po
   return Status::Ok();
 }
 
-Status SparseDecodeAttention::AttendHybrid(Layer& L, uint32_t layer, const float* q, const pnm::ContextView& ctx,
-                                           const PagedKvCache& cache) {
+Status SparseDecodeAttention::AttendHybrid(Layer& L, uint32_t layer, const float* q,
+                                           const pnm::ContextView& ctx, const PagedKvCache& cache) {
   const pnm::Geometry& g = geometry_;
   const uint32_t bs = g.page_tokens, hd = g.head_dim, kvh = g.num_kv_heads;
   const uint64_t pages = ctx.pages.size();
-  const uint64_t full_pages = ctx.tokens / bs;  // a partial page is still being written: never resident
+  const uint64_t full_pages =
+      ctx.tokens / bs;  // a partial page is still being written: never resident
   const uint64_t slot_floats = 2ull * bs * hd;
   if (L.residents.empty()) {
     const uint32_t budget_pages = std::max<uint32_t>(1, options_.select.budget_tokens / bs);
-    const uint32_t capacity = options_.resident_pages ? options_.resident_pages : std::max<uint32_t>(1, budget_pages / 2);
+    const uint32_t capacity =
+        options_.resident_pages ? options_.resident_pages : std::max<uint32_t>(1, budget_pages / 2);
     for (uint32_t h = 0; h < kvh; ++h) {
       L.residents.emplace_back(capacity, pages);
       L.slot_of_page.emplace_back(pages, kNoSlot);
@@ -237,15 +251,18 @@ Status SparseDecodeAttention::AttendHybrid(Layer& L, uint32_t layer, const float
       L.slot_of_page[h][p] = kNoSlot;
     }
     for (uint32_t p : step.recalled) {
-      if (L.free_slots[h].empty()) return Internal("hybrid attention: more pages recalled than slots freed");
+      if (L.free_slots[h].empty())
+        return Internal("hybrid attention: more pages recalled than slots freed");
       const uint32_t slot = L.free_slots[h].back();
       L.free_slots[h].pop_back();
       L.slot_of_page[h][p] = slot;
       float* k = &L.slots[h][slot * slot_floats];
       float* v = k + uint64_t{bs} * hd;
       for (uint32_t t = 0; t < bs; ++t) {  // the head's rows only: [bs][hd]
-        std::memcpy(k + uint64_t{t} * hd, cache.Key(layer, L.blocks[p], t) + uint64_t{h} * hd, hd * sizeof(float));
-        std::memcpy(v + uint64_t{t} * hd, cache.Value(layer, L.blocks[p], t) + uint64_t{h} * hd, hd * sizeof(float));
+        std::memcpy(k + uint64_t{t} * hd, cache.Key(layer, L.blocks[p], t) + uint64_t{h} * hd,
+                    hd * sizeof(float));
+        std::memcpy(v + uint64_t{t} * hd, cache.Value(layer, L.blocks[p], t) + uint64_t{h} * hd,
+                    hd * sizeof(float));
       }
       stats_.recalled_pages++;
       stats_.recalled_bytes += slot_floats * sizeof(float);
@@ -268,9 +285,12 @@ Status SparseDecodeAttention::AttendHybrid(Layer& L, uint32_t layer, const float
     }
     if (L.engine_pages.empty()) continue;
     const pnm::ContextView mine{L.engine_pages, L.engine_pages.size() * bs};
-    CXLKV_RETURN_IF_ERROR(pnm::Attend(head_geometry_, q + uint64_t{h} * group * hd, mine, nullptr, 1.0f, &head_part_));
-    std::copy(head_part_.out.begin(), head_part_.out.end(), engine_.out.begin() + uint64_t{h} * group * hd);
-    std::copy(head_part_.lse.begin(), head_part_.lse.end(), engine_.lse.begin() + uint64_t{h} * group);
+    CXLKV_RETURN_IF_ERROR(pnm::Attend(head_geometry_, q + uint64_t{h} * group * hd, mine, nullptr,
+                                      1.0f, &head_part_));
+    std::copy(head_part_.out.begin(), head_part_.out.end(),
+              engine_.out.begin() + uint64_t{h} * group * hd);
+    std::copy(head_part_.lse.begin(), head_part_.lse.end(),
+              engine_.lse.begin() + uint64_t{h} * group);
     stats_.engine_kv_bytes += L.engine_pages.size() * page_bytes;
   }
   return pnm::MergeInto(engine_, &near_);

@@ -56,17 +56,17 @@ struct SparseAttentionOptions {
 
 // Totals since Create (or ResetStats), over layers and steps.
 struct SparseAttentionStats {
-  uint64_t layer_steps = 0;        // Attend calls
-  uint64_t context_pages = 0;      // Σ pages of the context, per KV head
-  uint64_t selected_pages = 0;     // Σ pages selected, per KV head
-  uint64_t near_kv_bytes = 0;      // KV bytes read next to the memory
-  uint64_t engine_kv_bytes = 0;    // KV bytes the engine read from its resident copies (hybrid)
-  uint64_t recalled_bytes = 0;     // KV bytes copied into the engine (hybrid recalls)
-  uint64_t recalled_pages = 0;     // per KV head
-  uint64_t digest_bytes = 0;       // digest bytes scored
-  uint64_t link_bytes = 0;         // crossing the link: q, out and lse per layer, plus recalls
+  uint64_t layer_steps = 0;      // Attend calls
+  uint64_t context_pages = 0;    // Σ pages of the context, per KV head
+  uint64_t selected_pages = 0;   // Σ pages selected, per KV head
+  uint64_t near_kv_bytes = 0;    // KV bytes read next to the memory
+  uint64_t engine_kv_bytes = 0;  // KV bytes the engine read from its resident copies (hybrid)
+  uint64_t recalled_bytes = 0;   // KV bytes copied into the engine (hybrid recalls)
+  uint64_t recalled_pages = 0;   // per KV head
+  uint64_t digest_bytes = 0;     // digest bytes scored
+  uint64_t link_bytes = 0;       // crossing the link: q, out and lse per layer, plus recalls
   uint64_t digest_build_tokens = 0;
-  double mass_recall_sum = 0;      // audit: Σ over (layer step, head) of the selection's mass
+  double mass_recall_sum = 0;  // audit: Σ over (layer step, head) of the selection's mass
   double mass_recall_min = 1;
   uint64_t mass_recall_count = 0;
 };
@@ -75,7 +75,8 @@ class SparseDecodeAttention final : public DecodeAttention {
  public:
   // Errors: kInvalidArgument when the mode is kDense, or the model's heads cannot be attended
   // by the pnm kernels (head_dim must be a multiple of 16 and at most 1024), or the budget is 0.
-  static Result<std::unique_ptr<SparseDecodeAttention>> Create(const ModelConfig& c, uint32_t block_size,
+  static Result<std::unique_ptr<SparseDecodeAttention>> Create(const ModelConfig& c,
+                                                               uint32_t block_size,
                                                                const SparseAttentionOptions& o);
   ~SparseDecodeAttention() override;
 

@@ -20,7 +20,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double Seconds(Clock::time_point since) { return std::chrono::duration<double>(Clock::now() - since).count(); }
+double Seconds(Clock::time_point since) {
+  return std::chrono::duration<double>(Clock::now() - since).count();
+}
 
 // A counter-based generator (SplitMix64's finalizer): the synthetic context is a pure function
 // of (seed, layer, position, element), cheap enough for a gigabyte of KV.
@@ -31,7 +33,9 @@ uint64_t Mix(uint64_t x) {
   return x ^ (x >> 31);
 }
 // Uniform in [-1, 1).
-float Uniform(uint64_t x) { return static_cast<float>(static_cast<double>(Mix(x) >> 11) * 0x1.0p-52 - 1.0); }
+float Uniform(uint64_t x) {
+  return static_cast<float>(static_cast<double>(Mix(x) >> 11) * 0x1.0p-52 - 1.0);
+}
 
 double Median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -50,7 +54,8 @@ double RelativeError(const std::vector<float>& a, const std::vector<float>& ref)
 
 // The RMS of one element of K and of V per layer, over the first block of `tokens` prefilled
 // alone: the scale the synthetic context is drawn at.
-Result<std::vector<std::pair<float, float>>> MeasureKvScale(const engine::Model& model, std::span<const int32_t> tokens,
+Result<std::vector<std::pair<float, float>>> MeasureKvScale(const engine::Model& model,
+                                                            std::span<const int32_t> tokens,
                                                             uint32_t bs) {
   engine::PagedKvCache cache(model.config(), 1, bs);
   CXLKV_ASSIGN_OR_RETURN(auto table, cache.AllocateBlocks(1));
@@ -73,8 +78,10 @@ Result<std::vector<std::pair<float, float>>> MeasureKvScale(const engine::Model&
 // Positions [0, end) of every layer: keys uniform at the model's key RMS (uniform on [-1, 1) has
 // RMS 1/sqrt(3)), a heavy_fraction of (position, KV head) keys heavy_scale times longer, values
 // uniform at the model's value RMS.
-void FillSyntheticContext(const LongContextOptions& o, const std::vector<std::pair<float, float>>& scale,
-                          engine::PagedKvCache& cache, std::span<const uint32_t> table, uint32_t end) {
+void FillSyntheticContext(const LongContextOptions& o,
+                          const std::vector<std::pair<float, float>>& scale,
+                          engine::PagedKvCache& cache, std::span<const uint32_t> table,
+                          uint32_t end) {
   const uint32_t bs = cache.block_size(), hd = cache.head_dim(), kvh = cache.num_kv_heads();
   const uint64_t heavy_cut = static_cast<uint64_t>(o.heavy_fraction * 18446744073709551615.0);
   for (uint32_t l = 0; l < cache.num_layers(); ++l) {
@@ -103,8 +110,9 @@ struct Decoded {
 
 // Decodes o.decode_steps tokens from `first` at position `pos`: greedy when `forced` is empty,
 // else teacher-forced with it.
-Result<Decoded> DecodeRun(const engine::Model& model, engine::PagedKvCache& cache, std::span<const uint32_t> table,
-                          uint32_t pos, int32_t first, uint32_t steps, engine::DecodeAttention* attention,
+Result<Decoded> DecodeRun(const engine::Model& model, engine::PagedKvCache& cache,
+                          std::span<const uint32_t> table, uint32_t pos, int32_t first,
+                          uint32_t steps, engine::DecodeAttention* attention,
                           const std::vector<int32_t>& forced) {
   Decoded d;
   int32_t token = first;
@@ -125,15 +133,18 @@ Result<LongContextResult> RunLongContextDecode(const LongContextOptions& o) {
     if (o.progress) o.progress(s);
   };
   LongContextResult result;
-  if (!(o.heavy_fraction >= 0 && o.heavy_fraction <= 1) || !(o.heavy_scale >= 0 && o.heavy_scale <= 1e3)) {
+  if (!(o.heavy_fraction >= 0 && o.heavy_fraction <= 1) ||
+      !(o.heavy_scale >= 0 && o.heavy_scale <= 1e3)) {
     return InvalidArgument("heavy-hitter fraction must be in [0, 1] and scale in [0, 1000]");
   }
   for (uint64_t n : o.context_tokens) {
-    CXLKV_ASSIGN_OR_RETURN(engine::ModelConfig config, engine::ModelConfig::FromJson(o.model_config));
+    CXLKV_ASSIGN_OR_RETURN(engine::ModelConfig config,
+                           engine::ModelConfig::FromJson(o.model_config));
     const uint32_t bs = 16;
     if (n < 4 * bs || n % bs != 0 || n > (1ull << 31)) {
-      return InvalidArgument("long-context length " + std::to_string(n) + " must be a multiple of " +
-                             std::to_string(bs) + " between " + std::to_string(4 * bs) + " and 2^31");
+      return InvalidArgument("long-context length " + std::to_string(n) +
+                             " must be a multiple of " + std::to_string(bs) + " between " +
+                             std::to_string(4 * bs) + " and 2^31");
     }
     config.max_position = static_cast<uint32_t>(n + o.decode_steps + bs);
     CXLKV_ASSIGN_OR_RETURN(engine::Weights weights, engine::Weights::Random(config));
@@ -141,16 +152,18 @@ Result<LongContextResult> RunLongContextDecode(const LongContextOptions& o) {
     CXLKV_RETURN_IF_ERROR(model.status());
     const auto t_fill = Clock::now();
     const uint32_t blocks = static_cast<uint32_t>((n + o.decode_steps + bs - 1) / bs);
-    say("context " + util::FormatBytes(n * config.KvBytesPerToken()) + " of KV (" + std::to_string(n) +
-        " tokens): synthesizing and prefilling the last block");
+    say("context " + util::FormatBytes(n * config.KvBytesPerToken()) + " of KV (" +
+        std::to_string(n) + " tokens): synthesizing and prefilling the last block");
     engine::PagedKvCache cache(config, blocks, bs);
     auto table = cache.AllocateBlocks(blocks);
     if (!table.ok()) {
-      return Status(StatusCode::kNoSpace, "long context of " + std::to_string(n) + " tokens: " +
-                                              table.status().message() + " (pass shorter contexts)");
+      return Status(StatusCode::kNoSpace, "long context of " + std::to_string(n) +
+                                              " tokens: " + table.status().message() +
+                                              " (pass shorter contexts)");
     }
     std::vector<int32_t> tokens(n);
-    for (uint64_t i = 0; i < n; ++i) tokens[i] = static_cast<int32_t>(Mix(o.seed ^ (i << 1)) % config.vocab_size);
+    for (uint64_t i = 0; i < n; ++i)
+      tokens[i] = static_cast<int32_t>(Mix(o.seed ^ (i << 1)) % config.vocab_size);
     const uint32_t tail = static_cast<uint32_t>(n - bs);
     CXLKV_ASSIGN_OR_RETURN(auto scale, MeasureKvScale(model, std::span(tokens).subspan(tail), bs));
     FillSyntheticContext(o, scale, cache, *table, tail);
@@ -159,8 +172,8 @@ Result<LongContextResult> RunLongContextDecode(const LongContextOptions& o) {
     result.fill_s.push_back(Seconds(t_fill));
 
     say("  dense decode, " + std::to_string(o.decode_steps) + " steps");
-    CXLKV_ASSIGN_OR_RETURN(Decoded dense, DecodeRun(model, cache, *table, static_cast<uint32_t>(n), first,
-                                                    o.decode_steps, nullptr, {}));
+    CXLKV_ASSIGN_OR_RETURN(Decoded dense, DecodeRun(model, cache, *table, static_cast<uint32_t>(n),
+                                                    first, o.decode_steps, nullptr, {}));
     std::vector<int32_t> forced;
     for (const auto& l : dense.logits) forced.push_back(engine::Model::Argmax(l));
     LongContextRow d;
@@ -169,7 +182,8 @@ Result<LongContextResult> RunLongContextDecode(const LongContextOptions& o) {
     d.step_ms = Median(dense.step_s) * 1e3;
     for (double s : dense.step_s) d.step_ms_samples.push_back(s * 1e3);
     d.kv_read_bytes_per_step = double(n) * config.KvBytesPerToken();
-    d.engine_bytes_per_step = d.kv_read_bytes_per_step;  // the engine reads every page from the pool
+    d.engine_bytes_per_step =
+        d.kv_read_bytes_per_step;  // the engine reads every page from the pool
     d.steps = d.tokens_agree = o.decode_steps;
     result.rows.push_back(d);
 
@@ -187,8 +201,9 @@ Result<LongContextResult> RunLongContextDecode(const LongContextOptions& o) {
       CXLKV_RETURN_IF_ERROR(attention->Prepare(cache, *table, n));
       if (digest_rate == 0) digest_rate = double(n) * config.num_layers / Seconds(t_digest);
       attention->ResetStats();
-      CXLKV_ASSIGN_OR_RETURN(Decoded run, DecodeRun(model, cache, *table, static_cast<uint32_t>(n), first,
-                                                    o.decode_steps, attention.get(), forced));
+      CXLKV_ASSIGN_OR_RETURN(Decoded run,
+                             DecodeRun(model, cache, *table, static_cast<uint32_t>(n), first,
+                                       o.decode_steps, attention.get(), forced));
       const engine::SparseAttentionStats st = attention->stats();
       LongContextRow r;
       r.context_tokens = n;
@@ -203,13 +218,16 @@ Result<LongContextResult> RunLongContextDecode(const LongContextOptions& o) {
       r.recalled_bytes_per_step = double(st.recalled_bytes) / o.decode_steps;
       for (uint32_t i = 0; i < run.logits.size(); ++i) {
         if (engine::Model::Argmax(run.logits[i]) == forced[i]) r.tokens_agree++;
-        r.logits_rel_err_max = std::max(r.logits_rel_err_max, RelativeError(run.logits[i], dense.logits[i]));
+        r.logits_rel_err_max =
+            std::max(r.logits_rel_err_max, RelativeError(run.logits[i], dense.logits[i]));
       }
-      if (audit) {  // the attention mass the selection kept, measured apart: the audit attends densely too
+      if (audit) {  // the attention mass the selection kept, measured apart: the audit attends
+                    // densely too
         so.audit = true;
         CXLKV_ASSIGN_OR_RETURN(auto audited, engine::SparseDecodeAttention::Create(config, bs, so));
         CXLKV_RETURN_IF_ERROR(DecodeRun(model, cache, *table, static_cast<uint32_t>(n), first,
-                                        std::min<uint32_t>(o.decode_steps, 2), audited.get(), forced)
+                                        std::min<uint32_t>(o.decode_steps, 2), audited.get(),
+                                        forced)
                                   .status());
         const auto& as = audited->stats();
         if (as.mass_recall_count > 0) {
@@ -222,13 +240,17 @@ Result<LongContextResult> RunLongContextDecode(const LongContextOptions& o) {
     // Dense attention with the near-memory kernel (every page selected): the fair baseline for
     // the kernels' speed; the engine's own dense attention is the one a serving engine runs.
     const uint32_t whole = static_cast<uint32_t>(n + o.decode_steps + bs);
-    CXLKV_ASSIGN_OR_RETURN(LongContextRow nm_dense, run_sparse(engine::AttentionMode::kSparse, whole, "dense-nm", false));
+    CXLKV_ASSIGN_OR_RETURN(LongContextRow nm_dense,
+                           run_sparse(engine::AttentionMode::kSparse, whole, "dense-nm", false));
     nm_dense.budget_tokens = 0;
     result.rows.push_back(nm_dense);
     for (uint32_t div : o.budget_divisors) {
-      const uint32_t budget = static_cast<uint32_t>(std::max<uint64_t>(bs, n / std::max<uint32_t>(div, 1)));
-      CXLKV_ASSIGN_OR_RETURN(LongContextRow sparse, run_sparse(engine::AttentionMode::kSparse, budget, "sparse", true));
-      CXLKV_ASSIGN_OR_RETURN(LongContextRow hybrid, run_sparse(engine::AttentionMode::kHybrid, budget, "hybrid", false));
+      const uint32_t budget =
+          static_cast<uint32_t>(std::max<uint64_t>(bs, n / std::max<uint32_t>(div, 1)));
+      CXLKV_ASSIGN_OR_RETURN(LongContextRow sparse,
+                             run_sparse(engine::AttentionMode::kSparse, budget, "sparse", true));
+      CXLKV_ASSIGN_OR_RETURN(LongContextRow hybrid,
+                             run_sparse(engine::AttentionMode::kHybrid, budget, "hybrid", false));
       hybrid.mass_recall_mean = sparse.mass_recall_mean;  // the same selection
       hybrid.mass_recall_min = sparse.mass_recall_min;
       sparse.speedup_vs_nm_dense = nm_dense.step_ms / sparse.step_ms;
@@ -242,19 +264,22 @@ Result<LongContextResult> RunLongContextDecode(const LongContextOptions& o) {
 }
 
 void PrintLongContext(FILE* out, const LongContextResult& r) {
-  std::fprintf(out, "%-8s %-8s %-7s %9s %8s %9s %14s %13s %9s %11s %9s\n", "context", "mode", "budget", "step ms",
-               "speedup", "vs nm", "to engine/step", "KV read/step", "mass kept", "tokens same", "logit err");
+  std::fprintf(out, "%-8s %-8s %-7s %9s %8s %9s %14s %13s %9s %11s %9s\n", "context", "mode",
+               "budget", "step ms", "speedup", "vs nm", "to engine/step", "KV read/step",
+               "mass kept", "tokens same", "logit err");
   for (const LongContextRow& row : r.rows) {
-    const std::string budget = row.budget_tokens ? "1/" + std::to_string(row.context_tokens / row.budget_tokens) : "-";
+    const std::string budget =
+        row.budget_tokens ? "1/" + std::to_string(row.context_tokens / row.budget_tokens) : "-";
     char mass[32] = "-";
     if (row.budget_tokens) std::snprintf(mass, sizeof mass, "%.3f", row.mass_recall_mean);
     char vs_nm[32] = "-";
     if (row.budget_tokens) std::snprintf(vs_nm, sizeof vs_nm, "%.2fx", row.speedup_vs_nm_dense);
     std::fprintf(out, "%-8s %-8s %-7s %9.2f %7.2fx %9s %14s %13s %9s %8u/%-2u %9.2e\n",
-                 (std::to_string(row.context_tokens / 1024) + "K").c_str(), row.mode.c_str(), budget.c_str(),
-                 row.step_ms, row.speedup, vs_nm, util::FormatBytes(static_cast<uint64_t>(row.engine_bytes_per_step)).c_str(),
-                 util::FormatBytes(static_cast<uint64_t>(row.kv_read_bytes_per_step)).c_str(), mass, row.tokens_agree,
-                 row.steps, row.logits_rel_err_max);
+                 (std::to_string(row.context_tokens / 1024) + "K").c_str(), row.mode.c_str(),
+                 budget.c_str(), row.step_ms, row.speedup, vs_nm,
+                 util::FormatBytes(static_cast<uint64_t>(row.engine_bytes_per_step)).c_str(),
+                 util::FormatBytes(static_cast<uint64_t>(row.kv_read_bytes_per_step)).c_str(), mass,
+                 row.tokens_agree, row.steps, row.logits_rel_err_max);
   }
 }
 
@@ -276,7 +301,9 @@ nlohmann::json LongContextJson(const LongContextResult& r) {
                     {"steps", x.steps},
                     {"logits_rel_err_max", x.logits_rel_err_max}});
   }
-  return {{"rows", rows}, {"digest_build_tokens_per_s", r.digest_build_tokens_per_s}, {"fill_s", r.fill_s}};
+  return {{"rows", rows},
+          {"digest_build_tokens_per_s", r.digest_build_tokens_per_s},
+          {"fill_s", r.fill_s}};
 }
 
 }  // namespace cxlkv::serve

@@ -27,13 +27,13 @@
 namespace cxlkv::serve {
 
 struct LongContextOptions {
-  nlohmann::json model_config;                         // the engine (max_position is raised as needed)
+  nlohmann::json model_config;  // the engine (max_position is raised as needed)
   std::vector<uint64_t> context_tokens = {131072, 1048576};
-  std::vector<uint32_t> budget_divisors = {8, 32};     // budget = context / divisor tokens
+  std::vector<uint32_t> budget_divisors = {8, 32};  // budget = context / divisor tokens
   uint32_t decode_steps = 8;
-  uint32_t near_threads = 1;       // near-memory workers besides the caller
-  double heavy_fraction = 0.002;   // share of context tokens with heavy-hitter keys
-  double heavy_scale = 10.0;       // their key norm, in units of the model's key norm
+  uint32_t near_threads = 1;      // near-memory workers besides the caller
+  double heavy_fraction = 0.002;  // share of context tokens with heavy-hitter keys
+  double heavy_scale = 10.0;      // their key norm, in units of the model's key norm
   uint64_t seed = 1;
   std::function<void(const std::string&)> progress;  // one line per phase
 };
@@ -44,24 +44,26 @@ struct LongContextRow {
   // dense (the engine's attention), dense-nm (the near-memory kernel over every page), sparse,
   // hybrid.
   std::string mode;
-  uint32_t budget_tokens = 0;       // 0 for dense
-  double step_ms = 0;               // median decode step (all layers, the whole model)
+  uint32_t budget_tokens = 0;           // 0 for dense
+  double step_ms = 0;                   // median decode step (all layers, the whole model)
   std::vector<double> step_ms_samples;  // every step
-  double speedup = 1;               // dense step_ms / step_ms
-  double speedup_vs_nm_dense = 0;   // sparse, hybrid: dense-nm step_ms / step_ms
-  double engine_bytes_per_step = 0; // bytes that reach the engine per step if the KV lives in the pool
-  double kv_read_bytes_per_step = 0;    // KV bytes attention reads per step (wherever it runs)
-  double recalled_bytes_per_step = 0;   // hybrid: pages copied into the engine
+  double speedup = 1;                   // dense step_ms / step_ms
+  double speedup_vs_nm_dense = 0;       // sparse, hybrid: dense-nm step_ms / step_ms
+  double engine_bytes_per_step =
+      0;  // bytes that reach the engine per step if the KV lives in the pool
+  double kv_read_bytes_per_step = 0;   // KV bytes attention reads per step (wherever it runs)
+  double recalled_bytes_per_step = 0;  // hybrid: pages copied into the engine
   double mass_recall_mean = 1, mass_recall_min = 1;  // share of the dense softmax mass attended
-  uint32_t tokens_agree = 0;        // steps whose greedy token equals dense's
+  uint32_t tokens_agree = 0;                         // steps whose greedy token equals dense's
   uint32_t steps = 0;
-  double logits_rel_err_max = 0;    // max over steps of ||logits - dense|| / ||dense||
+  double logits_rel_err_max = 0;  // max over steps of ||logits - dense|| / ||dense||
 };
 
 struct LongContextResult {
   std::vector<LongContextRow> rows;
-  std::vector<double> digest_build_tokens_per_s;  // per context: the bulk digest build after prefill
-  std::vector<double> fill_s;                      // per context: synthesizing and prefilling
+  std::vector<double>
+      digest_build_tokens_per_s;  // per context: the bulk digest build after prefill
+  std::vector<double> fill_s;     // per context: synthesizing and prefilling
 };
 
 // Errors: an invalid model config; kNoSpace naming the bytes when the context's KV cannot be

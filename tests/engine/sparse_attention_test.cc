@@ -78,7 +78,8 @@ double RelativeError(const std::vector<float>& a, const std::vector<float>& ref)
 }
 
 std::unique_ptr<SparseDecodeAttention> Make(const Model& m, AttentionMode mode, uint32_t budget,
-                                            uint32_t resident = 0, uint32_t threads = 0, bool audit = false) {
+                                            uint32_t resident = 0, uint32_t threads = 0,
+                                            bool audit = false) {
   SparseAttentionOptions o;
   o.mode = mode;
   o.select.budget_tokens = budget;
@@ -139,7 +140,8 @@ TEST_F(SparseDecode, HybridMergesIntoTheSparseResultAndCountsItsRecalls) {
   const uint64_t qol = (2 * 8 * 16 + 8) * sizeof(float);  // q, out, lse per layer step
   EXPECT_EQ(st.link_bytes, st.layer_steps * qol + st.recalled_bytes);
   // What the engine read plus what was read next to the memory is the selection, page for page.
-  EXPECT_EQ(st.engine_kv_bytes + st.near_kv_bytes, st.selected_pages * 2 * kBlock * 16 * sizeof(float));
+  EXPECT_EQ(st.engine_kv_bytes + st.near_kv_bytes,
+            st.selected_pages * 2 * kBlock * 16 * sizeof(float));
   // At most `resident` pages per (layer, KV head) were ever held, so recalls only replace.
   EXPECT_EQ(sparse->stats().selected_pages, st.selected_pages);
   EXPECT_EQ(sparse->stats().recalled_pages, 0u);
@@ -242,33 +244,41 @@ TEST_F(SparseDecode, NearMemoryThreadsGiveTheSameBits) {
   const auto a = DecodeSteps(model, a_seq, alone.get());
   const auto b = DecodeSteps(model, b_seq, pooled.get());
   ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(test_util::BitwiseEqual(a[i], b[i])) << "step " << i;
+  for (size_t i = 0; i < a.size(); ++i)
+    EXPECT_TRUE(test_util::BitwiseEqual(a[i], b[i])) << "step " << i;
 }
 
 TEST_F(SparseDecode, RefusesWhatItCannotServe) {
   SparseAttentionOptions o;
   o.mode = AttentionMode::kDense;
-  EXPECT_EQ(SparseDecodeAttention::Create(model.config(), kBlock, o).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(SparseDecodeAttention::Create(model.config(), kBlock, o).status().code(),
+            StatusCode::kInvalidArgument);
   o.mode = AttentionMode::kSparse;
   o.select.budget_tokens = 0;
-  EXPECT_EQ(SparseDecodeAttention::Create(model.config(), kBlock, o).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(SparseDecodeAttention::Create(model.config(), kBlock, o).status().code(),
+            StatusCode::kInvalidArgument);
   o.select.budget_tokens = 64;
   auto small = SparseDecodeAttention::Create(test_util::TinyConfig(), kBlock, o);  // head_dim 8
   ASSERT_FALSE(small.ok());
-  EXPECT_NE(small.status().message().find("head_dim"), std::string::npos) << small.status().ToString();
+  EXPECT_NE(small.status().message().find("head_dim"), std::string::npos)
+      << small.status().ToString();
   EXPECT_EQ(ParseAttentionMode("sparse").value(), AttentionMode::kSparse);
   EXPECT_FALSE(ParseAttentionMode("fast").ok());
 
   auto a = Make(model, AttentionMode::kSparse, 64);
   Sequence s(model);
   std::vector<float> q(8 * 16, 0.1f), out(8 * 16);
-  EXPECT_EQ(a->Attend(99, q.data(), 10, s.cache, s.table, out.data()).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(a->Attend(99, q.data(), 10, s.cache, s.table, out.data()).code(),
+            StatusCode::kInvalidArgument);
   PagedKvCache other(test_util::TinyConfig(), 8, kBlock);
-  EXPECT_EQ(a->Attend(0, q.data(), 10, other, s.table, out.data()).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(a->Attend(0, q.data(), 10, other, s.table, out.data()).code(),
+            StatusCode::kInvalidArgument);
   std::vector<uint32_t> short_table(2, 0);
-  EXPECT_EQ(a->Attend(0, q.data(), 100, s.cache, short_table, out.data()).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(a->Attend(0, q.data(), 100, s.cache, short_table, out.data()).code(),
+            StatusCode::kInvalidArgument);
   std::vector<uint32_t> bad_table(64, 9999);
-  EXPECT_EQ(a->Attend(0, q.data(), 10, s.cache, bad_table, out.data()).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(a->Attend(0, q.data(), 10, s.cache, bad_table, out.data()).code(),
+            StatusCode::kInvalidArgument);
 }
 
 }  // namespace

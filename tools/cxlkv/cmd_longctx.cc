@@ -37,7 +37,8 @@ Result<std::vector<uint64_t>> ParseList(const std::string& list, bool sizes, con
       char* end = nullptr;
       const unsigned long long v = std::strtoull(item.c_str(), &end, 10);
       if (item.empty() || *end != '\0' || v == 0 || v > 1u << 20) {
-        return InvalidArgument(std::string(what) + ": '" + item + "' is not a divisor between 1 and 2^20");
+        return InvalidArgument(std::string(what) + ": '" + item +
+                               "' is not a divisor between 1 and 2^20");
       }
       out.push_back(v);
     }
@@ -48,10 +49,11 @@ Result<std::vector<uint64_t>> ParseList(const std::string& list, bool sizes, con
 
 }  // namespace
 
-Result<nlohmann::json> RunLongContextAttention(const nlohmann::json& model_config, std::vector<uint64_t> contexts,
-                                               std::vector<uint32_t> budget_divisors, uint32_t steps,
-                                               uint32_t threads, bool print, double heavy_fraction,
-                                               double heavy_scale) {
+Result<nlohmann::json> RunLongContextAttention(const nlohmann::json& model_config,
+                                               std::vector<uint64_t> contexts,
+                                               std::vector<uint32_t> budget_divisors,
+                                               uint32_t steps, uint32_t threads, bool print,
+                                               double heavy_fraction, double heavy_scale) {
   serve::LongContextOptions o;
   if (heavy_fraction >= 0) o.heavy_fraction = heavy_fraction;
   if (heavy_scale >= 0) o.heavy_scale = heavy_scale;
@@ -63,9 +65,12 @@ Result<nlohmann::json> RunLongContextAttention(const nlohmann::json& model_confi
   if (print) o.progress = [](const std::string& s) { std::fprintf(stderr, "%s\n", s.c_str()); };
   CXLKV_ASSIGN_OR_RETURN(auto r, serve::RunLongContextDecode(o));
   if (print) {
-    std::printf("KV of the context: synthetic keys at the model's key norm, %.1f%% heavy hitters at %.0fx; the "
-                "last block a real prefill;\nevery decode step runs the whole model; sparse and hybrid are "
-                "teacher-forced with dense's tokens\n\n", 100 * o.heavy_fraction, o.heavy_scale);
+    std::printf(
+        "KV of the context: synthetic keys at the model's key norm, %.1f%% heavy hitters at %.0fx; "
+        "the "
+        "last block a real prefill;\nevery decode step runs the whole model; sparse and hybrid are "
+        "teacher-forced with dense's tokens\n\n",
+        100 * o.heavy_fraction, o.heavy_scale);
     serve::PrintLongContext(stdout, r);
     for (size_t i = 0; i < r.digest_build_tokens_per_s.size(); ++i) {
       std::printf("digests built after prefill at %.2f M tokens/s (all layers)\n",
@@ -77,19 +82,26 @@ Result<nlohmann::json> RunLongContextAttention(const nlohmann::json& model_confi
 
 void AddLongContextCommands(CLI::App& app, CommandResult& result) {
   auto a = std::make_shared<LongCtxArgs>();
-  CLI::App* cmd = app.add_subcommand(
-      "longctx", "Long-context decode: dense vs near-memory sparse vs hybrid attention (step time, bytes, agreement)");
-  cmd->add_option("--contexts", a->contexts, "Context lengths in tokens (K = 1024), comma-separated")
+  CLI::App* cmd = app.add_subcommand("longctx",
+                                     "Long-context decode: dense vs near-memory sparse vs hybrid "
+                                     "attention (step time, bytes, agreement)");
+  cmd->add_option("--contexts", a->contexts,
+                  "Context lengths in tokens (K = 1024), comma-separated")
       ->capture_default_str();
-  cmd->add_option("--budgets", a->budgets, "Budgets as divisors of the context (8 = 1/8), comma-separated")
+  cmd->add_option("--budgets", a->budgets,
+                  "Budgets as divisors of the context (8 = 1/8), comma-separated")
       ->capture_default_str();
   cmd->add_option("--steps", a->steps, "Decode steps per configuration")->capture_default_str();
-  cmd->add_option("--threads", a->threads, "Near-memory workers besides the caller")->capture_default_str();
-  cmd->add_option("--heavy-fraction", a->heavy_fraction, "Share of context keys that are heavy hitters (0: flat attention)")
+  cmd->add_option("--threads", a->threads, "Near-memory workers besides the caller")
       ->capture_default_str();
-  cmd->add_option("--heavy-scale", a->heavy_scale, "Heavy hitters' key norm, in units of the model's key norm")
+  cmd->add_option("--heavy-fraction", a->heavy_fraction,
+                  "Share of context keys that are heavy hitters (0: flat attention)")
       ->capture_default_str();
-  cmd->add_option("--model-config", a->model_config, "Engine config JSON (default: the built-in tiny Llama)");
+  cmd->add_option("--heavy-scale", a->heavy_scale,
+                  "Heavy hitters' key norm, in units of the model's key norm")
+      ->capture_default_str();
+  cmd->add_option("--model-config", a->model_config,
+                  "Engine config JSON (default: the built-in tiny Llama)");
   cmd->add_option("--json-out", a->json_path, "Also write the results as JSON to this file");
   cmd->add_flag("--json", a->json, "Print JSON instead of the table");
   cmd->callback([a, &result] {
@@ -99,8 +111,9 @@ void AddLongContextCommands(CLI::App& app, CommandResult& result) {
       CXLKV_ASSIGN_OR_RETURN(auto divisors, ParseList(a->budgets, false, "--budgets"));
       if (a->steps == 0) return InvalidArgument("--steps must be at least 1");
       std::vector<uint32_t> budgets(divisors.begin(), divisors.end());
-      CXLKV_ASSIGN_OR_RETURN(auto j, RunLongContextAttention(config, contexts, budgets, a->steps, a->threads, !a->json,
-                                                                a->heavy_fraction, a->heavy_scale));
+      CXLKV_ASSIGN_OR_RETURN(
+          auto j, RunLongContextAttention(config, contexts, budgets, a->steps, a->threads, !a->json,
+                                          a->heavy_fraction, a->heavy_scale));
       if (a->json) std::printf("%s\n", j.dump(2).c_str());
       if (!a->json_path.empty()) {
         std::ofstream f(a->json_path);
