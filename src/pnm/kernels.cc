@@ -127,13 +127,7 @@ float ExpSumScalar(float* x, uint32_t n, float shift) {
   return sum;
 }
 
-// e^r on |r| <= ln2/2 by its Taylor polynomial to degree 6 (truncation below 1.3e-7 relative);
-// with x = k·ln2 + r, e^x = 2^k·e^r. ln2 is split in two so k·ln2 is exact enough.
-constexpr float kLog2e = 1.44269504088896341f;
-constexpr float kLn2Hi = 0.693359375f;
-constexpr float kLn2Lo = -2.12194440e-4f;
-constexpr float kExpLow = -87.0f;  // 2^k stays a normal float
-constexpr float kExpHigh = 88.0f;
+// The vector exponentials' constants are in kernels.h (attend_kernels.cc has the AVX-512 one).
 
 // ---- AVX2 + F16C + FMA ---------------------------------------------------------------------
 
@@ -333,19 +327,6 @@ CXLKV_AVX512 void AxpyAvx512(float a, const float* x, float* y, uint32_t n) {
   }
 }
 
-CXLKV_AVX512 float DigestScoreAvx512(const float* q, const uint16_t* lo, const uint16_t* hi, uint32_t n,
-                                     float* magnitude) {
-  __m512 sum = _mm512_setzero_ps(), mag = _mm512_setzero_ps();
-  for (uint32_t i = 0; i < n; i += 16) {
-    const __m512 vq = _mm512_loadu_ps(q + i);
-    const __m512 t = _mm512_max_ps(_mm512_mul_ps(vq, LoadBf16x16(lo + i)), _mm512_mul_ps(vq, LoadBf16x16(hi + i)));
-    sum = _mm512_add_ps(sum, t);
-    mag = _mm512_add_ps(mag, _mm512_abs_ps(t));
-  }
-  *magnitude = _mm512_reduce_add_ps(mag);
-  return _mm512_reduce_add_ps(sum);
-}
-
 CXLKV_AVX512 __m512 Load16(KvDtype dtype, const void* row, uint32_t d) {
   switch (dtype) {
     case KvDtype::kFp32:
@@ -394,66 +375,6 @@ CXLKV_AVX512 void GroupAxpyAvx512(KvDtype dtype, const void* row, const float* w
   }
 }
 
-CXLKV_AVX512 void GroupDigestScoreAvx512(const float* q, uint32_t heads, const uint16_t* lo, const uint16_t* hi,
-                                         uint32_t n, float* score, float* magnitude) {
-  uint32_t i = 0;
-  for (; i + 4 <= heads; i += 4) {  // the bounds widened once for four heads; per head the same
-    const float* q0 = q + uint64_t{i} * n;  // operations in the same order as DigestScoreAvx512
-    // Named registers, not arrays: at -O2 an array of vectors with a loop over it stays in memory.
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, m0 = s0, m1 = s0, m2 = s0, m3 = s0;
-    for (uint32_t d = 0; d < n; d += 16) {
-      const __m512 l = LoadBf16x16(lo + d), h = LoadBf16x16(hi + d);
-      auto step = [&](const float* qj, __m512& sj, __m512& mj) CXLKV_AVX512 {
-        const __m512 vq = _mm512_loadu_ps(qj + d);
-        const __m512 t = _mm512_max_ps(_mm512_mul_ps(vq, l), _mm512_mul_ps(vq, h));
-        sj = _mm512_add_ps(sj, t);
-        mj = _mm512_add_ps(mj, _mm512_abs_ps(t));
-      };
-      step(q0, s0, m0);
-      step(q0 + n, s1, m1);
-      step(q0 + 2 * n, s2, m2);
-      step(q0 + 3 * n, s3, m3);
-    }
-    magnitude[i] = _mm512_reduce_add_ps(m0);
-    magnitude[i + 1] = _mm512_reduce_add_ps(m1);
-    magnitude[i + 2] = _mm512_reduce_add_ps(m2);
-    magnitude[i + 3] = _mm512_reduce_add_ps(m3);
-    score[i] = _mm512_reduce_add_ps(s0);
-    score[i + 1] = _mm512_reduce_add_ps(s1);
-    score[i + 2] = _mm512_reduce_add_ps(s2);
-    score[i + 3] = _mm512_reduce_add_ps(s3);
-  }
-  for (; i < heads; ++i) score[i] = DigestScoreAvx512(q + uint64_t{i} * n, lo, hi, n, magnitude + i);
-}
-
-CXLKV_AVX512 __m512 Exp16(__m512 x) {
-  // max/min with x second keep a NaN (they return the second operand when one is NaN).
-  x = _mm512_min_ps(_mm512_set1_ps(kExpHigh), _mm512_max_ps(_mm512_set1_ps(kExpLow), x));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Hi), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Lo), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, k);
-}
-
-CXLKV_AVX512 float ExpSumAvx512(float* x, uint32_t n, float shift) {
-  const __m512 s = _mm512_set1_ps(shift);
-  __m512 sum = _mm512_setzero_ps();
-  for (uint32_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512 e = Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), s));
-    _mm512_mask_storeu_ps(x + i, m, e);
-    sum = _mm512_mask_add_ps(sum, m, sum, e);
-  }
-  return _mm512_reduce_add_ps(sum);
-}
-
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
@@ -461,13 +382,13 @@ CXLKV_AVX512 float ExpSumAvx512(float* x, uint32_t n, float shift) {
 
 constexpr Kernels kScalar{Isa::kScalar,     "scalar",        ToFloatScalar,   DotScalar,   AxpyScalar,
                           DigestScoreScalar, GroupDotScalar, GroupAxpyScalar, GroupDigestScoreEach<DigestScoreScalar>,
-                          ExpSumScalar};
+                          ExpSumScalar,      nullptr, nullptr};
 constexpr Kernels kAvx2{Isa::kAvx2,     "avx2",        ToFloatAvx2,   DotAvx2,     AxpyAvx2,
                         DigestScoreAvx2, GroupDotAvx2, GroupAxpyAvx2, GroupDigestScoreEach<DigestScoreAvx2>,
-                        ExpSumAvx2};
+                        ExpSumAvx2,      nullptr, nullptr};
 constexpr Kernels kAvx512{Isa::kAvx512,     "avx512",        ToFloatAvx512,   DotAvx512,     AxpyAvx512,
                           DigestScoreAvx512, GroupDotAvx512, GroupAxpyAvx512, GroupDigestScoreAvx512,
-                          ExpSumAvx512};
+                          ExpSumAvx512,      AttendPageAvx512, GroupDigestScore2Avx512};
 
 const Kernels& Choose() {
   const Kernels* best = ForIsa(Isa::kAvx512);

@@ -1,6 +1,7 @@
 // Top-K page selection (PNM §3.1, Quest): score every page's digest against the query and keep
 // the best pages under a token budget, per KV head — scoring and selection fused in one pass
-// (a bounded heap fed while the digests stream by; no array of all scores, no nth_element).
+// (per query head a threshold and a bounded buffer fed while the digests stream by; no array
+// of all scores).
 //
 // Grouped-query attention: each query head ranks pages by its own score, and its KV head
 // attends to the union of its group's choices, taken rank by rank (every head's best page,
@@ -75,11 +76,13 @@ class Selection {
   std::vector<uint32_t> ranked_;  // pages_ per head again, best first
   std::vector<uint64_t> begin_;
   std::vector<uint32_t> count_;
-  // Scratch kept between calls: one bounded min-heap of (score, page) per query head.
-  std::vector<std::pair<float, uint32_t>> heap_;
-  std::vector<uint32_t> heap_size_;
-  std::vector<uint8_t> taken_;
-  std::vector<float> scores_;  // one page's scores and magnitudes for a group  // per page, while one KV head's union is taken
+  // Scratch kept between calls: per query head, a buffer of up to 2·cap (score, page), its
+  // fill, and the score a page must reach to enter it.
+  std::vector<std::pair<float, uint32_t>> kept_;
+  std::vector<uint32_t> kept_size_;
+  std::vector<float> threshold_;
+  std::vector<uint8_t> taken_;  // per page, while one KV head's union is taken
+  std::vector<float> scores_;    // two pages' scores and magnitudes, every query head
 };
 
 // The upper bound that SelectPages ranks by, for one query head and one page: the digest score

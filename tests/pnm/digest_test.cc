@@ -92,6 +92,20 @@ TEST(PnmKernels, EveryIsaAgreesOnDotAxpyAndDigestScores) {
           ASSERT_EQ(scores[i], k->digest_score(qs.data() + i * dim, lo.data(), hi.data(), dim, &one_mag));
           ASSERT_EQ(mags[i], one_mag);
         }
+        // The two-page form (selection's, where the table has it) gives the same sums for each.
+        if (k->group_digest_score2 != nullptr) {
+          std::vector<uint16_t> lo_b(hi), hi_b(hi);  // another digest: lo = hi = the first's hi
+          std::vector<float> sa(heads), ma(heads), sb(heads), mb(heads), sb1(heads), mb1(heads);
+          k->group_digest_score2(qs.data(), heads, lo.data(), hi.data(), lo_b.data(), hi_b.data(), dim, sa.data(),
+                                 ma.data(), sb.data(), mb.data());
+          k->group_digest_score(qs.data(), heads, lo_b.data(), hi_b.data(), dim, sb1.data(), mb1.data());
+          for (uint32_t i = 0; i < heads; ++i) {
+            ASSERT_EQ(sa[i], scores[i]);
+            ASSERT_EQ(ma[i], mags[i]);
+            ASSERT_EQ(sb[i], sb1[i]);
+            ASSERT_EQ(mb[i], mb1[i]);
+          }
+        }
       }
       std::vector<float> y = y0;
       k->axpy(0.5f, a.data(), y.data(), dim);
