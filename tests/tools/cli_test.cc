@@ -381,7 +381,9 @@ TEST(Cli, ServeDecodesWithSparseAndHybridAttention) {
     auto j = ServeDocQa(path.path(), "--concurrency 1 " + extra, nullptr, 2);
     ASSERT_TRUE(j.contains("requests")) << extra;
     share.push_back(j["attention"]["selected_page_share"].get<double>());
-    if (!extra.empty()) EXPECT_GT(j["attention"]["layer_steps"].get<uint64_t>(), 0u) << extra;
+    if (!extra.empty()) {
+      EXPECT_GT(j["attention"]["layer_steps"].get<uint64_t>(), 0u) << extra;
+    }
     tokens.emplace_back();
     for (const auto& q : j["requests"]) {
       EXPECT_EQ(q["tokens"].size(), 6u) << extra;
