@@ -125,17 +125,13 @@ Status SparseDecodeAttention::CatchUp(uint32_t layer, const PagedKvCache& cache,
   uint64_t same = 0;
   const uint64_t viewed = std::min<uint64_t>(L.blocks.size(), pages);
   while (same < viewed && L.blocks[same] == block_table[same]) ++same;
-  if (same < viewed) {
-    const uint64_t digested = std::min(L.digested, same * bs);
-    std::vector<uint16_t> digests = std::move(L.digests);
-    L = Layer{};  // resident copies of the old sequence go too
-    L.digests = std::move(digests);
-    L.digested = digested;
-    L.blocks.assign(block_table.begin(), block_table.begin() + same);
-    for (uint64_t i = 0; i < same; ++i) {
-      L.pages.push_back(
-          {cache.Key(layer, block_table[i], 0), cache.Value(layer, block_table[i], 0)});
-    }
+  if (same < viewed) {  // keep the views and digests before page `same`; resident copies go
+    Layer kept;
+    kept.blocks.assign(L.blocks.begin(), L.blocks.begin() + same);
+    kept.pages.assign(L.pages.begin(), L.pages.begin() + same);
+    kept.digests = std::move(L.digests);
+    kept.digested = std::min(L.digested, same * bs);
+    L = std::move(kept);
   }
   for (uint64_t i = L.blocks.size(); i < pages; ++i) {
     if (block_table[i] >= cache.num_blocks()) {
