@@ -4,7 +4,9 @@
 // bytes (header + its payload limit), refuse a malformed stream for good once it has, and
 // every frame it decodes must encode back to exactly the bytes it was decoded from. A frame of
 // the `kv` service also goes through its request decoder (src/rpc/kv_frames.h): whatever it
-// accepts is within the limits and encodes back to the same payload.
+// accepts is within the limits and encodes back to the same payload. A frame of service byte 2
+// (no TCP service: a fuzzing route) goes through the near-memory attention service's request
+// decoders (src/pnm/service_protocol.h) by its opcode, with the same checks.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -14,6 +16,7 @@
 #include <vector>
 
 #include "rpc/frame.h"
+#include "pnm/service_protocol.h"
 #include "rpc/kv_frames.h"
 
 namespace {
@@ -42,6 +45,47 @@ void CheckKvRequest(const cxlkv::rpc::Frame& f) {
   if ((f.code == kKvPut) == r->block.empty()) Fail("a kv block where none belongs, or none where one does");
   const std::vector<uint8_t> again = EncodeKvRequest(r->model, keys, r->block);
   if (again != f.payload) Fail("a kv request re-encodes differently");
+}
+
+template <typename T, typename Encode>
+void CheckReencodes(const cxlkv::Result<T>& r, const std::vector<uint8_t>& payload, const Encode& encode,
+                    const char* what) {
+  if (!r.ok()) {
+    if (r.status().message().empty()) Fail("a pnm request refused without a reason");
+    return;
+  }
+  if (encode(*r) != payload) Fail(what);
+}
+
+void CheckPnmRequest(const cxlkv::rpc::Frame& f) {
+  using namespace cxlkv::pnm;
+  switch (f.code % 4) {
+    case 0:
+      CheckReencodes(DecodeOpen(f.payload), f.payload, [](const OpenRequest& r) { return EncodeOpen(r); },
+                     "a pnm open re-encodes differently");
+      break;
+    case 1: {
+      auto r = DecodeExtend(f.payload);
+      if (r.ok() && (r->keys.empty() || r->keys.size() > kMaxExtendKeys)) Fail("a pnm extend's key count out of range");
+      CheckReencodes(r, f.payload, [](const ExtendRequest& e) { return EncodeExtend(e); },
+                     "a pnm extend re-encodes differently");
+      break;
+    }
+    case 2:
+      CheckReencodes(DecodeAttend(f.payload), f.payload,
+                     [](const std::vector<AttendJobRequest>& jobs) {
+                       std::vector<uint8_t> out;
+                       EncodeAttend(jobs, out);
+                       return out;
+                     },
+                     "a pnm attend re-encodes differently");
+      break;
+    default:
+      CheckReencodes(DecodeContexts(f.payload), f.payload,
+                     [](const std::vector<uint64_t>& ids) { return EncodeContexts(ids); },
+                     "a pnm context list re-encodes differently");
+      break;
+  }
 }
 
 }  // namespace
@@ -73,6 +117,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (r == cxlkv::rpc::FrameDecoder::Result::kNeedMore) break;
       if (f.payload.size() > kLimit) Fail("a payload over the limit");
       if (f.service == static_cast<uint8_t>(cxlkv::rpc::FrameService::kKv)) CheckKvRequest(f);
+      if (f.service == 2) CheckPnmRequest(f);
       std::vector<uint8_t> again;
       cxlkv::rpc::EncodeFrame(f, again);
       const size_t len = consumed - frame_start;

@@ -108,6 +108,13 @@ Result<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options) {
     CXLKV_ASSIGN_OR_RETURN(d->tiers_, tier::TierStore::Open(*d->pool_, to));
     CXLKV_ASSIGN_OR_RETURN(d->tier_service_, tier::StartTierService(*d->pool_, *d->tiers_));
   }
+  if (options.pnm_threads >= 0) {
+    NearMemoryServiceOptions no;
+    no.threads = static_cast<uint32_t>(options.pnm_threads);
+    no.context_lease_ms = options.pnm_context_lease_ms;
+    no.max_contexts = options.pnm_max_contexts;
+    CXLKV_ASSIGN_OR_RETURN(d->pnm_, NearMemoryService::Start(*d->pool_, no));
+  }
   if (options.serve_admin) {
     rpc::RpcServerOptions so;
     so.geometry = AdminGeometry();
@@ -148,6 +155,7 @@ Daemon::~Daemon() {
   kv_front_.reset();
   tcp_admin_client_.reset();
   admin_.reset();
+  pnm_.reset();  // releases its contexts' pins while the pool is open
   tier_service_.reset();  // before the store it calls
   tiers_.reset();
   pool_.reset();

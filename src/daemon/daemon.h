@@ -8,7 +8,8 @@
 //
 // What it owns: the node's membership (heartbeat, the lock manager when elected, recovery of
 // dead nodes' lives, remote-free drains — all of them in the Pool it keeps open), the node's
-// capacity tiers and their service (tier-<node>: spill, promote; docs/tiers.md), the pool's
+// capacity tiers and their service (tier-<node>: spill, promote; docs/tiers.md), its near-memory
+// attention engines when asked for (pnm-<node>: attention where the KV lives; docs/pnm.md), the pool's
 // admin RPC service (served by one daemon at a time, the others standing by), and the
 // Prometheus endpoint. One daemon per node and host: a second one for the same node is
 // refused by name (a flock on /dev/shm/cxlkvd-<pool id>-node<N>.lock, released by the kernel
@@ -28,6 +29,7 @@
 #include "cxlkv/pool.h"
 #include "cxlkv/status.h"
 #include "daemon/kv_front.h"
+#include "daemon/pnm_service.h"
 #include "rpc/client.h"
 #include "rpc/server.h"
 #include "rpc/frame.h"
@@ -59,6 +61,11 @@ struct DaemonOptions {
   bool no_tiers = false;              // serve no tiers, whatever the pool's default
   uint64_t tier_slot_bytes = 0;       // per device slot, header included; 0: the pool's default,
                                       // else TierStoreOptions' default
+  // Near-memory attention engines (pnm-<node>, docs/pnm.md): engine threads besides the serving
+  // thread; -1 = off (the service's RPC area takes 8 MiB of a 16-node region). Default off.
+  int pnm_threads = -1;
+  uint32_t pnm_context_lease_ms = 10000;  // an idle context is closed after this. Default 10 s.
+  uint32_t pnm_max_contexts = 1024;       // default 1024
 };
 
 class Daemon {
@@ -85,6 +92,8 @@ class Daemon {
   const rpc::RpcServer* admin() const { return admin_.get(); }
   // The node's capacity tiers; null when none were given.
   tier::TierStore* tiers() const { return tiers_.get(); }
+  // The near-memory attention engines; null when off.
+  const NearMemoryService* pnm() const { return pnm_.get(); }
   // True when the tiers are the pool's default (`cxlkv init --tier`), not this daemon's --tier.
   bool tiers_from_pool() const { return tiers_from_pool_; }
   std::chrono::steady_clock::time_point started() const { return started_; }
@@ -103,6 +112,7 @@ class Daemon {
   bool tiers_from_pool_ = false;
   std::unique_ptr<rpc::RpcServer> tier_service_;     // tier-<node>: promote requests for tiers_
   std::unique_ptr<rpc::RpcServer> admin_;
+  std::unique_ptr<NearMemoryService> pnm_;
   std::unique_ptr<rpc::RpcClient> tcp_admin_client_;  // the TCP front's way to the admin service
   std::unique_ptr<KvFront> kv_front_;  // the TCP front's `kv` service (runs on its loop thread)
   std::unique_ptr<rpc::TcpFront> tcp_;

@@ -8,6 +8,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -196,10 +197,42 @@ std::string Daemon::RenderMetrics() {
       e.Sample(name, "", U(t[key]));
     }
   }
+  // Near-memory attention engines (docs/pnm.md).
+  if (pnm_) {
+    const NearMemoryServiceStats p = pnm_->stats();
+    const std::tuple<const char*, const char*, uint64_t> gauges[] = {
+        {"cxlkv_pnm_contexts_open", "Near-memory contexts open (their blocks pinned).", p.contexts_open},
+        {"cxlkv_pnm_pages_pinned", "Pool blocks pinned by open near-memory contexts.", p.pages_pinned},
+        {"cxlkv_pnm_bytes_pinned", "Bytes of those blocks.", p.bytes_pinned},
+    };
+    for (const auto& [name, help, v] : gauges) {
+      e.Family(name, "gauge", help);
+      e.Sample(name, "", v);
+    }
+    e.Family("cxlkv_pnm_numa_node", "gauge", "The NUMA node the near-memory engine threads run on (-1: not bound).");
+    e.Sample("cxlkv_pnm_numa_node", "", static_cast<double>(p.numa_node));
+    const std::tuple<const char*, const char*, uint64_t> counters[] = {
+        {"cxlkv_pnm_contexts_opened_total", "Near-memory contexts opened.", p.contexts_opened},
+        {"cxlkv_pnm_contexts_expired_total", "Contexts closed by their lease or their client node's death.", p.contexts_expired},
+        {"cxlkv_pnm_attend_jobs_total", "Attention requests (one layer of one sequence) answered.", p.attend_jobs},
+        {"cxlkv_pnm_attend_errors_total", "Attention requests answered with an error.", p.attend_errors},
+        {"cxlkv_pnm_pages_attended_total", "Pages attended, summed over KV heads.", p.pages_attended},
+        {"cxlkv_pnm_kv_read_bytes_total", "KV bytes the near-memory attention read.", p.kv_bytes_read},
+        {"cxlkv_pnm_link_bytes_total", "Query, output and lse bytes that crossed the link.", p.link_bytes},
+        {"cxlkv_pnm_digests_found_total", "Page digests read from the pool.", p.digests_found},
+        {"cxlkv_pnm_digests_built_total", "Page digests built from the keys.", p.digests_built},
+        {"cxlkv_pnm_digests_stored_total", "Built digests stored in the pool for the next opener.", p.digests_stored},
+    };
+    for (const auto& [name, help, v] : counters) {
+      e.Family(name, "counter", help);
+      e.Sample(name, "", v);
+    }
+  }
   // Every RPC service this daemon serves or stands by for: admin, and meta on a central pool.
   std::vector<const rpc::RpcServer*> servers;
   if (admin_) servers.push_back(admin_.get());
   if (tier_service_) servers.push_back(tier_service_.get());
+  if (pnm_) servers.push_back(&pnm_->server());
   const meta::MetaService* meta_service = meta::ServiceOf(*pool_);
   if (meta_service != nullptr) servers.push_back(&meta_service->server());
   using Field = uint64_t rpc::RpcServerStats::*;

@@ -4,9 +4,9 @@
 
 namespace cxlkv::pnm {
 
-AttendPool::AttendPool(uint32_t threads) {
+AttendPool::AttendPool(uint32_t threads, std::function<void()> on_start) {
   workers_.reserve(threads);
-  for (uint32_t i = 0; i < threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  for (uint32_t i = 0; i < threads; ++i) workers_.emplace_back([this, on_start] { WorkerLoop(on_start); });
 }
 
 AttendPool::~AttendPool() {
@@ -19,8 +19,13 @@ AttendPool::~AttendPool() {
 }
 
 void AttendPool::Drain() {
-  const uint64_t total = tasks_.size();
+  const uint64_t total = total_;
   for (uint64_t i = next_.fetch_add(1); i < total; i = next_.fetch_add(1)) {
+    if (each_ != nullptr) {
+      (*each_)(i);
+      finished_.fetch_add(1);
+      continue;
+    }
     const Task t = tasks_[i];
     AttendJob& j = jobs_[t.job];
     internal::AttendKvHeads(*j.g, j.q, j.ctx, j.selection, j.scale, t.h_begin, t.h_end, j.out);
@@ -28,7 +33,8 @@ void AttendPool::Drain() {
   }
 }
 
-void AttendPool::WorkerLoop() {
+void AttendPool::WorkerLoop(const std::function<void()>& on_start) {
+  if (on_start) on_start();
   uint64_t seen = 0;
   for (;;) {
     {
@@ -70,10 +76,23 @@ Status AttendPool::Run(std::span<AttendJob> jobs) {
       tasks_.push_back({j, heads * part / parts, heads * (part + 1) / parts});
     }
   }
-  if (tasks_.empty()) return first;
+  jobs_ = jobs;  // published to the workers by RunBatch's lock
+  if (!tasks_.empty()) RunBatch(tasks_.size());
+  return first;
+}
+
+void AttendPool::ForEach(size_t n, const std::function<void(size_t)>& fn) {
+  std::lock_guard<std::mutex> run(run_mu_);
+  if (n == 0) return;
+  each_ = &fn;
+  RunBatch(n);
+  each_ = nullptr;
+}
+
+void AttendPool::RunBatch(uint64_t total) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    jobs_ = jobs;
+    total_ = total;
     next_.store(0);
     finished_.store(0);
     open_ = true;
@@ -84,9 +103,8 @@ Status AttendPool::Run(std::span<AttendJob> jobs) {
   // Closed only when every task is done and no worker is still inside Drain: until then the
   // batch's tasks and jobs stay as they are, and after it no worker reads them.
   std::unique_lock<std::mutex> lock(mu_);
-  done_.wait(lock, [&] { return finished_.load() == tasks_.size() && active_ == 0; });
+  done_.wait(lock, [&] { return finished_.load() == total_ && active_ == 0; });
   open_ = false;
-  return first;
 }
 
 }  // namespace cxlkv::pnm

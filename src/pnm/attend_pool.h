@@ -12,6 +12,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <span>
 #include <thread>
@@ -36,7 +37,8 @@ struct AttendJob {
 class AttendPool {
  public:
   // `threads` workers besides the caller (0: none — Run works alone on the caller's thread).
-  explicit AttendPool(uint32_t threads);
+  // Each worker calls `on_start` first (e.g. to bind itself to the memory's NUMA node).
+  explicit AttendPool(uint32_t threads, std::function<void()> on_start = {});
   ~AttendPool();
   AttendPool(const AttendPool&) = delete;
   AttendPool& operator=(const AttendPool&) = delete;
@@ -44,6 +46,10 @@ class AttendPool {
   // Runs every job; returns when all are done. A job that fails its checks gets its status and
   // no work; the others run. Returns the first failed job's status, or ok.
   Status Run(std::span<AttendJob> jobs);
+
+  // Calls fn(i) for every i < n across the workers and the caller; returns when all are done
+  // (per-request work before the attention, such as selection). fn must not throw.
+  void ForEach(size_t n, const std::function<void(size_t)>& fn);
 
   uint32_t threads() const { return static_cast<uint32_t>(workers_.size()); }
 
@@ -53,8 +59,11 @@ class AttendPool {
     uint32_t h_begin;  // KV heads [h_begin, h_end)
     uint32_t h_end;
   };
-  void WorkerLoop();
+  void WorkerLoop(const std::function<void()>& on_start);
   void Drain();  // takes tasks until none are left
+  // Runs a batch of `total` tasks (tasks_, or each_ when set) on the workers and the caller.
+  // REQUIRES: run_mu_ held.
+  void RunBatch(uint64_t total);
 
   std::mutex run_mu_;  // one Run at a time
   std::mutex mu_;
@@ -67,6 +76,8 @@ class AttendPool {
   // The batch: written by Run only while no worker is inside Drain (open_ false, active_ 0).
   std::span<AttendJob> jobs_;
   std::vector<Task> tasks_;
+  const std::function<void(size_t)>* each_ = nullptr;  // ForEach's batch instead of tasks_
+  uint64_t total_ = 0;
   std::atomic<uint64_t> next_{0};
   std::atomic<uint64_t> finished_{0};
   std::vector<std::thread> workers_;

@@ -59,6 +59,10 @@ class Platform {
   virtual int NumaMaxNode();
   // Binds [addr, addr+len) to `node` (mbind MPOL_BIND) before it is first touched.
   virtual int NumaBind(void* addr, size_t len, int node);
+  // The NUMA node of the memory backing `addr` (touched already), or -errno (-ENOSYS without NUMA).
+  virtual int NumaNodeOf(const void* addr);
+  // Runs the calling thread on the CPUs of `node` from now on (numa_run_on_node).
+  virtual int RunThreadOnNode(int node);
   // Maps every page of [addr, addr+len) now, for writing (madvise MADV_POPULATE_WRITE).
   virtual int Populate(void* addr, size_t len);
 

@@ -125,6 +125,18 @@ int Platform::NumaBind(void* addr, size_t len, int node) {
   return err;
 }
 
+int Platform::NumaNodeOf(const void* addr) {
+  if (numa_available() < 0) return -ENOSYS;
+  int node = -1;
+  if (::get_mempolicy(&node, nullptr, 0, const_cast<void*>(addr), MPOL_F_NODE | MPOL_F_ADDR) != 0) return NegErrno();
+  return node;
+}
+
+int Platform::RunThreadOnNode(int node) {
+  if (numa_available() < 0) return -ENOSYS;
+  return numa_run_on_node(node) == 0 ? 0 : NegErrno();
+}
+
 std::string ErrnoText(int neg_errno) {
   int e = -neg_errno;
   std::string name = strerrorname_np(e) ? strerrorname_np(e) : std::to_string(e);

@@ -4,6 +4,7 @@
 //   cxlkvd --path /dev/shm/pool --node 0 [--lease-ms 2000] [--metrics 127.0.0.1:9464]
 //          [--tcp 0.0.0.0:7412] [--no-admin] [--no-manager] [--lock-dir /dev/shm]
 //          [--tier dram:8G --tier ssd:/data/kv.tier:64G] [--tier-slot 2M]
+//          [--pnm-threads N [--pnm-lease-ms 10000] [--pnm-max-contexts 1024]]
 #include <signal.h>
 
 #include <cstdio>
@@ -49,6 +50,11 @@ int main(int argc, char** argv) {
   std::string tier_slot;
   app.add_option("--tier-slot", tier_slot, "bytes per tier slot, header included: the largest block a tier holds "
                                            "is this less 64 (default 2M+4K)");
+  app.add_option("--pnm-threads", o.pnm_threads,
+                 "serve near-memory attention (pnm-<node>) with N engine threads besides the serving thread, bound to "
+                 "the region memory's NUMA node; off by default (-1)");
+  app.add_option("--pnm-lease-ms", o.pnm_context_lease_ms, "close a near-memory context idle this long (default 10000)");
+  app.add_option("--pnm-max-contexts", o.pnm_max_contexts, "near-memory contexts open at once (default 1024)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,475 @@
+// The near-memory attention service (pnm_service.h).
+#include "daemon/pnm_service.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <random>
+
+#include "cxlkv/layout.h"
+#include "pnm/digest.h"
+#include "pnm/geometry.h"
+#include "pnm/select.h"
+#include "pool/pool_internal.h"
+#include "region/platform.h"
+
+namespace cxlkv::daemon {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr uint64_t kMaxContextPages = uint64_t{1} << 26;  // 1G tokens at 16 a page
+
+// The digests' own namespace: same model, a layout that sizes one page's digest
+// ([layers][kv_heads][lo, hi][head_dim] bf16 = parts 2 × layers × 1 token × heads × dim × 2
+// bytes), and an extra key that says what it holds and of which KV namespace.
+KeyNamespace DigestNamespace(const KeyNamespace& kv) {
+  KeyNamespace d;
+  d.model_id = kv.model_id;
+  d.layout = kv.layout;
+  d.layout.dtype = KvDtype::kBf16;
+  d.layout.block_size = 1;
+  d.layout.kv_parts = 2;
+  char extra[40];
+  std::snprintf(extra, sizeof extra, "pnm-digest-1:%016llx",
+                static_cast<unsigned long long>(XXH3_64bits(kv.extra_key.data(), kv.extra_key.size())));
+  d.extra_key = extra;
+  return d;
+}
+
+BlockKey DigestKeyOf(const NamespaceHandle& digest_ns, const BlockKey& kv_key) {
+  uint8_t bytes[16];
+  std::memcpy(bytes, &kv_key.lo, 8);
+  std::memcpy(bytes + 8, &kv_key.hi, 8);
+  return KvCache::KeyFromEngineHash(digest_ns, bytes);
+}
+
+}  // namespace
+
+struct NearMemoryService::Context {
+  uint64_t id = 0;
+  uint32_t owner_node = 0;
+  uint32_t owner_channel = 0;
+  uint64_t owner_life = 0;  // the client node's incarnation at open
+  uint64_t pin_life = 0;    // this node's incarnation when its pins were taken
+  NamespaceHandle ns;
+  std::optional<NamespaceHandle> digest_ns;
+  pnm::Geometry g;
+  uint32_t layers = 0;
+  uint64_t block_bytes = 0;
+  uint64_t piece_bytes = 0;  // one (layer, K or V) slab of a block
+  std::vector<BlockPin> pins;
+  std::vector<std::vector<pnm::PageKv>> views;      // [layer][page]
+  std::vector<std::vector<uint16_t>> digests;       // [layer][page × DigestElemsPerPage]
+  Clock::time_point last_used;
+
+  uint64_t pages() const { return pins.size(); }
+};
+
+Result<std::unique_ptr<NearMemoryService>> NearMemoryService::Start(Pool& pool, const NearMemoryServiceOptions& options) {
+  if (options.context_lease_ms < 100) return InvalidArgument("a pnm context lease under 100 ms cannot be kept by a client");
+  if (options.max_contexts == 0) return InvalidArgument("pnm max_contexts must be at least 1");
+  if (options.threads > 256) return InvalidArgument("pnm threads above 256");
+  CXLKV_ASSIGN_OR_RETURN(KvCache * cache, pool.Cache());
+  auto s = std::unique_ptr<NearMemoryService>(new NearMemoryService(pool, options));
+  s->cache_ = cache;
+  // Bind engines to the node of the region's memory: attention streams it (PNM §3.2).
+  region::Platform& platform = region::Platform::Default();
+  if (!options.bind_numa) {
+    s->numa_note_ = "not bound (--pnm-no-numa)";
+  } else {
+    const int node = platform.NumaNodeOf(pool.impl().regions[0]->impl().meta().base());
+    if (node < 0) {
+      s->numa_note_ = "not bound: the region's NUMA node is unknown (" + region::ErrnoText(node) + ")";
+    } else {
+      s->numa_node_ = node;
+    }
+  }
+  s->engines_ = std::make_unique<pnm::AttendPool>(options.threads, [svc = s.get()] { svc->BindThread(); });
+  std::random_device rd;
+  s->epoch_ = (uint64_t{rd()} << 32) & ~(uint64_t{1} << 63);
+  if (s->epoch_ == 0) s->epoch_ = uint64_t{1} << 32;
+
+  std::map<uint32_t, rpc::Handler> ops;
+  NearMemoryService* svc = s.get();
+  ops[pnm::kPnmOpen] = {[svc](const rpc::Request& r, std::span<uint8_t> out) { return svc->Open(r, out); }, false};
+  ops[pnm::kPnmExtend] = {[svc](const rpc::Request& r, std::span<uint8_t> out) { return svc->Extend(r, out); }, false};
+  ops[pnm::kPnmAttend] = {[svc](const rpc::Request& r, std::span<uint8_t> out) { return svc->Attend(r, out); }, true};
+  ops[pnm::kPnmRenew] = {[svc](const rpc::Request& r, std::span<uint8_t> out) { return svc->Renew(r, out); }, true};
+  ops[pnm::kPnmClose] = {[svc](const rpc::Request& r, std::span<uint8_t> out) { return svc->Close(r, out); }, true};
+  rpc::RpcServerOptions so;
+  so.geometry = pnm::PnmGeometry();
+  so.hot_window = std::chrono::microseconds(500);  // a decoding client asks every few ms
+  so.max_idle_sleep = std::chrono::microseconds(2000);
+  so.tick_every = std::chrono::milliseconds(100);
+  so.on_tick = [svc] { svc->Sweep(); };
+  so.on_serving = [svc](const rpc::RpcServer&, bool serving) {
+    if (serving) {
+      svc->BindThread();  // the serving thread selects and attends too
+    } else {
+      svc->DropAll();
+    }
+  };
+  CXLKV_ASSIGN_OR_RETURN(s->server_, rpc::RpcServer::Start(pool, pnm::PnmServiceName(pool.impl().node->id()),
+                                                           std::move(ops), so));
+  return s;
+}
+
+NearMemoryService::NearMemoryService(Pool& pool, const NearMemoryServiceOptions& options)
+    : pool_(pool), options_(options) {}
+
+NearMemoryService::~NearMemoryService() {
+  server_.reset();  // no handler runs after this
+  DropAll();
+  engines_.reset();
+}
+
+void NearMemoryService::BindThread() {
+  if (numa_node_ < 0) return;
+  const int rc = region::Platform::Default().RunThreadOnNode(numa_node_);
+  if (rc < 0) numa_note_ = "binding to NUMA node " + std::to_string(numa_node_) + " failed: " + region::ErrnoText(rc);
+}
+
+NearMemoryServiceStats NearMemoryService::stats() const {
+  NearMemoryServiceStats s;
+  s.contexts_open = open_.load();
+  s.contexts_opened = opened_.load();
+  s.contexts_expired = expired_.load();
+  s.pages_pinned = pages_pinned_.load();
+  s.bytes_pinned = bytes_pinned_.load();
+  s.attend_jobs = jobs_.load();
+  s.attend_errors = job_errors_.load();
+  s.pages_attended = pages_attended_.load();
+  s.kv_bytes_read = kv_bytes_read_.load();
+  s.link_bytes = link_bytes_.load();
+  s.digests_found = digests_found_.load();
+  s.digests_built = digests_built_.load();
+  s.digests_stored = digests_stored_.load();
+  s.numa_node = numa_note_.empty() ? numa_node_ : -1;
+  s.numa_note = numa_note_;
+  return s;
+}
+
+Result<size_t> NearMemoryService::Open(const rpc::Request& req, std::span<uint8_t> out) {
+  CXLKV_ASSIGN_OR_RETURN(pnm::OpenRequest r, pnm::DecodeOpen(req.payload));
+  const KvLayoutSignature& l = r.ns.layout;
+  if (l.kv_parts != 2 || l.block_format != kPoolBlockFormat) {
+    return InvalidArgument("near-memory attention reads pool block format " + std::to_string(kPoolBlockFormat) +
+                           " with K and V parts; this namespace has format " + std::to_string(l.block_format) +
+                           " with " + std::to_string(l.kv_parts) + " part(s) (MLA is not supported)");
+  }
+  if (l.num_layers == 0 || l.num_kv_heads == 0 || l.num_layers > 4096) {
+    return InvalidArgument("a context needs a namespace whose layout names 1..4096 layers and its KV heads");
+  }
+  if (r.num_heads == 0 || r.num_heads > pnm::kMaxQueryHeads || r.num_heads % l.num_kv_heads != 0) {
+    return InvalidArgument(std::to_string(r.num_heads) + " query heads: need 1.." + std::to_string(pnm::kMaxQueryHeads) +
+                           " and a multiple of the layout's " + std::to_string(l.num_kv_heads) + " KV heads");
+  }
+  pnm::Geometry g{r.num_heads, l.num_kv_heads, l.head_size, l.block_size, l.dtype};
+  CXLKV_RETURN_IF_ERROR(g.Validate());
+  const auto& area = server_->area();
+  if (4 + pnm::AttendJobRequestBytes(size_t{g.num_heads} * g.head_dim) > area.request_capacity() ||
+      pnm::AttendJobAnswerBytes(g.num_heads, g.head_dim) > area.response_capacity()) {
+    return InvalidArgument("one query of " + std::to_string(g.num_heads) + " heads × " + std::to_string(g.head_dim) +
+                           " does not fit this service's " + std::to_string(area.request_capacity()) + "-byte slots");
+  }
+  if (contexts_.size() >= options_.max_contexts) {
+    return NoSpace(std::to_string(contexts_.size()) + " near-memory contexts are open on this node: close some, "
+                   "or start cxlkvd with a larger --pnm-max-contexts");
+  }
+  CXLKV_ASSIGN_OR_RETURN(NamespaceHandle ns, cache_->Namespace(r.ns));
+  if (ns.block_bytes != l.BlockBytes()) {
+    return Corrupted("the pool's namespace for model '" + r.ns.model_id + "' has blocks of " +
+                     std::to_string(ns.block_bytes) + " bytes, its layout says " + std::to_string(l.BlockBytes()));
+  }
+  auto c = std::make_unique<Context>();
+  c->id = epoch_ | next_id_++;
+  c->owner_node = req.node;
+  c->owner_channel = req.channel;
+  const auto views = pool_.impl().node->Nodes();
+  c->owner_life = req.node < views.size() ? views[req.node].incarnation : 0;
+  c->pin_life = pool_.impl().node->incarnation();
+  c->ns = ns;
+  // Digests are shared through the pool when their namespace can be registered; a full
+  // namespace table only means every opener builds its own.
+  auto dns = cache_->Namespace(DigestNamespace(r.ns));
+  if (dns.ok() && dns->block_bytes == pnm::DigestBytesPerPage(g) * l.num_layers) c->digest_ns = *dns;
+  c->g = g;
+  c->layers = l.num_layers;
+  c->block_bytes = l.BlockBytes();
+  c->piece_bytes = g.SlabBytes();
+  c->views.resize(c->layers);
+  c->digests.resize(c->layers);
+  c->last_used = Clock::now();
+  const pnm::OpenAnswer a{c->id, options_.context_lease_ms};
+  contexts_.emplace(c->id, std::move(c));
+  opened_.fetch_add(1);
+  open_.store(contexts_.size());
+  const auto bytes = pnm::EncodeOpenAnswer(a);
+  std::memcpy(out.data(), bytes.data(), bytes.size());
+  return bytes.size();
+}
+
+Result<NearMemoryService::Context*> NearMemoryService::Find(const rpc::Request& req, uint64_t id) {
+  auto it = contexts_.find(id);
+  if (it == contexts_.end()) {
+    return NotFound("context " + std::to_string(id) + " is not open on this node: it was closed, idle past its " +
+                    std::to_string(options_.context_lease_ms) + " ms lease, or cxlkvd restarted; open it again");
+  }
+  Context& c = *it->second;
+  if (c.owner_node != req.node || c.owner_channel != req.channel) {
+    return InvalidArgument("context " + std::to_string(id) + " belongs to another client (node " +
+                           std::to_string(c.owner_node) + ", channel " + std::to_string(c.owner_channel) + ")");
+  }
+  c.last_used = Clock::now();
+  return &c;
+}
+
+Result<size_t> NearMemoryService::Extend(const rpc::Request& req, std::span<uint8_t> out) {
+  CXLKV_ASSIGN_OR_RETURN(pnm::ExtendRequest r, pnm::DecodeExtend(req.payload));
+  CXLKV_ASSIGN_OR_RETURN(Context * c, Find(req, r.context));
+  if (r.first_page != c->pages()) {
+    return InvalidArgument("extend at page " + std::to_string(r.first_page) + " of a context of " +
+                           std::to_string(c->pages()) + " pages: a repeated or out-of-order extend");
+  }
+  if (c->pages() + r.keys.size() > kMaxContextPages) {
+    return InvalidArgument("a context holds at most " + std::to_string(kMaxContextPages) + " pages");
+  }
+  CXLKV_ASSIGN_OR_RETURN(LookupResult hit, cache_->Lookup(c->ns, r.keys));
+  if (hit.hit_blocks < r.keys.size()) {
+    cache_->Release(hit.pins);
+    return NotFound("page " + std::to_string(r.first_page + hit.hit_blocks) +
+                    " of the context is not in the pool (evicted, never stored, or still being written): "
+                    "attend up to it, or store it first");
+  }
+  for (const BlockPin& p : hit.pins) {
+    if (p.bytes != c->block_bytes) {
+      cache_->Release(hit.pins);
+      return Corrupted("a block of the context has " + std::to_string(p.bytes) + " bytes, its namespace " +
+                       std::to_string(c->block_bytes));
+    }
+  }
+  // Blocks are immutable once READY: one invalidation now (P2) serves every later read.
+  for (size_t i = 0; i < hit.pins.size(); ++i) {
+    cache_->InvalidateForRead(cache_->PayloadPtr(hit.pins[i]), hit.pins[i].bytes, i + 1 == hit.pins.size());
+  }
+  for (const BlockPin& p : hit.pins) {
+    const uint8_t* base = cache_->PayloadPtr(p);
+    for (uint32_t l = 0; l < c->layers; ++l) {
+      c->views[l].push_back({base + (uint64_t{l} * 2) * c->piece_bytes, base + (uint64_t{l} * 2 + 1) * c->piece_bytes});
+    }
+  }
+  const uint64_t first = c->pages();
+  c->pins.insert(c->pins.end(), hit.pins.begin(), hit.pins.end());
+  pages_pinned_.fetch_add(hit.pins.size());
+  bytes_pinned_.fetch_add(hit.pins.size() * c->block_bytes);
+  pnm::ExtendAnswer a;
+  CXLKV_RETURN_IF_ERROR(LoadOrBuildDigests(*c, first, r.keys, &a));
+  a.pages = c->pages();
+  const auto bytes = pnm::EncodeExtendAnswer(a);
+  std::memcpy(out.data(), bytes.data(), bytes.size());
+  return bytes.size();
+}
+
+Status NearMemoryService::LoadOrBuildDigests(Context& c, uint64_t first_page, std::span<const BlockKey> keys,
+                                             pnm::ExtendAnswer* a) {
+  const pnm::Geometry& g = c.g;
+  const uint64_t elems = pnm::DigestElemsPerPage(g);
+  const uint64_t digest_bytes = elems * sizeof(uint16_t) * c.layers;
+  for (auto& d : c.digests) d.resize((first_page + keys.size()) * elems);
+  size_t found = 0;
+  std::vector<BlockKey> dkeys;
+  if (c.digest_ns) {
+    dkeys.reserve(keys.size());
+    for (const BlockKey& k : keys) dkeys.push_back(DigestKeyOf(*c.digest_ns, k));
+    auto hit = cache_->Lookup(*c.digest_ns, dkeys);
+    if (hit.ok()) {
+      for (const BlockPin& p : hit->pins) {
+        if (p.bytes != digest_bytes) break;  // not ours to trust: build from here on
+        const uint8_t* src = cache_->PayloadPtr(p);
+        cache_->InvalidateForRead(src, p.bytes);
+        for (uint32_t l = 0; l < c.layers; ++l) {
+          std::memcpy(c.digests[l].data() + (first_page + found) * elems, src + l * elems * sizeof(uint16_t),
+                      elems * sizeof(uint16_t));
+        }
+        ++found;
+      }
+      cache_->Release(hit->pins);
+    }
+  }
+  for (uint64_t i = found; i < keys.size(); ++i) {
+    const uint64_t page = first_page + i;
+    for (uint32_t l = 0; l < c.layers; ++l) {
+      uint16_t* d = c.digests[l].data() + page * elems;
+      pnm::ClearPageDigest(g, d);
+      pnm::ExtendPageDigest(g, c.views[l][page], 0, g.page_tokens, d);
+    }
+  }
+  a->digests_found = found;
+  a->digests_built = keys.size() - found;
+  // Store what was built for the next reader. Best effort: a full pool, a racing writer or a
+  // digest already there leave this context's own copy in use.
+  if (c.digest_ns && found < keys.size()) {
+    auto reserved = cache_->ReserveMany(*c.digest_ns, std::span<const BlockKey>(dkeys).subspan(found), digest_bytes);
+    if (reserved.ok()) {
+      std::vector<Reservation> open;
+      std::vector<uint8_t> block(digest_bytes);
+      for (size_t j = 0; j < reserved->size(); ++j) {
+        KeyReservation& kr = (*reserved)[j];
+        if (kr.outcome != ReserveOutcome::kReserved) continue;
+        const uint64_t page = first_page + found + j;
+        for (uint32_t l = 0; l < c.layers; ++l) {
+          std::memcpy(block.data() + l * elems * sizeof(uint16_t), c.digests[l].data() + page * elems,
+                      elems * sizeof(uint16_t));
+        }
+        if (cache_->Write(kr.reservation, 0, block.data(), block.size()).ok()) {
+          open.push_back(kr.reservation);
+        } else {
+          (void)cache_->Abort(kr.reservation);
+        }
+      }
+      if (cache_->CommitMany(open).ok()) a->digests_stored = open.size();
+    }
+  }
+  digests_found_.fetch_add(a->digests_found);
+  digests_built_.fetch_add(a->digests_built);
+  digests_stored_.fetch_add(a->digests_stored);
+  return Status::Ok();
+}
+
+Result<size_t> NearMemoryService::Attend(const rpc::Request& req, std::span<uint8_t> out) {
+  CXLKV_ASSIGN_OR_RETURN(std::vector<pnm::AttendJobRequest> jobs, pnm::DecodeAttend(req.payload));
+  const size_t n = jobs.size();
+  std::vector<Context*> ctx(n, nullptr);
+  std::vector<Status> status(n);
+  std::vector<pnm::Selection> selections(n);
+  std::vector<pnm::Partial> partials(n);
+  size_t answer_bytes = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const pnm::AttendJobRequest& j = jobs[i];
+    auto c = Find(req, j.context);
+    if (!c.ok()) {
+      status[i] = c.status();
+    } else if (j.layer >= (*c)->layers) {
+      status[i] = InvalidArgument("layer " + std::to_string(j.layer) + " of a context of " +
+                                  std::to_string((*c)->layers) + " layers");
+    } else if (j.q.size() != size_t{(*c)->g.num_heads} * (*c)->g.head_dim) {
+      status[i] = InvalidArgument("a query of " + std::to_string(j.q.size()) + " floats, the context's heads need " +
+                                  std::to_string(size_t{(*c)->g.num_heads} * (*c)->g.head_dim));
+    } else if ((*c)->pages() == 0) {
+      status[i] = InvalidArgument("context " + std::to_string(j.context) + " has no pages yet: extend it first");
+    } else {
+      ctx[i] = *c;
+    }
+    answer_bytes += ctx[i] != nullptr ? pnm::AttendJobAnswerBytes(ctx[i]->g.num_heads, ctx[i]->g.head_dim)
+                                      : 10 + pnm::kMaxJobMessage;
+  }
+  if (answer_bytes > out.size()) {
+    return InvalidArgument("the answer to " + std::to_string(n) + " jobs needs " + std::to_string(answer_bytes) +
+                           " bytes, a response slot holds " + std::to_string(out.size()) + ": send fewer per request");
+  }
+  // Selection, then attention, each spread over the engines (data parallelism, §3.2).
+  engines_->ForEach(n, [&](size_t i) {
+    if (ctx[i] == nullptr || jobs[i].budget_tokens == 0) return;
+    const pnm::SelectOptions o{jobs[i].budget_tokens, jobs[i].sink_pages, jobs[i].recent_pages};
+    const Context& c = *ctx[i];
+    status[i] = pnm::SelectPages(c.g, jobs[i].q.data(), c.digests[jobs[i].layer].data(),
+                                 c.pages() * c.g.page_tokens, o, &selections[i]);
+  });
+  std::vector<pnm::AttendJob> work;
+  std::vector<size_t> of_job;
+  for (size_t i = 0; i < n; ++i) {
+    if (ctx[i] == nullptr || !status[i].ok()) continue;
+    const Context& c = *ctx[i];
+    pnm::AttendJob w;
+    w.g = &c.g;
+    w.q = jobs[i].q.data();
+    w.ctx = pnm::ContextView{c.views[jobs[i].layer], c.pages() * c.g.page_tokens};
+    w.selection = jobs[i].budget_tokens == 0 ? nullptr : &selections[i];
+    w.scale = jobs[i].scale;
+    w.out = &partials[i];
+    work.push_back(w);
+    of_job.push_back(i);
+  }
+  (void)engines_->Run(work);  // per-job statuses
+  for (size_t k = 0; k < work.size(); ++k) status[of_job[k]] = work[k].status;
+  meta::WireWriter w(out);
+  for (size_t i = 0; i < n; ++i) {
+    jobs_.fetch_add(1);
+    if (!status[i].ok()) {
+      job_errors_.fetch_add(1);
+      pnm::PutJobError(w, status[i]);
+      continue;
+    }
+    const Context& c = *ctx[i];
+    const uint64_t pages = jobs[i].budget_tokens == 0 ? c.pages() * c.g.num_kv_heads : selections[i].TotalPages();
+    pages_attended_.fetch_add(pages);
+    kv_bytes_read_.fetch_add(pages * 2 * c.g.SlabBytes() / c.g.num_kv_heads);
+    link_bytes_.fetch_add(jobs[i].q.size() * sizeof(float) + partials[i].out.size() * sizeof(float) +
+                          partials[i].lse.size() * sizeof(float));
+    pnm::PutJobOk(w, static_cast<uint32_t>(std::min<uint64_t>(pages, UINT32_MAX)), partials[i]);
+  }
+  if (w.overflow()) return Internal("pnm attend answer overflowed its checked size");
+  return w.size();
+}
+
+Result<size_t> NearMemoryService::Renew(const rpc::Request& req, std::span<uint8_t> out) {
+  CXLKV_ASSIGN_OR_RETURN(std::vector<uint64_t> ids, pnm::DecodeContexts(req.payload));
+  uint32_t renewed = 0;
+  for (uint64_t id : ids) renewed += Find(req, id).ok();
+  std::memcpy(out.data(), &renewed, 4);
+  return size_t{4};
+}
+
+Result<size_t> NearMemoryService::Close(const rpc::Request& req, std::span<uint8_t>) {
+  CXLKV_ASSIGN_OR_RETURN(std::vector<uint64_t> ids, pnm::DecodeContexts(req.payload));
+  Status first;
+  for (uint64_t id : ids) {
+    auto c = Find(req, id);
+    if (!c.ok()) {
+      if (first.ok()) first = c.status();
+      continue;
+    }
+    Drop(contexts_.find(id));
+  }
+  CXLKV_RETURN_IF_ERROR(first);
+  return size_t{0};
+}
+
+void NearMemoryService::Drop(std::map<uint64_t, std::unique_ptr<Context>>::iterator it) {
+  Context& c = *it->second;
+  // Pins taken by an earlier life of this node were reclaimed by its recovery: releasing them
+  // now would drop pins this life took since.
+  if (c.pin_life == pool_.impl().node->incarnation()) cache_->Release(c.pins);
+  pages_pinned_.fetch_sub(c.pins.size());
+  bytes_pinned_.fetch_sub(c.pins.size() * c.block_bytes);
+  contexts_.erase(it);
+  open_.store(contexts_.size());
+}
+
+void NearMemoryService::DropAll() {
+  while (!contexts_.empty()) Drop(contexts_.begin());
+}
+
+void NearMemoryService::Sweep() {
+  if (contexts_.empty()) return;
+  const auto now = Clock::now();
+  const auto lease = std::chrono::milliseconds(options_.context_lease_ms);
+  const auto views = pool_.impl().node->Nodes();
+  for (auto it = contexts_.begin(); it != contexts_.end();) {
+    const Context& c = *it->second;
+    const bool owner_gone = c.owner_node >= views.size() || !views[c.owner_node].live ||
+                            views[c.owner_node].incarnation != c.owner_life;
+    if (now - c.last_used > lease || owner_gone) {
+      auto next = std::next(it);
+      Drop(it);
+      expired_.fetch_add(1);
+      it = next;
+    } else {
+      ++it;
+    }
+  }
+}
+
+}  // namespace cxlkv::daemon

@@ -1,0 +1,189 @@
+// The near-memory attention client (remote.h).
+#include "pnm/remote.h"
+
+#include <algorithm>
+#include <deque>
+
+namespace cxlkv::pnm {
+
+Result<std::unique_ptr<NearMemoryClient>> NearMemoryClient::Open(Pool& pool, uint32_t node,
+                                                                  const rpc::RpcClientOptions& options) {
+  auto rpc = rpc::RpcClient::Open(pool, PnmServiceName(node), options);
+  if (!rpc.ok()) {
+    if (rpc.status().code() == StatusCode::kNotFound) {
+      return NotFound("node " + std::to_string(node) + " serves no near-memory attention: start its cxlkvd with "
+                      "--pnm-threads N");
+    }
+    return rpc.status();
+  }
+  return std::unique_ptr<NearMemoryClient>(new NearMemoryClient(std::move(*rpc), node));
+}
+
+Result<NearMemoryClient::Opened> NearMemoryClient::OpenContext(const KeyNamespace& ns, uint32_t num_heads,
+                                                               std::span<const BlockKey> keys) {
+  CXLKV_ASSIGN_OR_RETURN(std::vector<uint8_t> answer, rpc_->Call(kPnmOpen, EncodeOpen({ns, num_heads})));
+  CXLKV_ASSIGN_OR_RETURN(OpenAnswer a, DecodeOpenAnswer(answer));
+  Opened o;
+  o.context = a.context;
+  o.lease_ms = a.lease_ms;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    contexts_[a.context] = {0, {num_heads, ns.layout.head_size}};
+  }
+  if (!keys.empty()) {
+    auto e = Extend(a.context, keys);
+    if (!e.ok()) {
+      (void)Close({&o.context, 1});
+      return e.status();
+    }
+    o.totals = *e;
+  }
+  return o;
+}
+
+Result<ExtendAnswer> NearMemoryClient::Extend(uint64_t context, std::span<const BlockKey> keys) {
+  uint64_t first = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = contexts_.find(context);
+    if (it == contexts_.end()) return NotFound("context " + std::to_string(context) + " was not opened by this client");
+    first = it->second.first;
+  }
+  ExtendAnswer totals;
+  for (size_t at = 0; at < keys.size(); at += kMaxExtendKeys) {
+    ExtendRequest r;
+    r.context = context;
+    r.first_page = first;
+    const auto batch = keys.subspan(at, std::min(kMaxExtendKeys, keys.size() - at));
+    r.keys.assign(batch.begin(), batch.end());
+    CXLKV_ASSIGN_OR_RETURN(std::vector<uint8_t> answer, rpc_->Call(kPnmExtend, EncodeExtend(r)));
+    CXLKV_ASSIGN_OR_RETURN(ExtendAnswer a, DecodeExtendAnswer(answer));
+    if (a.pages != first + batch.size()) {
+      return Corrupted("extend answer: the context has " + std::to_string(a.pages) + " pages, expected " +
+                       std::to_string(first + batch.size()));
+    }
+    first = a.pages;
+    totals.pages = a.pages;
+    totals.digests_found += a.digests_found;
+    totals.digests_built += a.digests_built;
+    totals.digests_stored += a.digests_stored;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = contexts_.find(context); it != contexts_.end()) it->second.first = first;
+  }
+  return totals;
+}
+
+Status NearMemoryClient::Attend(std::span<Job> jobs) {
+  std::vector<std::pair<uint32_t, uint32_t>> shapes(jobs.size());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      auto it = contexts_.find(jobs[i].context);
+      if (it == contexts_.end() || jobs[i].q == nullptr || jobs[i].out == nullptr) {
+        return InvalidArgument("attend job " + std::to_string(i) +
+                               ": a context this client did not open, or no query or output");
+      }
+      shapes[i] = it->second.second;
+    }
+  }
+  // Pack consecutive jobs while the request and its answer fit their slots.
+  struct Batch {
+    size_t begin, end;
+    std::vector<uint8_t> request;
+    rpc::RpcClient::Ticket ticket = 0;
+  };
+  std::vector<Batch> batches;
+  const uint64_t req_cap = rpc_->request_capacity(), ans_cap = rpc_->response_capacity();
+  for (size_t i = 0; i < jobs.size();) {
+    size_t req = 4, ans = 0, j = i;
+    while (j < jobs.size()) {
+      const size_t q = size_t{shapes[j].first} * shapes[j].second;
+      const size_t a = std::max(AttendJobAnswerBytes(shapes[j].first, shapes[j].second), 10 + kMaxJobMessage);
+      if (j > i && (req + AttendJobRequestBytes(q) > req_cap || ans + a > ans_cap)) break;
+      req += AttendJobRequestBytes(q);
+      ans += a;
+      ++j;
+    }
+    if (req > req_cap || ans > ans_cap) {
+      return InvalidArgument("one query of " + std::to_string(shapes[i].first) + " heads does not fit a request slot");
+    }
+    std::vector<AttendJobRequest> encoded(j - i);
+    for (size_t k = i; k < j; ++k) {
+      AttendJobRequest& e = encoded[k - i];
+      e.context = jobs[k].context;
+      e.layer = jobs[k].layer;
+      e.budget_tokens = jobs[k].budget_tokens;
+      e.sink_pages = jobs[k].sink_pages;
+      e.recent_pages = jobs[k].recent_pages;
+      e.scale = jobs[k].scale;
+      e.q.assign(jobs[k].q, jobs[k].q + size_t{shapes[k].first} * shapes[k].second);
+    }
+    Batch b{i, j, {}, 0};
+    EncodeAttend(encoded, b.request);
+    batches.push_back(std::move(b));
+    i = j;
+  }
+  // Pipelined: submit while the ring has room, then take answers oldest first.
+  std::vector<uint8_t> answer(ans_cap);
+  std::deque<size_t> in_flight;
+  size_t next = 0;
+  Status first;
+  const auto deadline_of = [] { return rpc::RpcClient::Clock::now() + std::chrono::seconds(30); };
+  while (next < batches.size() || !in_flight.empty()) {
+    while (next < batches.size()) {
+      auto t = rpc_->Submit(kPnmAttend, batches[next].request);
+      if (!t.ok()) {
+        if (t.status().code() == StatusCode::kBusy && !in_flight.empty()) break;
+        for (size_t k : in_flight) rpc_->Abandon(batches[k].ticket);
+        return t.status();
+      }
+      batches[next].ticket = *t;
+      link_bytes_.fetch_add(batches[next].request.size());
+      in_flight.push_back(next++);
+    }
+    const size_t k = in_flight.front();
+    in_flight.pop_front();
+    Batch& b = batches[k];
+    auto n = rpc_->Wait(b.ticket, answer, deadline_of());
+    if (!n.ok()) {
+      for (size_t other : in_flight) rpc_->Abandon(batches[other].ticket);
+      return n.status();
+    }
+    link_bytes_.fetch_add(*n);
+    auto decoded = DecodeAttendAnswer(std::span<const uint8_t>(answer).first(*n),
+                                      std::span<const std::pair<uint32_t, uint32_t>>(shapes).subspan(b.begin, b.end - b.begin));
+    if (!decoded.ok()) {
+      for (size_t other : in_flight) rpc_->Abandon(batches[other].ticket);
+      return decoded.status();
+    }
+    for (size_t j = b.begin; j < b.end; ++j) {
+      AttendJobAnswer& a = (*decoded)[j - b.begin];
+      jobs[j].status = a.status;
+      jobs[j].pages_attended = a.pages_attended;
+      if (a.status.ok()) {
+        *jobs[j].out = std::move(a.partial);
+      } else if (first.ok()) {
+        first = a.status;
+      }
+    }
+  }
+  return first;
+}
+
+Result<uint32_t> NearMemoryClient::Renew(std::span<const uint64_t> contexts) {
+  CXLKV_ASSIGN_OR_RETURN(std::vector<uint8_t> answer, rpc_->Call(kPnmRenew, EncodeContexts(contexts)));
+  if (answer.size() != 4) return Corrupted("pnm renew answer of " + std::to_string(answer.size()) + " bytes, expected 4");
+  uint32_t n = 0;
+  std::memcpy(&n, answer.data(), 4);
+  return n;
+}
+
+Status NearMemoryClient::Close(std::span<const uint64_t> contexts) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (uint64_t c : contexts) contexts_.erase(c);
+  }
+  return rpc_->Call(kPnmClose, EncodeContexts(contexts)).status();
+}
+
+}  // namespace cxlkv::pnm

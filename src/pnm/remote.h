@@ -1,0 +1,92 @@
+// The calling side of the near-memory attention service (service_protocol.h; docs/pnm.md,
+// "Engines in cxlkvd"): a decode worker's way to run attention where the KV lives.
+//
+//   auto nm = pnm::NearMemoryClient::Open(pool, node);            // that node's cxlkvd
+//   auto ctx = (*nm)->OpenContext(ns, num_heads, prompt_keys);    // pins the blocks there
+//   pnm::NearMemoryClient::Job job{.context = *ctx, .layer = l, .q = q, .budget_tokens = 2048, .out = &partial};
+//   (*nm)->Attend({&job, 1});                                      // q in; out and lse back
+//   ... merge `partial` with the engine's own tokens by LSE (pnm::MergeInto) ...
+//   (*nm)->Close({&*ctx, 1});
+//
+// A context is leased by the daemon: use it (Attend) or Renew it more often than the lease the
+// open returned, or it is closed and the next request gets kNotFound (then open it again).
+// Requests of a batch are packed into as few RPC requests as the slots hold and pipelined.
+//
+// Thread-safety: all methods are thread-safe (the RPC client serializes its ring).
+#ifndef CXLKV_SRC_PNM_REMOTE_H_
+#define CXLKV_SRC_PNM_REMOTE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <utility>
+
+#include "cxlkv/cache.h"
+#include "cxlkv/pool.h"
+#include "cxlkv/status.h"
+#include "pnm/attend.h"
+#include "pnm/service_protocol.h"
+#include "rpc/client.h"
+
+namespace cxlkv::pnm {
+
+class NearMemoryClient {
+ public:
+  // Opens the channel to node `node`'s service. Errors: kNotFound (that node's cxlkvd does not
+  // serve near-memory attention: start it with --pnm-threads), those of RpcClient::Open.
+  static Result<std::unique_ptr<NearMemoryClient>> Open(Pool& pool, uint32_t node,
+                                                        const rpc::RpcClientOptions& options = {});
+
+  struct Opened {
+    uint64_t context = 0;
+    uint32_t lease_ms = 0;
+    ExtendAnswer totals;  // over every batch of keys: pages, digests found, built, stored
+  };
+  // Opens a context over the blocks `keys` (in token order, full pages) of namespace `ns`, for a
+  // model of `num_heads` query heads. Errors: kNotFound (a key is not in the pool: the message
+  // names the page), kInvalidArgument (a layout near-memory attention cannot read), kNoSpace
+  // (too many contexts open there), kUnavailable (no daemon answers).
+  Result<Opened> OpenContext(const KeyNamespace& ns, uint32_t num_heads, std::span<const BlockKey> keys);
+  // Appends blocks to an open context (a decode that filled another page and stored it).
+  Result<ExtendAnswer> Extend(uint64_t context, std::span<const BlockKey> keys);
+
+  struct Job {
+    uint64_t context = 0;
+    uint32_t layer = 0;
+    const float* q = nullptr;     // [heads][head_dim] of the context's model
+    uint32_t budget_tokens = 0;   // 0: every page (dense); else top-K pages under this budget
+    uint16_t sink_pages = 1;
+    uint16_t recent_pages = 1;
+    float scale = 0;              // 0: 1/sqrt(head_dim)
+    Partial* out = nullptr;       // the attention over the context's tokens, with its lse
+    uint32_t pages_attended = 0;  // summed over KV heads
+    Status status;                // this job's outcome
+  };
+  // Runs the jobs at the daemon. Returns the first job's error, or a transport error (then no
+  // job has an answer). Jobs of contexts this client did not open are refused locally.
+  Status Attend(std::span<Job> jobs);
+  // Keeps idle contexts open; returns how many the daemon still had.
+  Result<uint32_t> Renew(std::span<const uint64_t> contexts);
+  Status Close(std::span<const uint64_t> contexts);
+
+  // Payload bytes sent and received by Attend (queries in; outputs and lse back).
+  uint64_t link_bytes() const { return link_bytes_.load(); }
+  uint32_t node() const { return node_; }
+
+ private:
+  NearMemoryClient(std::unique_ptr<rpc::RpcClient> rpc, uint32_t node) : rpc_(std::move(rpc)), node_(node) {}
+  Status SendBatch(std::span<Job> jobs, std::span<const std::pair<uint32_t, uint32_t>> shapes);
+
+  std::unique_ptr<rpc::RpcClient> rpc_;
+  uint32_t node_ = 0;
+  std::mutex mu_;
+  std::map<uint64_t, std::pair<uint64_t, std::pair<uint32_t, uint32_t>>> contexts_;  // id -> pages, (heads, dim)
+  std::atomic<uint64_t> link_bytes_{0};
+};
+
+}  // namespace cxlkv::pnm
+
+#endif  // CXLKV_SRC_PNM_REMOTE_H_

@@ -1,0 +1,122 @@
+// The near-memory attention service's requests (PNM §3.2, issue 15; docs/pnm.md, "Engines in
+// cxlkvd"): one opcode table and one binary encoding shared by the service (daemon/pnm_service.h)
+// and its client (pnm/remote.h), fuzzed with the other decoders (fuzz/frame_fuzz.cc).
+//
+// Each node's cxlkvd may serve "pnm-<node>": attention next to the memory that holds the KV.
+// A decode worker opens a context — a sequence of pool blocks (pages) of one KV namespace — by
+// their keys; the daemon pins the blocks and builds (or finds in the pool) their page digests.
+// Per decode step only the query goes in and the output and log-sum-exp come back, whatever
+// the context's length. A context is leased: one the client neither uses nor renews for the
+// lease is closed by the daemon (a crashed or paused client's pins do not stay forever).
+//
+// Encoding: little-endian fixed-width fields, meta::WireWriter/WireReader (meta/protocol.h).
+// Every decoder checks counts against the bytes: a request is a stranger's.
+//   kPnmOpen     namespace (model, extra key, layout), u32 query heads -> u64 context, u32 lease ms
+//   kPnmExtend   u64 context, u64 first page, key batch (u32 count, keys) -> ExtendAnswer
+//   kPnmAttend   u32 jobs, per job: u64 context, u32 layer, u32 budget tokens (0: every page),
+//                u16 sink pages, u16 recent pages, f32 scale (0: 1/sqrt(head_dim)), u32 q floats,
+//                the floats -> per job: u32 status code, u32 pages attended, then the output
+//                ([heads][head_dim] f32) and the lse ([heads] f32) if ok, else u16 length and
+//                the error's message
+//   kPnmRenew    key-less batch of u32 count, u64 contexts -> u32 how many were renewed
+//   kPnmClose    u64 context -> nothing
+#ifndef CXLKV_SRC_PNM_SERVICE_PROTOCOL_H_
+#define CXLKV_SRC_PNM_SERVICE_PROTOCOL_H_
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cxlkv/cache.h"
+#include "cxlkv/status.h"
+#include "meta/protocol.h"
+#include "pnm/attend.h"
+#include "rpc/area.h"
+
+namespace cxlkv::pnm {
+
+enum PnmOp : uint32_t {
+  kPnmOpen = 1,    // not idempotent: makes a context
+  kPnmExtend = 2,  // not idempotent: pins blocks (a repeat is refused by its first page)
+  kPnmAttend = 3,  // idempotent: reads only
+  kPnmRenew = 4,   // idempotent
+  kPnmClose = 5,   // idempotent: closing a closed context is kNotFound, which clients ignore
+};
+
+std::string PnmServiceName(uint32_t node);
+
+// Slots sized for one layer's query of a large model (32 heads × 128 × 4 bytes = 16 KiB) with
+// room, or several small ones; a context's keys go in batches of kMaxExtendKeys. The area is
+// nodes × clients × depth × (request + response) of the region: 8 MiB for 16 nodes.
+inline rpc::RpcGeometry PnmGeometry() {
+  return {.clients_per_node = 4, .depth = 2, .request_bytes = 32 << 10, .response_bytes = 32 << 10};
+}
+inline constexpr size_t kMaxExtendKeys = 1024;
+inline constexpr size_t kMaxJobMessage = 160;  // bytes of a failed job's message in an answer
+inline constexpr uint32_t kMaxQueryHeads = 256;
+
+struct OpenRequest {
+  KeyNamespace ns;         // the KV's namespace (pool block format 1, K and V)
+  uint32_t num_heads = 0;  // query heads: a multiple of ns.layout.num_kv_heads
+};
+struct OpenAnswer {
+  uint64_t context = 0;
+  uint32_t lease_ms = 0;  // idle time after which the daemon closes the context
+};
+
+struct ExtendRequest {
+  uint64_t context = 0;
+  uint64_t first_page = 0;  // must equal the context's page count (a repeat is refused)
+  std::vector<BlockKey> keys;
+};
+struct ExtendAnswer {
+  uint64_t pages = 0;           // the context's pages now
+  uint64_t digests_found = 0;   // of this batch: digests read from the pool
+  uint64_t digests_built = 0;   // built from the keys (and stored in the pool when it had room)
+  uint64_t digests_stored = 0;  // of those built, stored for the next reader
+};
+
+struct AttendJobRequest {
+  uint64_t context = 0;
+  uint32_t layer = 0;
+  uint32_t budget_tokens = 0;  // 0: every page (dense)
+  uint16_t sink_pages = 1;
+  uint16_t recent_pages = 1;
+  float scale = 0;
+  std::vector<float> q;  // [heads][head_dim]
+};
+struct AttendJobAnswer {
+  Status status;
+  uint32_t pages_attended = 0;
+  Partial partial;  // ok only
+};
+std::vector<uint8_t> EncodeOpen(const OpenRequest& r);
+Result<OpenRequest> DecodeOpen(std::span<const uint8_t> in);
+std::vector<uint8_t> EncodeOpenAnswer(const OpenAnswer& a);
+Result<OpenAnswer> DecodeOpenAnswer(std::span<const uint8_t> in);
+
+std::vector<uint8_t> EncodeExtend(const ExtendRequest& r);
+Result<ExtendRequest> DecodeExtend(std::span<const uint8_t> in);
+std::vector<uint8_t> EncodeExtendAnswer(const ExtendAnswer& a);
+Result<ExtendAnswer> DecodeExtendAnswer(std::span<const uint8_t> in);
+
+// Bytes one job takes in a request, and in an answer when it succeeds (a failure takes less).
+size_t AttendJobRequestBytes(size_t q_floats);
+size_t AttendJobAnswerBytes(uint32_t heads, uint32_t head_dim);
+void EncodeAttend(std::span<const AttendJobRequest> jobs, std::vector<uint8_t>& out);
+Result<std::vector<AttendJobRequest>> DecodeAttend(std::span<const uint8_t> in);
+// The answer to a batch: one record per job, appended in job order.
+void PutJobOk(meta::WireWriter& w, uint32_t pages_attended, const Partial& p);
+void PutJobError(meta::WireWriter& w, const Status& s);
+// `shapes` (heads, head_dim) per job: an answer's shapes are the caller's own contexts'.
+Result<std::vector<AttendJobAnswer>> DecodeAttendAnswer(std::span<const uint8_t> in,
+                                                        std::span<const std::pair<uint32_t, uint32_t>> shapes);
+
+std::vector<uint8_t> EncodeContexts(std::span<const uint64_t> contexts);
+Result<std::vector<uint64_t>> DecodeContexts(std::span<const uint8_t> in);
+
+}  // namespace cxlkv::pnm
+
+#endif  // CXLKV_SRC_PNM_SERVICE_PROTOCOL_H_

@@ -1,0 +1,425 @@
+// Near-memory attention in cxlkvd (issue 15, PNM §3.2): a context of pool blocks opened by key,
+// attention over it with only the query in and the output and lse back. In-process first (the
+// service and a client on one pool): the answers equal local attention over the same bytes bit
+// for bit, digests are stored in the pool for the next opener, pins hold the blocks exactly while
+// a context is open, bad requests get their reason. Then as real processes: a client killed
+// -9 or paused past its lease leaves nothing pinned, the paused one gets a clear error and
+// reopens, and a dead daemon fails the call instead of hanging it.
+#include <cmath>
+#include <random>
+
+#include "daemon/pnm_service.h"
+#include "daemon_harness.h"
+#include "pnm/attend.h"
+#include "pnm/digest.h"
+#include "pnm/remote.h"
+#include "pnm/select.h"
+
+namespace cxlkv {
+namespace {
+
+using namespace cxlkv::testing;  // the daemon harness
+using Client = pnm::NearMemoryClient;
+
+constexpr uint32_t kLayers = 2, kKvHeads = 2, kHeads = 8, kDim = 64, kPage = 16;
+
+KeyNamespace TestNamespace() {
+  KeyNamespace ns;
+  ns.model_id = "pnm-daemon-test";
+  ns.layout.dtype = KvDtype::kFp16;
+  ns.layout.num_layers = kLayers;
+  ns.layout.num_kv_heads = kKvHeads;
+  ns.layout.head_size = kDim;
+  ns.layout.block_size = kPage;
+  return ns;
+}
+
+pnm::Geometry TestGeometry() { return {kHeads, kKvHeads, kDim, kPage, KvDtype::kFp16}; }
+
+uint16_t Half(float x) {  // truncating float -> fp16 for test data in [-4, 4]
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  const uint32_t sign = (b >> 16) & 0x8000u;
+  const int exp = static_cast<int>((b >> 23) & 0xff) - 127 + 15;
+  if (exp <= 0) return static_cast<uint16_t>(sign);
+  return static_cast<uint16_t>(sign | (static_cast<uint32_t>(exp) << 10) | ((b >> 13) & 0x3ffu));
+}
+
+// `pages` blocks of seeded fp16 KV (a few keys per page made loud, so selection matters) put
+// into the pool; returns their keys.
+std::vector<BlockKey> PutContext(KvCache& cache, const NamespaceHandle& ns, uint32_t pages, uint32_t seed) {
+  std::vector<int32_t> tokens(size_t{pages} * kPage);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(seed * 100000 + i);
+  auto keys = KvCache::ChainKeys(ns, tokens);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> noise(0.f, 0.5f);
+  std::vector<uint16_t> block(ns.block_bytes / 2);
+  for (uint32_t p = 0; p < pages; ++p) {
+    for (auto& h : block) h = Half(noise(rng));
+    if (p % 7 == 3) {
+      for (uint32_t d = 0; d < kDim; ++d) block[d] = Half(3.5f);  // layer 0, K, token 0, head 0
+    }
+    Status s = cache.Put(ns, keys[p], block.data(), block.size() * 2);
+    EXPECT_TRUE(s.ok() || s.code() == StatusCode::kAlreadyExists) << s.ToString();
+  }
+  return keys;
+}
+
+std::vector<float> Query(uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.f, 1.f);
+  std::vector<float> q(size_t{kHeads} * kDim);
+  for (auto& x : q) x = d(rng);
+  return q;
+}
+
+// The same attention computed here, over the same pool bytes.
+pnm::Partial LocalAttention(KvCache& cache, const NamespaceHandle& ns, std::span<const BlockKey> keys, uint32_t layer,
+                            const std::vector<float>& q, uint32_t budget) {
+  const pnm::Geometry g = TestGeometry();
+  auto hit = cache.Lookup(ns, keys);
+  EXPECT_TRUE(hit.ok() && hit->hit_blocks == keys.size());
+  std::vector<pnm::PageKv> views;
+  for (const BlockPin& p : hit->pins) {
+    const uint8_t* base = cache.PayloadPtr(p);
+    views.push_back({base + (layer * 2) * g.SlabBytes(), base + (layer * 2 + 1) * g.SlabBytes()});
+  }
+  const pnm::ContextView ctx{views, keys.size() * kPage};
+  pnm::Partial out;
+  pnm::Selection sel;
+  const pnm::Selection* selection = nullptr;
+  if (budget != 0) {
+    std::vector<uint16_t> digests(keys.size() * pnm::DigestElemsPerPage(g));
+    EXPECT_TRUE(pnm::BuildDigests(g, ctx, digests).ok());
+    EXPECT_TRUE(pnm::SelectPages(g, q.data(), digests.data(), ctx.tokens, {budget, 1, 1}, &sel).ok());
+    selection = &sel;
+  }
+  EXPECT_TRUE(pnm::Attend(g, q.data(), ctx, selection, 0, &out).ok());
+  cache.Release(hit->pins);
+  return out;
+}
+
+Client::Job MakeJob(uint64_t context, uint32_t layer, const float* q, uint32_t budget, pnm::Partial* out) {
+  Client::Job j;
+  j.context = context;
+  j.layer = layer;
+  j.q = q;
+  j.budget_tokens = budget;
+  j.out = out;
+  return j;
+}
+
+bool SameBits(const pnm::Partial& a, const pnm::Partial& b) {
+  return a.out.size() == b.out.size() && a.lse.size() == b.lse.size() &&
+         std::memcmp(a.out.data(), b.out.data(), a.out.size() * 4) == 0 &&
+         std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * 4) == 0;
+}
+
+struct InProcess {
+  TempRegionPath path{"pnmsvc"};
+  std::unique_ptr<Pool> pool;
+  KvCache* cache = nullptr;
+  NamespaceHandle ns;
+  std::unique_ptr<daemon::NearMemoryService> service;
+
+  explicit InProcess(daemon::NearMemoryServiceOptions o = {}) {
+    MakePool(path.path());
+    pool = OpenOrNull({path.path()}, 0);
+    if (pool == nullptr) return;
+    cache = *pool->Cache();
+    ns = *cache->Namespace(TestNamespace());
+    auto s = daemon::NearMemoryService::Start(*pool, o);
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    if (s.ok()) service = std::move(*s);
+    EXPECT_TRUE(service && service->server().WaitServing(std::chrono::seconds(10)));
+  }
+};
+
+TEST(NearMemoryService, AttentionAtTheDaemonEqualsLocalAttentionBitForBit) {
+  InProcess t;
+  ASSERT_NE(t.service, nullptr);
+  const auto keys = PutContext(*t.cache, t.ns, 96, 1);
+  auto client = Client::Open(*t.pool, 0);
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  auto ctx = (*client)->OpenContext(TestNamespace(), kHeads, keys);
+  ASSERT_TRUE(ctx.ok()) << ctx.status().ToString();
+  EXPECT_EQ(ctx->totals.pages, 96u);
+  EXPECT_EQ(ctx->totals.digests_built, 96u);
+  EXPECT_EQ(ctx->totals.digests_stored, 96u);
+  EXPECT_EQ(ctx->totals.digests_found, 0u);
+
+  // Every layer, dense and two budgets, in one batch.
+  std::vector<std::vector<float>> qs;
+  std::vector<Client::Job> jobs;
+  std::vector<pnm::Partial> outs(kLayers * 3);
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    for (uint32_t b = 0; b < 3; ++b) qs.push_back(Query(10 * l + b));
+  }
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    for (uint32_t b = 0; b < 3; ++b) {
+      Client::Job j;
+      j.context = ctx->context;
+      j.layer = l;
+      j.q = qs[l * 3 + b].data();
+      j.budget_tokens = std::array<uint32_t, 3>{0, 256, 64}[b];
+      j.out = &outs[l * 3 + b];
+      jobs.push_back(j);
+    }
+  }
+  ASSERT_TRUE((*client)->Attend(jobs).ok());
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    ASSERT_TRUE(jobs[i].status.ok()) << jobs[i].status.ToString();
+    const pnm::Partial local = LocalAttention(*t.cache, t.ns, keys, jobs[i].layer, qs[i], jobs[i].budget_tokens);
+    EXPECT_TRUE(SameBits(local, outs[i])) << "job " << i;
+    const uint32_t pages = jobs[i].budget_tokens == 0 ? 96 : jobs[i].budget_tokens / kPage;
+    EXPECT_EQ(jobs[i].pages_attended, pages * kKvHeads) << "job " << i;
+  }
+  // Only queries, outputs and lses crossed: a few KiB, not the context's 3 MiB.
+  EXPECT_LT((*client)->link_bytes(), 64u << 10);
+
+  // A second context over the same prefix reads the stored digests instead of building them.
+  auto again = (*client)->OpenContext(TestNamespace(), kHeads, std::span<const BlockKey>(keys).first(64));
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->totals.digests_found, 64u);
+  EXPECT_EQ(again->totals.digests_built, 0u);
+  pnm::Partial from_stored;
+  Client::Job j;
+  j.context = again->context;
+  j.q = qs[1].data();
+  j.budget_tokens = 256;
+  j.out = &from_stored;
+  ASSERT_TRUE((*client)->Attend({&j, 1}).ok());
+  EXPECT_TRUE(SameBits(from_stored, LocalAttention(*t.cache, t.ns, std::span<const BlockKey>(keys).first(64), 0,
+                                                   qs[1], 256)));
+
+  // Pinned while open: nothing can be evicted; after closing, everything can.
+  EXPECT_EQ(*t.cache->Evict(t.ns, keys), 0u);
+  EXPECT_EQ(t.service->stats().pages_pinned, 96u + 64u);
+  ASSERT_TRUE((*client)->Close(std::vector<uint64_t>{ctx->context, again->context}).ok());
+  EXPECT_EQ(t.service->stats().pages_pinned, 0u);
+  EXPECT_EQ(*t.cache->Evict(t.ns, keys), 96u);
+  EXPECT_EQ(t.service->stats().contexts_open, 0u);
+}
+
+TEST(NearMemoryService, BadRequestsGetTheirReasonAndChangeNothing) {
+  InProcess t;
+  ASSERT_NE(t.service, nullptr);
+  const auto keys = PutContext(*t.cache, t.ns, 8, 2);
+  auto client = Client::Open(*t.pool, 0);
+  ASSERT_TRUE(client.ok());
+
+  // A page missing from the pool: named, and nothing stays pinned.
+  std::vector<BlockKey> with_gap = keys;
+  with_gap[5].lo ^= 1;
+  auto gap = (*client)->OpenContext(TestNamespace(), kHeads, with_gap);
+  ASSERT_EQ(gap.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(gap.status().message().find("page 5"), std::string::npos) << gap.status().ToString();
+  EXPECT_EQ(t.service->stats().pages_pinned, 0u);
+  EXPECT_EQ(t.service->stats().contexts_open, 0u);
+
+  // Layouts and shapes it cannot serve.
+  KeyNamespace fp8 = TestNamespace();
+  fp8.model_id = "pnm-fp8";
+  fp8.layout.dtype = KvDtype::kFp8;
+  EXPECT_EQ((*client)->OpenContext(fp8, kHeads, {}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*client)->OpenContext(TestNamespace(), 3, {}).status().code(), StatusCode::kInvalidArgument);
+  KeyNamespace mla = TestNamespace();
+  mla.model_id = "pnm-mla";
+  mla.layout.kv_parts = 1;
+  EXPECT_EQ((*client)->OpenContext(mla, kHeads, {}).status().code(), StatusCode::kInvalidArgument);
+
+  auto ctx = (*client)->OpenContext(TestNamespace(), kHeads, keys);
+  ASSERT_TRUE(ctx.ok());
+  const auto q = Query(3);
+  pnm::Partial out;
+  Client::Job bad_layer = MakeJob(ctx->context, kLayers, q.data(), 0, &out);
+  Client::Job good = MakeJob(ctx->context, 1, q.data(), 0, &out);
+  std::vector<Client::Job> jobs{bad_layer, good};
+  EXPECT_EQ((*client)->Attend(jobs).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(jobs[0].status.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(jobs[0].status.message().find("layer 2"), std::string::npos) << jobs[0].status.ToString();
+  EXPECT_TRUE(jobs[1].status.ok()) << "a bad job does not fail its batch's others";
+
+  // Raw requests: malformed bytes, a repeated extend, a context that is not open. (A process
+  // has one channel per service: the client goes first, its context stays open.)
+  client->reset();
+  auto raw = rpc::RpcClient::Open(*t.pool, pnm::PnmServiceName(0));
+  ASSERT_TRUE(raw.ok());
+  const std::vector<uint8_t> junk{1, 2, 3};
+  for (uint32_t op : {pnm::kPnmOpen, pnm::kPnmExtend, pnm::kPnmAttend, pnm::kPnmRenew, pnm::kPnmClose}) {
+    auto r = (*raw)->Call(op, junk);
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << op << ": " << r.status().ToString();
+  }
+  std::vector<uint8_t> huge_count(8, 0xff);  // an attend batch claiming 4G jobs
+  EXPECT_EQ((*raw)->Call(pnm::kPnmAttend, huge_count).status().code(), StatusCode::kInvalidArgument);
+  pnm::ExtendRequest repeat{ctx->context, 0, {keys[0]}};
+  auto rep = (*raw)->Call(pnm::kPnmExtend, pnm::EncodeExtend(repeat));
+  EXPECT_EQ(rep.status().code(), StatusCode::kInvalidArgument) << rep.status().ToString();
+  const uint64_t unknown = ctx->context + 1000;
+  EXPECT_EQ((*raw)->Call(pnm::kPnmClose, pnm::EncodeContexts({&unknown, 1})).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(t.service->stats().pages_pinned, 8u);
+  ASSERT_TRUE((*raw)->Call(pnm::kPnmClose, pnm::EncodeContexts({&ctx->context, 1})).ok());
+  EXPECT_EQ(t.service->stats().pages_pinned, 0u);
+}
+
+TEST(NearMemoryService, AnIdleContextIsClosedAtItsLeaseAndARenewedOneIsNot) {
+  daemon::NearMemoryServiceOptions o;
+  o.context_lease_ms = 300;
+  InProcess t(o);
+  ASSERT_NE(t.service, nullptr);
+  const auto keys = PutContext(*t.cache, t.ns, 4, 4);
+  auto client = Client::Open(*t.pool, 0);
+  ASSERT_TRUE(client.ok());
+  auto idle = (*client)->OpenContext(TestNamespace(), kHeads, keys);
+  auto kept = (*client)->OpenContext(TestNamespace(), kHeads, keys);
+  ASSERT_TRUE(idle.ok() && kept.ok());
+  EXPECT_EQ(idle->lease_ms, 300u);
+  for (int i = 0; i < 8; ++i) {
+    std::this_thread::sleep_for(100ms);
+    auto n = (*client)->Renew({&kept->context, 1});
+    ASSERT_TRUE(n.ok());
+    EXPECT_EQ(*n, 1u);
+  }
+  const auto q = Query(5);
+  pnm::Partial out;
+  Client::Job j = MakeJob(idle->context, 0, q.data(), 0, &out);
+  EXPECT_EQ((*client)->Attend({&j, 1}).code(), StatusCode::kNotFound);
+  EXPECT_NE(j.status.message().find("lease"), std::string::npos) << j.status.ToString();
+  j.context = kept->context;
+  EXPECT_TRUE((*client)->Attend({&j, 1}).ok());
+  EXPECT_EQ(t.service->stats().contexts_expired, 1u);
+  EXPECT_EQ(t.service->stats().pages_pinned, 4u);
+}
+
+// ---- real processes ----
+
+// A client on `node`: opens a context over the first `pages` blocks of seed 7 and attends once,
+// then reports and obeys commands: 1 = attend again (reply 0 ok, 1 not found, 2 other error;
+// on "not found" it reopens and attends, replying 10 + the retry's outcome), 0 = exit.
+int ClientProcess(const std::string& path, uint32_t node, int in, int out) {
+  auto pool = OpenOrNull({path}, node);
+  CHILD_CHECK(pool != nullptr, "open");
+  auto cache = pool->Cache();
+  CHILD_CHECK(cache.ok(), "cache");
+  auto ns = (*cache)->Namespace(TestNamespace());
+  CHILD_CHECK(ns.ok(), "ns");
+  std::vector<int32_t> tokens(size_t{32} * kPage);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(7 * 100000 + i);
+  const auto keys = KvCache::ChainKeys(*ns, tokens);
+  rpc::RpcClientOptions ro;
+  ro.timeout = std::chrono::milliseconds(5000);
+  auto client = Client::Open(*pool, 0, ro);
+  CHILD_CHECK(client.ok(), "client: %s", client.status().ToString().c_str());
+  auto ctx = (*client)->OpenContext(TestNamespace(), kHeads, keys);
+  CHILD_CHECK(ctx.ok(), "open context: %s", ctx.status().ToString().c_str());
+  const auto q = Query(9);
+  pnm::Partial partial;
+  auto attend = [&](uint64_t id) {
+    Client::Job j = MakeJob(id, 0, q.data(), 128, &partial);
+    Status s = (*client)->Attend({&j, 1});
+    return s.ok() ? 0 : s.code() == StatusCode::kNotFound ? 1 : 2;
+  };
+  CHILD_CHECK(attend(ctx->context) == 0, "first attend");
+  Put(out, 100);
+  for (uint64_t cmd = 0; Get(in, &cmd) && cmd == 1;) {
+    int r = attend(ctx->context);
+    if (r == 1) {
+      auto again = (*client)->OpenContext(TestNamespace(), kHeads, keys);
+      r = again.ok() ? 10 + attend(again->context) : 20;
+      if (again.ok()) ctx = again;
+    }
+    Put(out, static_cast<uint64_t>(r));
+  }
+  return 0;
+}
+
+TEST(CxlkvdPnm, KilledAndPausedClientsLeaveNothingPinnedAndThePausedOneReopens) {
+  TempRegionPath path("pnmproc");
+  MakePool(path.path());
+  // Clients fork before this process opens the pool (no threads cross a fork).
+  Child killed = Child::Fork([&](int in, int out) {
+    uint64_t go = 0;
+    if (!Get(in, &go)) return 1;
+    return ClientProcess(path.path(), 2, in, out);
+  });
+  Child paused = Child::Fork([&](int in, int out) {
+    uint64_t go = 0;
+    if (!Get(in, &go)) return 1;
+    return ClientProcess(path.path(), 3, in, out);
+  });
+  DaemonProcess d = DaemonProcess::Start(path.path(), 0, "--pnm-threads 1 --pnm-lease-ms 800 --metrics 127.0.0.1:0");
+  ASSERT_GT(d.MetricsPort(), 0) << d.first_line;
+  auto pool = OpenOrNull({path.path()}, 1);
+  ASSERT_NE(pool, nullptr);
+  KvCache* cache = *pool->Cache();
+  const NamespaceHandle ns = *cache->Namespace(TestNamespace());
+  const auto keys = PutContext(*cache, ns, 32, 7);
+
+  uint64_t reply = 0;
+  ASSERT_TRUE(killed.Send(1) && killed.Receive(&reply));
+  ASSERT_EQ(reply, 100u);
+  ASSERT_TRUE(paused.Send(1) && paused.Receive(&reply));
+  ASSERT_EQ(reply, 100u);
+  EXPECT_EQ(*cache->Evict(ns, keys), 0u) << "two open contexts pin every block";
+  EXPECT_EQ(SumOf(Scrape(d.MetricsPort()), "cxlkv_pnm_contexts_open"), 2);
+
+  // kill -9 one client, SIGSTOP the other past its lease (and its node's).
+  ::kill(killed.pid, SIGKILL);
+  EXPECT_EQ(killed.Wait(), 128 + SIGKILL);
+  ::kill(paused.pid, SIGSTOP);
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (SumOf(Scrape(d.MetricsPort()), "cxlkv_pnm_contexts_open") != 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(50ms);
+  }
+  const std::string m = Scrape(d.MetricsPort());
+  EXPECT_EQ(SumOf(m, "cxlkv_pnm_contexts_open"), 0);
+  EXPECT_EQ(SumOf(m, "cxlkv_pnm_pages_pinned"), 0);
+  EXPECT_EQ(SumOf(m, "cxlkv_pnm_contexts_expired_total"), 2);
+
+  // Nothing is pinned: the blocks can go (and are put back for the paused client's retry).
+  EXPECT_EQ(*cache->Evict(ns, keys), 32u);
+  PutContext(*cache, ns, 32, 7);
+
+  // Resumed, the paused client's context is gone: it is told so, reopens and attends.
+  ::kill(paused.pid, SIGCONT);
+  ASSERT_TRUE(paused.Send(1) && paused.Receive(&reply));
+  EXPECT_EQ(reply, 10u) << "1x: not found, then reopened (0: ok, 2: another error)";
+  ASSERT_TRUE(paused.Send(1) && paused.Receive(&reply));
+  EXPECT_EQ(reply, 0u);
+  ASSERT_TRUE(paused.Send(0));
+  EXPECT_EQ(paused.Wait(), 0);
+
+  std::string report;
+  EXPECT_EQ(PromtoolCheck(Scrape(d.MetricsPort()), &report), 0) << report;
+  ::kill(d.pid, SIGTERM);
+  EXPECT_EQ(d.Wait(), 0);
+}
+
+TEST(CxlkvdPnm, ADeadDaemonFailsTheCallInsteadOfHangingIt) {
+  TempRegionPath path("pnmdead");
+  MakePool(path.path());
+  Child client = Child::Fork([&](int in, int out) {
+    uint64_t go = 0;
+    if (!Get(in, &go)) return 1;
+    return ClientProcess(path.path(), 2, in, out);
+  });
+  DaemonProcess d = DaemonProcess::Start(path.path(), 0, "--pnm-threads 0");
+  auto pool = OpenOrNull({path.path()}, 1);
+  ASSERT_NE(pool, nullptr);
+  KvCache* cache = *pool->Cache();
+  PutContext(*cache, *cache->Namespace(TestNamespace()), 32, 7);
+  uint64_t reply = 0;
+  ASSERT_TRUE(client.Send(1) && client.Receive(&reply));
+  ASSERT_EQ(reply, 100u);
+  ::kill(d.pid, SIGKILL);
+  EXPECT_EQ(d.Wait(), 128 + SIGKILL);
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(client.Send(1) && client.Receive(&reply));
+  EXPECT_EQ(reply, 2u) << "unavailable, not a hang and not an answer";
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);
+  ASSERT_TRUE(client.Send(0));
+  EXPECT_EQ(client.Wait(), 0);
+}
+
+}  // namespace
+}  // namespace cxlkv
