@@ -129,7 +129,7 @@ Result<std::vector<AttendJobRequest>> DecodeAttend(std::span<const uint8_t> in) 
   // Every job takes at least its fixed fields: a count the bytes cannot hold is refused before
   // anything is allocated for it.
   if (!r.Get(&count) || count == 0 || count > r.remaining() / AttendJobRequestBytes(0)) {
-    return Malformed("attend", in.size(), "the job count must be 1 and fit the request");
+    return Malformed("attend", in.size(), "the job count must be at least 1 and fit the request");
   }
   std::vector<AttendJobRequest> jobs(count);
   for (uint32_t i = 0; i < count; ++i) {

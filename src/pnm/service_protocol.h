@@ -18,8 +18,8 @@
 //                the floats -> per job: u32 status code, u32 pages attended, then the output
 //                ([heads][head_dim] f32) and the lse ([heads] f32) if ok, else u16 length and
 //                the error's message
-//   kPnmRenew    key-less batch of u32 count, u64 contexts -> u32 how many were renewed
-//   kPnmClose    u64 context -> nothing
+//   kPnmRenew    u32 count, u64 contexts -> u32 how many were renewed
+//   kPnmClose    u32 count, u64 contexts -> nothing (kNotFound naming the first one not open)
 #ifndef CXLKV_SRC_PNM_SERVICE_PROTOCOL_H_
 #define CXLKV_SRC_PNM_SERVICE_PROTOCOL_H_
 
