@@ -403,7 +403,11 @@ Result<size_t> NearMemoryService::Attend(const rpc::Request& req, std::span<uint
       continue;
     }
     const Context& c = *ctx[i];
-    const uint64_t pages = jobs[i].budget_tokens == 0 ? c.pages() * c.g.num_kv_heads : selections[i].TotalPages();
+    uint64_t pages = c.pages() * c.g.num_kv_heads;  // dense
+    if (jobs[i].budget_tokens != 0) {  // heads may share one list (a budget covering the context)
+      pages = 0;
+      for (uint32_t h = 0; h < selections[i].num_kv_heads(); ++h) pages += selections[i].Of(h).size();
+    }
     pages_attended_.fetch_add(pages);
     kv_bytes_read_.fetch_add(pages * 2 * c.g.SlabBytes() / c.g.num_kv_heads);
     link_bytes_.fetch_add(jobs[i].q.size() * sizeof(float) + partials[i].out.size() * sizeof(float) +

@@ -1,0 +1,240 @@
+// The reference engine decoding with its prompt's KV left in the pool and attended by a
+// near-memory service (issue 15, PNM §3.2): the engine's copy of the prompt is poisoned with NaN,
+// so every correct logit proves those bytes were read only next to the memory. A whole-context
+// answer merged with the engine's own tokens decodes as dense does; a context closed by its lease
+// while the engine idled is reopened transparently; bad input is refused.
+#include "engine/remote_attention.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "cxlkv/pool.h"
+#include "daemon/pnm_service.h"
+#include "engine/model.h"
+#include "engine_test_util.h"
+#include "test_region.h"
+
+namespace cxlkv::engine {
+namespace {
+
+using test_util::Allocate;
+using test_util::RandomTokens;
+using test_util::TestWeights;
+
+ModelConfig RemoteConfig() {
+  ModelConfig c = test_util::TinyConfig();
+  c.name = "tiny-remote";
+  c.num_heads = 8;
+  c.num_kv_heads = 2;
+  c.head_dim = 16;
+  c.hidden_size = 128;
+  c.intermediate_size = 96;
+  c.max_position = 2048;
+  return c;
+}
+
+constexpr uint32_t kBlock = 16;
+constexpr uint32_t kPrompt = 700;  // 43 full pages in the pool, a partial one in the engine
+constexpr uint32_t kSteps = 8;
+
+struct Sequence {
+  explicit Sequence(const Model& m) : cache(m.config(), 64, kBlock) {
+    table = Allocate(cache, 64);
+    tokens = RandomTokens(kPrompt, m.config().vocab_size, 5);
+    auto logits = m.Prefill(tokens, 0, cache, table);
+    EXPECT_TRUE(logits.ok()) << logits.status().ToString();
+    if (logits.ok()) first = Model::Argmax(*logits);
+  }
+  PagedKvCache cache;
+  std::vector<uint32_t> table;
+  std::vector<int32_t> tokens;
+  int32_t first = 0;
+};
+
+std::vector<std::vector<float>> DecodeSteps(const Model& m, Sequence& s, DecodeAttention* a,
+                                            const std::vector<int32_t>& forced = {}) {
+  std::vector<std::vector<float>> out;
+  int32_t token = s.first;
+  for (uint32_t i = 0; i < kSteps; ++i) {
+    auto logits = m.Decode(token, kPrompt + i, s.cache, s.table, a);
+    EXPECT_TRUE(logits.ok()) << logits.status().ToString();
+    if (!logits.ok()) return out;
+    out.push_back(*logits);
+    token = forced.empty() ? Model::Argmax(*logits) : forced[i];
+  }
+  return out;
+}
+
+double RelativeError(const std::vector<float>& a, const std::vector<float>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    num += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
+    den += double(ref[i]) * ref[i];
+  }
+  return std::sqrt(num / den);
+}
+
+class RemoteDecode : public ::testing::Test {
+ protected:
+  void StartPool(uint32_t lease_ms = 10000) {
+    PoolCreateOptions co;
+    co.size = 128 << 20;
+    co.max_nodes = 4;
+    co.overwrite = true;
+    ASSERT_TRUE(Pool::Create({path.path()}, co).ok());
+    PoolOpenOptions po;
+    po.node_id = 0;
+    auto p = Pool::Open({path.path()}, po);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    pool = std::move(*p);
+    daemon::NearMemoryServiceOptions so;
+    so.context_lease_ms = lease_ms;
+    auto s = daemon::NearMemoryService::Start(*pool, so);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    service = std::move(*s);
+    ASSERT_TRUE(service->server().WaitServing(std::chrono::seconds(10)));
+    auto c = pnm::NearMemoryClient::Open(*pool, 0);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    client = std::move(*c);
+  }
+
+  // Stores the sequence's full prompt blocks in the pool (pool block format 1), then poisons
+  // the engine's copy of them; returns their keys.
+  std::vector<BlockKey> MovePromptToPool(Sequence& s) {
+    KvCache* cache = *pool->Cache();
+    ns.model_id = "tiny-remote";
+    ns.layout = s.cache.Layout().Signature();
+    auto h = cache->Namespace(ns);
+    EXPECT_TRUE(h.ok()) << h.status().ToString();
+    const auto keys = KvCache::ChainKeys(*h, s.tokens);
+    const uint64_t slab = uint64_t{kBlock} * s.cache.row_floats();
+    std::vector<float> block(2 * slab * s.cache.num_layers());
+    for (size_t b = 0; b < keys.size(); ++b) {
+      for (uint32_t l = 0; l < s.cache.num_layers(); ++l) {
+        std::memcpy(&block[(2 * l) * slab], s.cache.Key(l, s.table[b], 0), slab * sizeof(float));
+        std::memcpy(&block[(2 * l + 1) * slab], s.cache.Value(l, s.table[b], 0), slab * sizeof(float));
+        std::fill_n(s.cache.Key(l, s.table[b], 0), slab, std::numeric_limits<float>::quiet_NaN());
+        std::fill_n(s.cache.Value(l, s.table[b], 0), slab, std::numeric_limits<float>::quiet_NaN());
+      }
+      Status put = cache->Put(*h, keys[b], block.data(), block.size() * sizeof(float));
+      EXPECT_TRUE(put.ok() || put.code() == StatusCode::kAlreadyExists) << put.ToString();
+    }
+    return keys;
+  }
+
+  std::unique_ptr<RemoteDecodeAttention> Make(const Model& m, uint32_t budget) {
+    RemoteAttentionOptions o;
+    o.budget_tokens = budget;
+    auto a = RemoteDecodeAttention::Create(m.config(), kBlock, *client, ns, o);
+    EXPECT_TRUE(a.ok()) << a.status().ToString();
+    return a.ok() ? std::move(a).value() : nullptr;
+  }
+
+  Model model{RemoteConfig(), TestWeights(RemoteConfig())};
+  testing::TempRegionPath path{"remotedec"};
+  std::unique_ptr<Pool> pool;
+  std::unique_ptr<daemon::NearMemoryService> service;
+  std::unique_ptr<pnm::NearMemoryClient> client;
+  KeyNamespace ns;
+};
+
+TEST_F(RemoteDecode, ThePromptAttendedAtTheDaemonDecodesAsDenseDoes) {
+  StartPool();
+  Sequence dense_seq(model);
+  const auto dense = DecodeSteps(model, dense_seq, nullptr);
+  std::vector<int32_t> forced;
+  for (const auto& l : dense) forced.push_back(Model::Argmax(l));
+
+  for (uint32_t budget : {0u, 4096u}) {  // every page, and a budget that covers them
+    Sequence s(model);
+    const auto keys = MovePromptToPool(s);
+    ASSERT_EQ(keys.size(), kPrompt / kBlock);
+    auto a = Make(model, budget);
+    ASSERT_NE(a, nullptr);
+    ASSERT_TRUE(a->Open(keys).ok());
+    EXPECT_EQ(a->context_tokens(), uint64_t{kPrompt / kBlock} * kBlock);
+    const auto got = DecodeSteps(model, s, a.get(), forced);
+    ASSERT_EQ(got.size(), dense.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_LT(RelativeError(got[i], dense[i]), 1e-4) << "budget " << budget << " step " << i;
+      EXPECT_EQ(Model::Argmax(got[i]), forced[i]) << "budget " << budget << " step " << i;
+    }
+    const SparseAttentionStats& st = a->stats();
+    const uint32_t layers = model.config().num_layers;
+    EXPECT_EQ(st.layer_steps, uint64_t{kSteps} * layers);
+    EXPECT_EQ(st.selected_pages, st.context_pages);
+    EXPECT_EQ(st.context_pages, uint64_t{kSteps} * layers * keys.size() * 2);
+    // Per layer step only q, out and lse crossed: 2 × 8 heads × 16 + 8 floats, and framing.
+    EXPECT_LT(st.link_bytes, uint64_t{kSteps} * layers * 1200);
+    EXPECT_GT(st.link_bytes, uint64_t{kSteps} * layers * (2 * 8 * 16 + 8) * 4);
+  }
+}
+
+TEST_F(RemoteDecode, ASparseBudgetAttendsItsPagesAtTheDaemon) {
+  StartPool();
+  Sequence s(model);
+  const auto keys = MovePromptToPool(s);
+  auto a = Make(model, 128);
+  ASSERT_NE(a, nullptr);
+  ASSERT_TRUE(a->Open(keys).ok());
+  const auto got = DecodeSteps(model, s, a.get());
+  ASSERT_EQ(got.size(), kSteps);
+  for (const auto& l : got) {
+    for (float x : l) ASSERT_TRUE(std::isfinite(x)) << "a poisoned engine page was read";
+  }
+  const SparseAttentionStats& st = a->stats();
+  EXPECT_EQ(st.selected_pages, st.layer_steps * (128 / kBlock) * 2);
+  EXPECT_EQ(service->stats().attend_jobs, st.layer_steps);
+}
+
+TEST_F(RemoteDecode, AContextClosedByItsLeaseIsReopenedOnTheNextStep) {
+  StartPool(/*lease_ms=*/200);
+  Sequence s(model);
+  const auto keys = MovePromptToPool(s);
+  auto a = Make(model, 0);
+  ASSERT_NE(a, nullptr);
+  ASSERT_TRUE(a->Open(keys).ok());
+  auto first = model.Decode(s.first, kPrompt, s.cache, s.table, a.get());
+  ASSERT_TRUE(first.ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));  // the engine idles past the lease
+  auto second = model.Decode(Model::Argmax(*first), kPrompt + 1, s.cache, s.table, a.get());
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  EXPECT_EQ(a->reopened(), 1u);
+  EXPECT_EQ(service->stats().contexts_expired, 1u);
+  EXPECT_EQ(service->stats().contexts_open, 1u);
+}
+
+TEST_F(RemoteDecode, BadInputIsRefusedWithAReason) {
+  StartPool();
+  Sequence s(model);
+  const auto keys = MovePromptToPool(s);
+  auto a = Make(model, 0);
+  ASSERT_NE(a, nullptr);
+  ASSERT_TRUE(a->Open(keys).ok());
+  std::vector<float> q(8 * 16, 0.1f), out(8 * 16);
+  // A position inside the pool's context: the engine must not attend it itself.
+  Status inside = a->Attend(0, q.data(), 10, s.cache, s.table, out.data());
+  EXPECT_EQ(inside.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(inside.message().find("inside the pool context"), std::string::npos) << inside.ToString();
+  EXPECT_EQ(a->Attend(99, q.data(), kPrompt, s.cache, s.table, out.data()).code(), StatusCode::kInvalidArgument);
+  // Keys that are not in the pool: the open names the page.
+  std::vector<BlockKey> missing = keys;
+  missing[3].hi ^= 1;
+  Status open = a->Open(missing);
+  EXPECT_EQ(open.code(), StatusCode::kNotFound);
+  EXPECT_NE(open.message().find("page 3"), std::string::npos) << open.ToString();
+  // A namespace whose layout is not this model's.
+  KeyNamespace other = ns;
+  other.layout.head_size = 32;
+  RemoteAttentionOptions o;
+  EXPECT_EQ(RemoteDecodeAttention::Create(model.config(), kBlock, *client, other, o).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace cxlkv::engine
