@@ -360,8 +360,21 @@ Result<DecodeResult> KvConnector::Decode(uint64_t request_id, std::span<const in
     } else {
       one_use = HandoffKeys(request_id, 0, prompt_blocks);
     }
+    // Remote attention: the daemon pins the prompt's full blocks and attends them where they
+    // are; the engine loads only what follows (the partial block).
+    uint32_t remote_blocks = 0;
+    if (remote_attention_ && mode_ == KvMode::kPool) {
+      if (!keys.empty() && remote_attention_->Open(keys).ok()) {
+        remote_blocks = static_cast<uint32_t>(keys.size());
+        st.attention_remote_tokens = uint64_t{remote_blocks} * bs;
+      } else {
+        (void)remote_attention_->Open({});  // attend the engine's cache alone
+        st.attention_remote_fallbacks += !keys.empty();
+      }
+    }
     keys.insert(keys.end(), one_use.begin(), one_use.end());
     const std::span<const BlockKey> all(keys);
+    loaded = remote_blocks;
     for (;;) {  // region blocks read, then a capacity run streamed; on while streaming progresses
       CXLKV_ASSIGN_OR_RETURN(auto hit, PoolLookup(all.subspan(loaded)));
       Status s = transfer_.ScatterRead(layout_, ids.subspan(loaded, hit.hit_blocks), hit.pins);
@@ -372,10 +385,21 @@ Result<DecodeResult> KvConnector::Decode(uint64_t request_id, std::span<const in
       loaded += streamed;
       if (streamed == 0 || loaded >= all.size()) break;
     }
+    if (loaded < all.size() && remote_blocks > 0) {
+      // The partial block is gone: recomputing it needs the prefix in the engine after all.
+      CXLKV_ASSIGN_OR_RETURN(auto hit, PoolLookup(all.first(remote_blocks)));
+      Status s = hit.hit_blocks == remote_blocks
+                     ? transfer_.ScatterRead(layout_, ids.first(remote_blocks), hit.pins)
+                     : Unavailable("decode: the prompt's blocks left the pool while the daemon held them");
+      pool_.Release(hit.pins);
+      CXLKV_RETURN_IF_ERROR(s);
+      st.bytes_loaded += uint64_t{remote_blocks} * layout_.PoolBlockBytes();
+    }
     if (!one_use.empty()) (void)pool_.Evict(ns_, one_use);  // read once; leaves room for the shared cache
+    st.bytes_loaded += uint64_t{loaded - remote_blocks} * layout_.PoolBlockBytes();
   }
   st.hit_blocks = loaded;
-  st.bytes_loaded = uint64_t{loaded} * layout_.PoolBlockBytes();
+  if (mode_ == KvMode::kTcp) st.bytes_loaded = uint64_t{loaded} * layout_.PoolBlockBytes();
   // Whatever the handoff lacked (evicted in between, or a prefill that died after publishing
   // part of it) is recomputed: the engine makes the same bytes.
   const uint32_t have = std::min(loaded * bs, n);
@@ -396,13 +420,26 @@ Result<DecodeResult> KvConnector::Decode(uint64_t request_id, std::span<const in
     decode_attention_->Reset();
     decode_attention_->ResetStats();
   }
-  for (uint32_t i = 1; i < max_new; ++i) {
-    CXLKV_ASSIGN_OR_RETURN(auto logits, model_.Decode(out.tokens.back(), n + i - 1, engine_cache_, ids,
-                                                      decode_attention_.get()));
-    out.tokens.push_back(engine::Model::Argmax(logits));
+  engine::DecodeAttention* attention = decode_attention_.get();
+  if (remote_attention_ && mode_ == KvMode::kPool) {
+    remote_attention_->ResetStats();
+    attention = remote_attention_.get();
   }
-  if (decode_attention_) {
-    const engine::SparseAttentionStats& a = decode_attention_->stats();
+  for (uint32_t i = 1; i < max_new; ++i) {
+    auto logits = model_.Decode(out.tokens.back(), n + i - 1, engine_cache_, ids, attention);
+    if (!logits.ok()) {
+      if (remote_attention_) remote_attention_->Close();
+      return logits.status();
+    }
+    out.tokens.push_back(engine::Model::Argmax(*logits));
+  }
+  const engine::SparseAttentionStats* stats = decode_attention_ ? &decode_attention_->stats() : nullptr;
+  if (attention != nullptr && attention == remote_attention_.get()) {
+    remote_attention_->Close();  // the daemon unpins the prompt
+    stats = &remote_attention_->stats();
+  }
+  if (stats != nullptr) {
+    const engine::SparseAttentionStats& a = *stats;
     out.stats.attention_layer_steps = a.layer_steps;
     out.stats.attention_selected_pages = a.selected_pages;
     out.stats.attention_context_pages = a.context_pages;

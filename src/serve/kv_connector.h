@@ -27,7 +27,9 @@
 #include "cxlkv/cache.h"
 #include "engine/kv_cache.h"
 #include "engine/model.h"
+#include "engine/remote_attention.h"
 #include "engine/sparse_attention.h"
+#include "pnm/remote.h"
 #include "transfer/transfer.h"
 
 namespace cxlkv::serve {
@@ -59,6 +61,11 @@ struct KvStats {
   uint64_t attention_context_pages = 0;
   uint64_t attention_link_bytes = 0;
   uint64_t attention_kv_bytes = 0;
+  // Remote attention (pool mode): prompt tokens attended at the router node's cxlkvd instead of
+  // being loaded into the engine, and decodes that fell back to loading them (the daemon could
+  // not open the context: a block missing, no daemon).
+  uint64_t attention_remote_tokens = 0;
+  uint32_t attention_remote_fallbacks = 0;
 };
 
 // A private per-worker DRAM cache of pool-format blocks, LRU, bounded in bytes.
@@ -149,6 +156,14 @@ class KvConnector {
   void SetStreamCapacity(bool stream) { stream_capacity_ = stream; }
   // Decode with this attention (sparse or hybrid; reset for each request) instead of dense.
   void SetDecodeAttention(std::unique_ptr<engine::SparseDecodeAttention> a) { decode_attention_ = std::move(a); }
+  // Pool mode: decode with the prompt's full blocks left in the pool and attended next to the
+  // memory by `client`'s daemon (engine/remote_attention.h); only the prompt's partial block is
+  // loaded. Falls back to loading every block when the daemon cannot open the context.
+  void SetRemoteAttention(std::unique_ptr<pnm::NearMemoryClient> client,
+                          std::unique_ptr<engine::RemoteDecodeAttention> a) {
+    remote_client_ = std::move(client);
+    remote_attention_ = std::move(a);
+  }
   uint64_t BlockBytes() const { return layout_.PoolBlockBytes(); }
 
  private:
@@ -186,6 +201,8 @@ class KvConnector {
   PrivateBlockCache private_;
   bool stream_capacity_ = false;
   std::unique_ptr<engine::SparseDecodeAttention> decode_attention_;  // null: dense
+  std::unique_ptr<pnm::NearMemoryClient> remote_client_;             // before the attention using it
+  std::unique_ptr<engine::RemoteDecodeAttention> remote_attention_;  // null: none
 };
 
 }  // namespace cxlkv::serve

@@ -19,6 +19,7 @@
 #include <unordered_set>
 
 #include "cxlkv/pool.h"
+#include "daemon/pnm_service.h"
 #include "engine/config.h"
 #include "serve/channel.h"
 #include "serve/worker.h"
@@ -434,6 +435,17 @@ Result<ServeRun> Router::Run() {
     to.slot_bytes = std::max<uint64_t>(8192, (block + 4095) / 4096 * 4096);
     CXLKV_ASSIGN_OR_RETURN(tiers, tier::TierStore::Open(*pool, to));
     CXLKV_ASSIGN_OR_RETURN(tier_service, tier::StartTierService(*pool, *tiers));
+  }
+
+  // Remote attention: this node attends the prompts' pool blocks next to the memory, as its
+  // cxlkvd --pnm-threads would (destroyed before the pool, declared after it).
+  std::unique_ptr<daemon::NearMemoryService> pnm_service;
+  if (o_.attention == kRemoteAttention) {
+    if (o_.mode != KvMode::kPool) return InvalidArgument("--attention remote needs --mode pool: the prompts' blocks must be in the pool");
+    daemon::NearMemoryServiceOptions no;
+    no.threads = 1;
+    no.context_lease_ms = std::max<uint32_t>(4 * o_.lease_ms, 2000);
+    CXLKV_ASSIGN_OR_RETURN(pnm_service, daemon::NearMemoryService::Start(*pool, no));
   }
 
   uint32_t engine_blocks = o_.engine_blocks;

@@ -57,14 +57,27 @@ Status Setup(const WorkerOptions& o, WorkerState& w) {
   w.connector = std::make_unique<KvConnector>(o.mode, *w.model, *w.engine_cache, *cache, handle, o.run_id,
                                               o.private_cache_bytes);
   w.connector->SetStreamCapacity(o.stream_capacity);
-  CXLKV_ASSIGN_OR_RETURN(engine::AttentionMode attention, engine::ParseAttentionMode(o.attention));
-  if (attention != engine::AttentionMode::kDense) {
-    engine::SparseAttentionOptions so;
-    so.mode = attention;
-    so.select.budget_tokens = o.attention_budget;
-    CXLKV_ASSIGN_OR_RETURN(auto sparse,
-                           engine::SparseDecodeAttention::Create(config, w.engine_cache->block_size(), so));
-    w.connector->SetDecodeAttention(std::move(sparse));
+  if (o.attention == kRemoteAttention) {
+    // The prompt's KV stays in the pool; the router's node (0) attends it next to the memory.
+    if (o.mode != KvMode::kPool) return InvalidArgument("remote attention needs KV mode pool (the prompt's blocks in the pool)");
+    if (o.role == WorkerRole::kDecode) {
+      CXLKV_ASSIGN_OR_RETURN(auto client, pnm::NearMemoryClient::Open(*w.pool, 0));
+      engine::RemoteAttentionOptions ro;
+      ro.budget_tokens = o.attention_budget;
+      CXLKV_ASSIGN_OR_RETURN(auto remote, engine::RemoteDecodeAttention::Create(
+                                              config, w.engine_cache->block_size(), *client, ns, ro));
+      w.connector->SetRemoteAttention(std::move(client), std::move(remote));
+    }
+  } else {
+    CXLKV_ASSIGN_OR_RETURN(engine::AttentionMode attention, engine::ParseAttentionMode(o.attention));
+    if (attention != engine::AttentionMode::kDense) {
+      engine::SparseAttentionOptions so;
+      so.mode = attention;
+      so.select.budget_tokens = o.attention_budget;
+      CXLKV_ASSIGN_OR_RETURN(auto sparse,
+                             engine::SparseDecodeAttention::Create(config, w.engine_cache->block_size(), so));
+      w.connector->SetDecodeAttention(std::move(sparse));
+    }
   }
   if (o.role == WorkerRole::kDecode && o.mode == KvMode::kTcp) {
     CXLKV_ASSIGN_OR_RETURN(w.tcp_server, TcpHandoffServer::Start());
@@ -121,7 +134,8 @@ nlohmann::json KvStatsToJson(const KvStats& s) {
           {"blocks_not_stored", s.blocks_not_stored}, {"attention_layer_steps", s.attention_layer_steps},
           {"attention_selected_pages", s.attention_selected_pages},
           {"attention_context_pages", s.attention_context_pages}, {"attention_link_bytes", s.attention_link_bytes},
-          {"attention_kv_bytes", s.attention_kv_bytes}};
+          {"attention_kv_bytes", s.attention_kv_bytes}, {"attention_remote_tokens", s.attention_remote_tokens},
+          {"attention_remote_fallbacks", s.attention_remote_fallbacks}};
 }
 
 KvStats KvStatsFromJson(const nlohmann::json& j) {
@@ -141,6 +155,8 @@ KvStats KvStatsFromJson(const nlohmann::json& j) {
   s.attention_context_pages = j.value("attention_context_pages", uint64_t{0});
   s.attention_link_bytes = j.value("attention_link_bytes", uint64_t{0});
   s.attention_kv_bytes = j.value("attention_kv_bytes", uint64_t{0});
+  s.attention_remote_tokens = j.value("attention_remote_tokens", uint64_t{0});
+  s.attention_remote_fallbacks = j.value("attention_remote_fallbacks", uint32_t{0});
   return s;
 }
 

@@ -22,6 +22,9 @@
 
 namespace cxlkv::serve {
 
+// WorkerOptions::attention for decoding with the prompt left in the pool (engine/remote_attention.h).
+inline constexpr char kRemoteAttention[] = "remote";
+
 enum class WorkerRole { kPrefill, kDecode };
 
 struct WorkerOptions {
@@ -37,8 +40,8 @@ struct WorkerOptions {
   uint32_t engine_blocks = 512;    // blocks of the engine's paged cache
   uint64_t private_cache_bytes = 256ull << 20;
   bool stream_capacity = false;    // read capacity-tier hits into the engine, not promote them
-  std::string attention = "dense"; // decode attention: dense, sparse or hybrid
-  uint32_t attention_budget = 2048;  // sparse/hybrid: tokens attended per KV head
+  std::string attention = "dense"; // decode attention: dense, sparse, hybrid or remote (kRemoteAttention)
+  uint32_t attention_budget = 2048;  // sparse/hybrid/remote: tokens attended per KV head
   int channel_fd = 3;
 };
 

@@ -10,6 +10,7 @@
 #include "engine/config.h"
 #include "engine/model.h"
 #include "engine/weights.h"
+#include "daemon/pnm_service.h"
 #include "serve/kv_connector.h"
 
 namespace cxlkv::serve {
@@ -19,7 +20,8 @@ constexpr uint32_t kBlock = 16;
 const int32_t kVocab = static_cast<int32_t>(engine::test_util::TinyConfig().vocab_size);
 
 struct Rig {
-  explicit Rig(const std::string& tag) : path(tag) {
+  explicit Rig(const std::string& tag, const engine::ModelConfig& c = engine::test_util::TinyConfig()) : path(tag) {
+    config = c;
     EXPECT_TRUE(testing::CreateCachePool(path.path(), 64 << 20).ok());
     pool = testing::OpenOrNull({path.path()}, 0);
     cache = *pool->Cache();
@@ -135,6 +137,61 @@ TEST(KvConnector, HandoffBlocksAreReadOnceAndAMissingOneIsRecomputed) {
   // A first token the engine would not produce is caught, not generated from.
   auto wrong = c.Decode(9, prompt, (pre->first_token + 1) % kVocab, 3, nullptr);
   EXPECT_EQ(wrong.status().code(), StatusCode::kInternal);
+}
+
+// Remote attention (pool mode): the prompt's full blocks stay in the pool, attended by a
+// near-memory service, and only the partial block is loaded; a decode whose partial block is
+// gone loads the prefix after all to recompute it; with no daemon the decode falls back to
+// loading everything. Every path generates what the engine generates alone.
+TEST(KvConnector, RemoteAttentionLeavesThePromptInThePoolAndFallsBackWithoutADaemon) {
+  engine::ModelConfig config = engine::test_util::TinyConfig();
+  config.head_dim = 16;  // the pnm kernels' granule
+  config.hidden_size = 64;
+  Rig rig("conn-remote", config);
+  auto service = daemon::NearMemoryService::Start(*rig.pool);
+  ASSERT_TRUE(service.ok()) << service.status().ToString();
+  ASSERT_TRUE((*service)->server().WaitServing(std::chrono::seconds(10)));
+  rpc::RpcClientOptions ro;
+  ro.timeout = std::chrono::milliseconds(1500);
+  auto client = pnm::NearMemoryClient::Open(*rig.pool, 0, ro);
+  ASSERT_TRUE(client.ok());
+  KeyNamespace ns;
+  ns.model_id = config.name;
+  ns.layout = rig.engine->Layout().Signature();
+  auto remote = engine::RemoteDecodeAttention::Create(config, kBlock, **client, ns, {});
+  ASSERT_TRUE(remote.ok()) << remote.status().ToString();
+  auto c = rig.Connector(KvMode::kPool);
+  c.SetRemoteAttention(std::move(*client), std::move(*remote));
+  const auto prompt = Prompt(3);  // 6 full blocks and 5 tokens
+  const auto truth = rig.Truth(prompt, 6);
+  auto pre = c.Prefill(1, prompt);
+  ASSERT_TRUE(pre.ok()) << pre.status().ToString();
+  auto dec = c.Decode(1, prompt, pre->first_token, 6, nullptr);
+  ASSERT_TRUE(dec.ok()) << dec.status().ToString();
+  EXPECT_EQ(dec->tokens, truth);
+  EXPECT_EQ(dec->stats.attention_remote_tokens, 6u * kBlock);
+  EXPECT_EQ(dec->stats.attention_remote_fallbacks, 0u);
+  EXPECT_EQ(dec->stats.bytes_loaded, c.BlockBytes()) << "only the partial block";
+  EXPECT_EQ(dec->stats.attention_layer_steps, 5u * config.num_layers);
+  EXPECT_EQ((*service)->stats().contexts_open, 0u) << "closed after the request";
+
+  // The handoff block was read once: decoding the request again recomputes it over the prefix.
+  auto again = c.Decode(1, prompt, pre->first_token, 6, nullptr);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(again->tokens, truth);
+  EXPECT_EQ(again->stats.computed_tokens, 5u);
+  EXPECT_EQ(again->stats.bytes_loaded, 6 * c.BlockBytes());
+
+  // No daemon: the decode loads the prompt and attends it in the engine.
+  service->reset();
+  auto pre2 = c.Prefill(2, prompt);
+  ASSERT_TRUE(pre2.ok());
+  auto fallback = c.Decode(2, prompt, pre2->first_token, 6, nullptr);
+  ASSERT_TRUE(fallback.ok()) << fallback.status().ToString();
+  EXPECT_EQ(fallback->tokens, truth);
+  EXPECT_EQ(fallback->stats.attention_remote_fallbacks, 1u);
+  EXPECT_EQ(fallback->stats.attention_remote_tokens, 0u);
+  EXPECT_EQ(fallback->stats.bytes_loaded, 7 * c.BlockBytes());
 }
 
 // A pool full of pinned blocks (nothing evictable): a prefill cannot store its blocks nor its

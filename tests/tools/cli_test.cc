@@ -398,6 +398,41 @@ TEST(Cli, ServeDecodesWithSparseAndHybridAttention) {
   EXPECT_THAT(bad.out, HasSubstr("dense, sparse, hybrid"));
 }
 
+// Remote attention: the decode worker leaves the prompt's blocks in the pool and the router's
+// node attends them next to the memory. A budget covering the documents decodes as dense does,
+// with none of the prompt loaded into the decode engine; a KV mode without the pool is refused.
+TEST(Cli, ServeDecodesWithThePromptAttendedNextToTheMemory) {
+  std::vector<nlohmann::json> runs;
+  for (const std::string extra : {"", "--attention remote --attention-budget 8192",
+                                  "--attention remote --attention-budget 64"}) {
+    cxlkv::testing::TempRegionPath path("cli-serve-remote");
+    runs.push_back(ServeDocQa(path.path(), "--concurrency 1 " + extra, nullptr, 2));
+    ASSERT_TRUE(runs.back().contains("requests")) << extra;
+  }
+  const auto tokens_of = [](const nlohmann::json& j) {
+    std::vector<nlohmann::json> t;
+    for (const auto& q : j["requests"]) t.push_back(q["tokens"]);
+    return t;
+  };
+  EXPECT_EQ(tokens_of(runs[0]), tokens_of(runs[1])) << "a budget covering the context must decode as dense does";
+  const auto& dense = runs[0]["attention"];
+  const auto& covering = runs[1]["attention"];
+  const auto& sparse = runs[2]["attention"];
+  EXPECT_GT(covering["remote_prompt_tokens"].get<uint64_t>(), 0u);
+  EXPECT_EQ(covering["remote_fallbacks"].get<uint32_t>(), 0u);
+  EXPECT_EQ(covering["selected_page_share"].get<double>(), 1.0);
+  // The decode engine loaded at most the prompts' partial blocks, dense loaded every block.
+  EXPECT_LT(covering["decode_bytes_loaded"].get<uint64_t>() * 8, dense["decode_bytes_loaded"].get<uint64_t>());
+  // Per layer step a few KiB crossed; the daemon read the KV.
+  EXPECT_LT(covering["link_bytes_per_layer_step"].get<double>(), 8192);
+  EXPECT_GT(covering["kv_bytes_per_layer_step"].get<double>(), 16 * covering["link_bytes_per_layer_step"].get<double>());
+  EXPECT_LT(sparse["selected_page_share"].get<double>(), 0.5) << "64 tokens of each prompt at the daemon";
+  cxlkv::testing::TempRegionPath path("cli-serve-remote-tcp");
+  auto bad = Cli("serve --path " + path.path() + " --attention remote --mode tcp");
+  EXPECT_NE(bad.code, 0);
+  EXPECT_THAT(bad.out, HasSubstr("--mode pool"));
+}
+
 // The long-context decode scenario at a small size: a row per mode and budget, each with its
 // step time, bytes and agreement; bad lists are refused with the option's name.
 TEST(Cli, LongContextComparesDenseSparseAndHybrid) {

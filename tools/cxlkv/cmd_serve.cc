@@ -81,7 +81,14 @@ Status RunServe(const ServeArgs& a) {
     return InvalidArgument("--capacity-read must be promote or stream, not '" + a.capacity_read + "'");
   }
   so.stream_capacity = a.capacity_read == "stream";
-  CXLKV_RETURN_IF_ERROR(engine::ParseAttentionMode(a.attention).status());
+  if (a.attention == serve::kRemoteAttention) {
+    if (so.mode != serve::KvMode::kPool) {
+      return InvalidArgument("--attention remote needs --mode pool: the prompts' blocks stay in the pool");
+    }
+  } else {
+    auto parsed = engine::ParseAttentionMode(a.attention);
+    if (!parsed.ok()) return InvalidArgument(parsed.status().message() + ", remote");
+  }
   if (a.attention_budget == 0) return InvalidArgument("--attention-budget must be at least 1 token");
   so.attention = a.attention;
   so.attention_budget = a.attention_budget;
@@ -119,6 +126,9 @@ Status RunServe(const ServeArgs& a) {
     att.attention_context_pages += r.decode.attention_context_pages;
     att.attention_link_bytes += r.decode.attention_link_bytes;
     att.attention_kv_bytes += r.decode.attention_kv_bytes;
+    att.attention_remote_tokens += r.decode.attention_remote_tokens;
+    att.attention_remote_fallbacks += r.decode.attention_remote_fallbacks;
+    att.bytes_loaded += r.decode.bytes_loaded;
   }
   const double steps = std::max<double>(1, att.attention_layer_steps);
   const double selected_share =
@@ -130,7 +140,10 @@ Status RunServe(const ServeArgs& a) {
                         {"layer_steps", att.attention_layer_steps},
                         {"selected_page_share", selected_share},
                         {"link_bytes_per_layer_step", att.attention_link_bytes / steps},
-                        {"kv_bytes_per_layer_step", att.attention_kv_bytes / steps}};
+                        {"kv_bytes_per_layer_step", att.attention_kv_bytes / steps},
+                        {"remote_prompt_tokens", att.attention_remote_tokens},
+                        {"remote_fallbacks", att.attention_remote_fallbacks},
+                        {"decode_bytes_loaded", att.bytes_loaded}};
     out["mode"] = run.mode;
     out["policy"] = run.policy;
     out["pass_hit_rates"] = passes;
@@ -155,6 +168,12 @@ Status RunServe(const ServeArgs& a) {
                   "read, %s to the engine\n", a.attention.c_str(), a.attention_budget, 100 * selected_share,
                   util::FormatBytes(static_cast<uint64_t>(att.attention_kv_bytes / steps)).c_str(),
                   util::FormatBytes(static_cast<uint64_t>(att.attention_link_bytes / steps)).c_str());
+    }
+    if (a.attention == serve::kRemoteAttention) {
+      std::printf("remote attention: %llu prompt tokens attended next to the memory, not loaded (%u fallback(s)); "
+                  "decode workers loaded %s into their engines\n",
+                  static_cast<unsigned long long>(att.attention_remote_tokens), att.attention_remote_fallbacks,
+                  util::FormatBytes(att.bytes_loaded).c_str());
     }
     if (!a.tiers.empty()) serve::PrintTierHits(stdout, std::span(&summary, 1));
     for (size_t p = 0; p < passes.size(); ++p) {
@@ -202,9 +221,10 @@ void AddServeCommands(CLI::App& app, CommandResult& result) {
                   "A capacity tier the router's node serves, as cxlkvd's: dram:SIZE[:numa=N] | ssd:PATH:SIZE "
                   "(repeat for several; decentralized metadata)");
   cmd->add_option("--attention", a->attention,
-                  "Decode attention: dense | sparse (top-K pages next to the memory) | hybrid (engine + near memory)")
+                  "Decode attention: dense | sparse (top-K pages next to the memory) | hybrid (engine + near memory) | "
+                  "remote (--mode pool: the prompt stays in the pool, attended by the router node's near-memory engines)")
       ->capture_default_str();
-  cmd->add_option("--attention-budget", a->attention_budget, "Sparse/hybrid: tokens attended per KV head")
+  cmd->add_option("--attention-budget", a->attention_budget, "Sparse/hybrid/remote: tokens attended per KV head")
       ->capture_default_str();
   cmd->add_option("--capacity-read", a->capacity_read,
                   "A prefix hit on a capacity tier: promote (into the region, then load) | stream (straight into "
