@@ -24,6 +24,9 @@
 //   recall_KiB_per_step/steady/32K vs .../arkvale/32K
 //                         KV recalled to the engine per step on a drifting query at budget 1/32:
 //                         steady-token selection (engine holds half the budget) vs ArkVale-style.
+//   remote_step_ms/32K/B, remote_link_KiB/32K, open_ms/32K/stored
+//                         the engines in cxlkvd (pnm_remote_bench.cc): a step through the RPC vs
+//                         in-process, bytes crossing vs KV read, opening with stored digests.
 //
 // Geometry: fp16, 32 query heads, 8 KV heads, head_dim 128, 16-token pages (4 KiB of KV per
 // token). At 1M tokens that is 4 GiB per layer, so the 1M case uses 2 KV heads and 8 query heads
@@ -465,6 +468,9 @@ Result<nlohmann::json> RunPnmBench(const BenchOptions& options) {
   }
   results.push_back(FigureJson({"build_digests", "tokens/s", true, build_tps, "build_digests_memory_bound", {build_bound_tps},
                                 "BuildDigests per layer (8 KV heads) vs K bytes at memory_read_bw"}));
+  auto remote = PnmRemoteFigures(options, reps);
+  if (!remote.ok()) return remote.status();
+  results.insert(results.end(), remote->begin(), remote->end());
 
   nlohmann::json report;
   report["suite"] = "pnm";

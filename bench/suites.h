@@ -34,6 +34,9 @@ Result<nlohmann::json> RunE2eBench(const BenchOptions& options);
 Result<nlohmann::json> RunRpcBench(const BenchOptions& options);
 Result<nlohmann::json> RunTierBench(const BenchOptions& options);
 Result<nlohmann::json> RunPnmBench(const BenchOptions& options);
+// The near-memory service's figures of the pnm suite: a step through cxlkvd's engines vs
+// in-process, link bytes, opening with stored digests (pnm_remote_bench.cc).
+Result<std::vector<nlohmann::json>> PnmRemoteFigures(const BenchOptions& options, int reps);
 Result<nlohmann::json> RunLongContextBench(const BenchOptions& options);  // longctx_bench.cc
 
 // The reference every cross-process protocol chases: two processes bounce a counter through two
