@@ -128,7 +128,7 @@ NearMemoryService::~NearMemoryService() {
 void NearMemoryService::BindThread() {
   if (numa_node_ < 0) return;
   const int rc = region::Platform::Default().RunThreadOnNode(numa_node_);
-  if (rc < 0) numa_note_ = "binding to NUMA node " + std::to_string(numa_node_) + " failed: " + region::ErrnoText(rc);
+  if (rc < 0) bind_error_.store(rc);  // engine and serving threads: stats() words it
 }
 
 NearMemoryServiceStats NearMemoryService::stats() const {
@@ -146,8 +146,11 @@ NearMemoryServiceStats NearMemoryService::stats() const {
   s.digests_found = digests_found_.load();
   s.digests_built = digests_built_.load();
   s.digests_stored = digests_stored_.load();
-  s.numa_node = numa_note_.empty() ? numa_node_ : -1;
-  s.numa_note = numa_note_;
+  const int bind_error = bind_error_.load();
+  s.numa_node = numa_note_.empty() && bind_error == 0 ? numa_node_ : -1;
+  s.numa_note = bind_error != 0 ? "binding to NUMA node " + std::to_string(numa_node_) +
+                                      " failed: " + region::ErrnoText(bind_error)
+                                : numa_note_;
   return s;
 }
 

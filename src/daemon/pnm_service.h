@@ -106,7 +106,8 @@ class NearMemoryService {
   KvCache* cache_ = nullptr;
   NearMemoryServiceOptions options_;
   int numa_node_ = -1;
-  std::string numa_note_;
+  std::string numa_note_;           // set by Start only
+  std::atomic<int> bind_error_{0};  // a thread's failed binding (-errno), for stats()
   std::unique_ptr<pnm::AttendPool> engines_;
   uint64_t epoch_ = 0;      // high bits of context ids: an id of an earlier daemon is unknown
   uint64_t next_id_ = 1;
