@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <sstream>
 
 #include "region/platform.h"
@@ -133,6 +134,10 @@ int Platform::NumaNodeOf(const void* addr) {
 }
 
 int Platform::RunThreadOnNode(int node) {
+  // libnuma caches node CPU masks without a lock (numa_node_to_cpus): threads binding at once
+  // race inside it, so binding is serialized.
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
   if (numa_available() < 0) return -ENOSYS;
   return numa_run_on_node(node) == 0 ? 0 : NegErrno();
 }

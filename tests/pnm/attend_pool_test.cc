@@ -3,7 +3,11 @@
 // exactly what Attend gives it alone; a bad job gets its error and the others still run.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
+#include <thread>
 #include <memory>
+#include <vector>
 #include <random>
 
 #include "pnm/attend_pool.h"
@@ -86,6 +90,28 @@ TEST(PnmAttendPool, ABadJobGetsItsErrorAndTheOthersRun) {
   ASSERT_TRUE(Attend(g, q.data(), c.View(), nullptr, 0, &alone).ok());
   EXPECT_EQ(good.out, alone.out);
   EXPECT_EQ(bad.num_heads, 0u) << "a refused job's output was touched";
+}
+
+}  // namespace
+}  // namespace cxlkv::pnm
+
+namespace cxlkv::pnm {
+namespace {
+
+// ForEach (the per-request work before attention, such as selection): every index exactly once,
+// batch after batch, with Run batches in between; workers start through the start hook.
+TEST(PnmAttendPool, ForEachCallsEveryIndexOnceAcrossTheThreads) {
+  std::atomic<int> started{0};
+  AttendPool pool(3, [&] { started.fetch_add(1); });
+  for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{1000}}) {
+    std::vector<std::atomic<int>> calls(n);
+    pool.ForEach(n, [&](size_t i) { calls[i].fetch_add(1); });
+    for (size_t i = 0; i < n; ++i) ASSERT_EQ(calls[i].load(), 1) << "index " << i << " of " << n;
+    ASSERT_TRUE(pool.Run({}).ok());
+  }
+  // Each worker ran the hook once when it started (threads may start after the batches ran).
+  for (int i = 0; i < 500 && started.load() < 3; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(started.load(), 3);
 }
 
 }  // namespace
