@@ -13,6 +13,7 @@
 #include "pnm/select.h"
 #include "pool/pool_internal.h"
 #include "region/platform.h"
+#include "sync/node.h"
 
 namespace cxlkv::daemon {
 namespace {
@@ -51,7 +52,7 @@ struct NearMemoryService::Context {
   uint64_t id = 0;
   uint32_t owner_node = 0;
   uint32_t owner_channel = 0;
-  uint64_t owner_life = 0;  // the client node's incarnation at open
+  uint64_t owner_life = 0;  // the client node's incarnation, as the client sent it
   uint64_t pin_life = 0;    // this node's incarnation when its pins were taken
   NamespaceHandle ns;
   std::optional<NamespaceHandle> digest_ns;
@@ -190,8 +191,7 @@ Result<size_t> NearMemoryService::Open(const rpc::Request& req, std::span<uint8_
   c->id = epoch_ | next_id_++;
   c->owner_node = req.node;
   c->owner_channel = req.channel;
-  const auto views = pool_.impl().node->Nodes();
-  c->owner_life = req.node < views.size() ? views[req.node].incarnation : 0;
+  c->owner_life = r.client_life;
   c->pin_life = pool_.impl().node->incarnation();
   c->ns = ns;
   // Digests are shared through the pool when their namespace can be registered; a full
@@ -463,11 +463,12 @@ void NearMemoryService::Sweep() {
   if (contexts_.empty()) return;
   const auto now = Clock::now();
   const auto lease = std::chrono::milliseconds(options_.context_lease_ms);
-  const auto views = pool_.impl().node->Nodes();
+  sync::Node& node = *pool_.impl().node;
   for (auto it = contexts_.begin(); it != contexts_.end();) {
     const Context& c = *it->second;
-    const bool owner_gone = c.owner_node >= views.size() || !views[c.owner_node].live ||
-                            views[c.owner_node].incarnation != c.owner_life;
+    // Its line read now: restarted, left, or silent a whole lease in this daemon's view (what
+    // recovery assumes). A life this daemon has not observed yet is not over.
+    const bool owner_gone = node.LifeOver(c.owner_node, c.owner_life, 0xffffffffull);
     if (now - c.last_used > lease || owner_gone) {
       auto next = std::next(it);
       Drop(it);

@@ -4,6 +4,9 @@
 #include <algorithm>
 #include <deque>
 
+#include "pool/pool_internal.h"
+#include "sync/node.h"
+
 namespace cxlkv::pnm {
 
 Result<std::unique_ptr<NearMemoryClient>> NearMemoryClient::Open(Pool& pool, uint32_t node,
@@ -16,12 +19,15 @@ Result<std::unique_ptr<NearMemoryClient>> NearMemoryClient::Open(Pool& pool, uin
     }
     return rpc.status();
   }
-  return std::unique_ptr<NearMemoryClient>(new NearMemoryClient(std::move(*rpc), node));
+  return std::unique_ptr<NearMemoryClient>(new NearMemoryClient(pool, std::move(*rpc), node));
 }
 
 Result<NearMemoryClient::Opened> NearMemoryClient::OpenContext(const KeyNamespace& ns, uint32_t num_heads,
                                                                std::span<const BlockKey> keys) {
-  CXLKV_ASSIGN_OR_RETURN(std::vector<uint8_t> answer, rpc_->Call(kPnmOpen, EncodeOpen({ns, num_heads})));
+  // This node's life now: the daemon ends the context with it (a node that restarted or was
+  // declared dead while this process was paused opens under its new life).
+  const OpenRequest request{ns, num_heads, pool_.impl().node->incarnation()};
+  CXLKV_ASSIGN_OR_RETURN(std::vector<uint8_t> answer, rpc_->Call(kPnmOpen, EncodeOpen(request)));
   CXLKV_ASSIGN_OR_RETURN(OpenAnswer a, DecodeOpenAnswer(answer));
   Opened o;
   o.context = a.context;

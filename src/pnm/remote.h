@@ -77,9 +77,11 @@ class NearMemoryClient {
   uint32_t node() const { return node_; }
 
  private:
-  NearMemoryClient(std::unique_ptr<rpc::RpcClient> rpc, uint32_t node) : rpc_(std::move(rpc)), node_(node) {}
+  NearMemoryClient(Pool& pool, std::unique_ptr<rpc::RpcClient> rpc, uint32_t node)
+      : pool_(pool), rpc_(std::move(rpc)), node_(node) {}
   Status SendBatch(std::span<Job> jobs, std::span<const std::pair<uint32_t, uint32_t>> shapes);
 
+  Pool& pool_;
   std::unique_ptr<rpc::RpcClient> rpc_;
   uint32_t node_ = 0;
   std::mutex mu_;

@@ -35,14 +35,15 @@ std::vector<uint8_t> EncodeOpen(const OpenRequest& r) {
   return Encoded(600, [&](meta::WireWriter& w) {
     meta::PutNamespace(w, r.ns);
     w.Put(r.num_heads);
+    w.Put(r.client_life);
   });
 }
 
 Result<OpenRequest> DecodeOpen(std::span<const uint8_t> in) {
   meta::WireReader r(in);
   OpenRequest out;
-  if (!meta::GetNamespace(r, &out.ns) || !r.Get(&out.num_heads) || !r.done()) {
-    return Malformed("open", in.size(), "expected a namespace and a u32 head count");
+  if (!meta::GetNamespace(r, &out.ns) || !r.Get(&out.num_heads) || !r.Get(&out.client_life) || !r.done()) {
+    return Malformed("open", in.size(), "expected a namespace, a u32 head count and a u64 life");
   }
   return out;
 }

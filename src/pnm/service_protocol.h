@@ -11,7 +11,8 @@
 //
 // Encoding: little-endian fixed-width fields, meta::WireWriter/WireReader (meta/protocol.h).
 // Every decoder checks counts against the bytes: a request is a stranger's.
-//   kPnmOpen     namespace (model, extra key, layout), u32 query heads -> u64 context, u32 lease ms
+//   kPnmOpen     namespace (model, extra key, layout), u32 query heads, u64 the client node's life
+//                -> u64 context, u32 lease ms
 //   kPnmExtend   u64 context, u64 first page, key batch (u32 count, keys) -> ExtendAnswer
 //   kPnmAttend   u32 jobs, per job: u64 context, u32 layer, u32 budget tokens (0: every page),
 //                u16 sink pages, u16 recent pages, f32 scale (0: 1/sqrt(head_dim)), u32 q floats,
@@ -58,8 +59,9 @@ inline constexpr size_t kMaxJobMessage = 160;  // bytes of a failed job's messag
 inline constexpr uint32_t kMaxQueryHeads = 256;
 
 struct OpenRequest {
-  KeyNamespace ns;         // the KV's namespace (pool block format 1, K and V)
-  uint32_t num_heads = 0;  // query heads: a multiple of ns.layout.num_kv_heads
+  KeyNamespace ns;          // the KV's namespace (pool block format 1, K and V)
+  uint32_t num_heads = 0;   // query heads: a multiple of ns.layout.num_kv_heads
+  uint64_t client_life = 0; // the client's node incarnation: the context ends with that life
 };
 struct OpenAnswer {
   uint64_t context = 0;
