@@ -12,6 +12,7 @@
 // open returned, or it is closed and the next request gets kNotFound (then open it again).
 // Requests of a batch are packed into as few RPC requests as the slots hold and pipelined.
 //
+// One client per process and node: a process has one channel per service (its process slot's).
 // Thread-safety: all methods are thread-safe (the RPC client serializes its ring).
 #ifndef CXLKV_SRC_PNM_REMOTE_H_
 #define CXLKV_SRC_PNM_REMOTE_H_

@@ -101,6 +101,12 @@ int main(int argc, char** argv) {
                   (*d)->tiers_from_pool() ? " (the pool's default: cxlkv init --tier)" : "");
     }
   }
+  if (const cxlkv::daemon::NearMemoryService* pnm = (*d)->pnm(); pnm != nullptr) {
+    const auto st = pnm->stats();
+    std::printf("cxlkvd: node %u: near-memory attention (pnm-%u): %d engine thread(s) and the serving thread, %s\n",
+                o.node_id, o.node_id, o.pnm_threads,
+                st.numa_node >= 0 ? ("on NUMA node " + std::to_string(st.numa_node)).c_str() : st.numa_note.c_str());
+  }
   std::fflush(stdout);
   int sig = 0;
   sigwait(&stop, &sig);
