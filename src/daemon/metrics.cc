@@ -213,7 +213,7 @@ std::string Daemon::RenderMetrics() {
     e.Sample("cxlkv_pnm_numa_node", "", static_cast<double>(p.numa_node));
     const std::tuple<const char*, const char*, uint64_t> counters[] = {
         {"cxlkv_pnm_contexts_opened_total", "Near-memory contexts opened.", p.contexts_opened},
-        {"cxlkv_pnm_contexts_expired_total", "Contexts closed by their lease or their client node's death.", p.contexts_expired},
+        {"cxlkv_pnm_contexts_expired_total", "Contexts closed by their lease, their client node's death, or this node's life ending.", p.contexts_expired},
         {"cxlkv_pnm_attend_jobs_total", "Attention requests (one layer of one sequence) answered.", p.attend_jobs},
         {"cxlkv_pnm_attend_errors_total", "Attention requests answered with an error.", p.attend_errors},
         {"cxlkv_pnm_pages_attended_total", "Pages attended, summed over KV heads.", p.pages_attended},

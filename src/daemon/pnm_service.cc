@@ -88,6 +88,7 @@ Result<std::unique_ptr<NearMemoryService>> NearMemoryService::Start(Pool& pool, 
     }
   }
   s->engines_ = std::make_unique<pnm::AttendPool>(options.threads, [svc = s.get()] { svc->BindThread(); });
+  s->life_ = pool.impl().node->incarnation();
   std::random_device rd;
   s->epoch_ = (uint64_t{rd()} << 32) & ~(uint64_t{1} << 63);
   if (s->epoch_ == 0) s->epoch_ = uint64_t{1} << 32;
@@ -156,6 +157,7 @@ NearMemoryServiceStats NearMemoryService::stats() const {
 }
 
 Result<size_t> NearMemoryService::Open(const rpc::Request& req, std::span<uint8_t> out) {
+  ForgetIfLifeChanged();
   CXLKV_ASSIGN_OR_RETURN(pnm::OpenRequest r, pnm::DecodeOpen(req.payload));
   const KvLayoutSignature& l = r.ns.layout;
   if (l.kv_parts != 2 || l.block_format != kPoolBlockFormat) {
@@ -230,6 +232,7 @@ Result<NearMemoryService::Context*> NearMemoryService::Find(const rpc::Request& 
 }
 
 Result<size_t> NearMemoryService::Extend(const rpc::Request& req, std::span<uint8_t> out) {
+  ForgetIfLifeChanged();
   CXLKV_ASSIGN_OR_RETURN(pnm::ExtendRequest r, pnm::DecodeExtend(req.payload));
   CXLKV_ASSIGN_OR_RETURN(Context * c, Find(req, r.context));
   if (r.first_page != c->pages()) {
@@ -240,6 +243,11 @@ Result<size_t> NearMemoryService::Extend(const rpc::Request& req, std::span<uint
     return InvalidArgument("a context holds at most " + std::to_string(kMaxContextPages) + " pages");
   }
   CXLKV_ASSIGN_OR_RETURN(LookupResult hit, cache_->Lookup(c->ns, r.keys));
+  if (pool_.impl().node->incarnation() != c->pin_life) {
+    // The node's life ended during the lookup: these pins are not the context's life's.
+    if (pool_.impl().node->Fence("releasing pins").ok()) cache_->Release(hit.pins);
+    return Unavailable("this daemon's node was paused past its lease while pinning: open the context again");
+  }
   if (hit.hit_blocks < r.keys.size()) {
     cache_->Release(hit.pins);
     return NotFound("page " + std::to_string(r.first_page + hit.hit_blocks) +
@@ -342,6 +350,7 @@ Status NearMemoryService::LoadOrBuildDigests(Context& c, uint64_t first_page, st
 }
 
 Result<size_t> NearMemoryService::Attend(const rpc::Request& req, std::span<uint8_t> out) {
+  ForgetIfLifeChanged();
   CXLKV_ASSIGN_OR_RETURN(std::vector<pnm::AttendJobRequest> jobs, pnm::DecodeAttend(req.payload));
   const size_t n = jobs.size();
   std::vector<Context*> ctx(n, nullptr);
@@ -422,6 +431,7 @@ Result<size_t> NearMemoryService::Attend(const rpc::Request& req, std::span<uint
 }
 
 Result<size_t> NearMemoryService::Renew(const rpc::Request& req, std::span<uint8_t> out) {
+  ForgetIfLifeChanged();
   CXLKV_ASSIGN_OR_RETURN(std::vector<uint64_t> ids, pnm::DecodeContexts(req.payload));
   uint32_t renewed = 0;
   for (uint64_t id : ids) renewed += Find(req, id).ok();
@@ -430,6 +440,7 @@ Result<size_t> NearMemoryService::Renew(const rpc::Request& req, std::span<uint8
 }
 
 Result<size_t> NearMemoryService::Close(const rpc::Request& req, std::span<uint8_t>) {
+  ForgetIfLifeChanged();
   CXLKV_ASSIGN_OR_RETURN(std::vector<uint64_t> ids, pnm::DecodeContexts(req.payload));
   Status first;
   for (uint64_t id : ids) {
@@ -446,13 +457,27 @@ Result<size_t> NearMemoryService::Close(const rpc::Request& req, std::span<uint8
 
 void NearMemoryService::Drop(std::map<uint64_t, std::unique_ptr<Context>>::iterator it) {
   Context& c = *it->second;
-  // Pins taken by an earlier life of this node were reclaimed by its recovery: releasing them
-  // now would drop pins this life took since.
-  if (c.pin_life == pool_.impl().node->incarnation()) cache_->Release(c.pins);
+  // Pins of a life whose lease lapsed are recovery's to drop (recovery of that life resets the
+  // node's pin row): releasing them now could take away pins this node's next life took since.
+  if (pool_.impl().node->Fence("releasing a near-memory context's pins", c.pin_life).ok()) cache_->Release(c.pins);
   pages_pinned_.fetch_sub(c.pins.size());
   bytes_pinned_.fetch_sub(c.pins.size() * c.block_bytes);
   contexts_.erase(it);
   open_.store(contexts_.size());
+}
+
+void NearMemoryService::ForgetIfLifeChanged() {
+  const uint64_t life = pool_.impl().node->incarnation();
+  if (life == life_) return;
+  // This node was declared dead (paused past its lease) and rejoined: recovery dropped every pin
+  // of the old life, so the contexts name memory that is no longer held for them. Forgotten,
+  // not released; their clients get kNotFound and open them again.
+  pages_pinned_.store(0);
+  bytes_pinned_.store(0);
+  expired_.fetch_add(contexts_.size());
+  contexts_.clear();
+  open_.store(0);
+  life_ = life;
 }
 
 void NearMemoryService::DropAll() {
@@ -460,6 +485,7 @@ void NearMemoryService::DropAll() {
 }
 
 void NearMemoryService::Sweep() {
+  ForgetIfLifeChanged();
   if (contexts_.empty()) return;
   const auto now = Clock::now();
   const auto lease = std::chrono::milliseconds(options_.context_lease_ms);

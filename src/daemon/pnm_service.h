@@ -99,6 +99,9 @@ class NearMemoryService {
   // Releases the pins (when this life took them) and forgets the context.
   void Drop(std::map<uint64_t, std::unique_ptr<Context>>::iterator it);
   void DropAll();
+  // Forgets every context (without releasing) when this node's life is no longer the one their
+  // pins were taken in. Called first by every handler and the sweep.
+  void ForgetIfLifeChanged();
   Status LoadOrBuildDigests(Context& c, uint64_t first_page, std::span<const BlockKey> keys, pnm::ExtendAnswer* a);
   void BindThread();
 
@@ -111,6 +114,7 @@ class NearMemoryService {
   std::unique_ptr<pnm::AttendPool> engines_;
   uint64_t epoch_ = 0;      // high bits of context ids: an id of an earlier daemon is unknown
   uint64_t next_id_ = 1;
+  uint64_t life_ = 0;       // the node life the open contexts' pins were taken in
   // Serving thread only (handlers, on_tick, on_serving); the destructor after the server stops.
   std::map<uint64_t, std::unique_ptr<Context>> contexts_;
   std::unique_ptr<rpc::RpcServer> server_;

@@ -395,6 +395,52 @@ TEST(CxlkvdPnm, KilledAndPausedClientsLeaveNothingPinnedAndThePausedOneReopens) 
   EXPECT_EQ(d.Wait(), 0);
 }
 
+// The daemon paused past its lease: its node is declared dead and recovered, so its pins are
+// gone (the blocks can be evicted meanwhile). Resumed, it must not serve the old contexts over
+// memory that is no longer pinned for it: it forgets them, and its client reopens.
+TEST(CxlkvdPnm, APausedDaemonForgetsItsContextsAndItsClientReopens) {
+  TempRegionPath path("pnmpause");
+  MakePool(path.path());
+  Child client = Child::Fork([&](int in, int out) {
+    uint64_t go = 0;
+    if (!Get(in, &go)) return 1;
+    return ClientProcess(path.path(), 2, in, out);
+  });
+  DaemonProcess d = DaemonProcess::Start(path.path(), 0, "--pnm-threads 1 --metrics 127.0.0.1:0");
+  ASSERT_GT(d.MetricsPort(), 0) << d.first_line;
+  auto pool = OpenOrNull({path.path()}, 1);
+  ASSERT_NE(pool, nullptr);
+  KvCache* cache = *pool->Cache();
+  const NamespaceHandle ns = *cache->Namespace(TestNamespace());
+  const auto keys = PutContext(*cache, ns, 32, 7);
+  uint64_t reply = 0;
+  ASSERT_TRUE(client.Send(1) && client.Receive(&reply));
+  ASSERT_EQ(reply, 100u);
+  EXPECT_EQ(*cache->Evict(ns, keys), 0u) << "pinned by the daemon's context";
+
+  ::kill(d.pid, SIGSTOP);
+  // Recovery of the daemon's node (by this process's node) drops its pins: the blocks go.
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  uint64_t evicted = 0;
+  while (evicted == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(100ms);
+    evicted = *cache->Evict(ns, keys);
+  }
+  EXPECT_EQ(evicted, 32u) << "the paused daemon's pins were not recovered";
+  PutContext(*cache, ns, 32, 7);  // other bytes may now live where the old ones were
+  ::kill(d.pid, SIGCONT);
+
+  ASSERT_TRUE(client.Send(1) && client.Receive(&reply));
+  EXPECT_EQ(reply, 10u) << "1x: not found, then reopened (0: the old context answered, 2: another error)";
+  ASSERT_TRUE(client.Send(1) && client.Receive(&reply));
+  EXPECT_EQ(reply, 0u);
+  EXPECT_EQ(SumOf(Scrape(d.MetricsPort()), "cxlkv_pnm_contexts_open"), 1);
+  ASSERT_TRUE(client.Send(0));
+  EXPECT_EQ(client.Wait(), 0);
+  ::kill(d.pid, SIGTERM);
+  EXPECT_EQ(d.Wait(), 0);
+}
+
 TEST(CxlkvdPnm, ADeadDaemonFailsTheCallInsteadOfHangingIt) {
   TempRegionPath path("pnmdead");
   MakePool(path.path());
