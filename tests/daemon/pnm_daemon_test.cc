@@ -333,33 +333,51 @@ int ClientProcess(const std::string& path, uint32_t node, int in, int out) {
   return 0;
 }
 
+// A client process on `node`, forked before this process opens the pool (no threads cross a
+// fork); it starts on its first command (ClientProcess).
+Child ForkClient(const std::string& path, uint32_t node) {
+  return Child::Fork([path, node](int in, int out) {
+    uint64_t go = 0;
+    if (!Get(in, &go)) return 1;
+    return ClientProcess(path, node, in, out);
+  });
+}
+
+// One command to a client; its reply (~0 when the pipe broke).
+uint64_t Command(Child& c, uint64_t command) {
+  uint64_t reply = ~uint64_t{0};
+  if (!c.Send(command) || !c.Receive(&reply)) return ~uint64_t{0};
+  return reply;
+}
+
+// This process as node 1: the pool, and the 32-page context (seed 7) the clients open.
+struct Writer {
+  explicit Writer(const std::string& path) : pool(OpenOrNull({path}, 1)) {
+    if (pool == nullptr) return;
+    cache = *pool->Cache();
+    ns = *cache->Namespace(TestNamespace());
+    keys = PutContext(*cache, ns, 32, 7);
+  }
+  std::unique_ptr<Pool> pool;
+  KvCache* cache = nullptr;
+  NamespaceHandle ns;
+  std::vector<BlockKey> keys;
+};
+
 TEST(CxlkvdPnm, KilledAndPausedClientsLeaveNothingPinnedAndThePausedOneReopens) {
   TempRegionPath path("pnmproc");
   MakePool(path.path());
-  // Clients fork before this process opens the pool (no threads cross a fork).
-  Child killed = Child::Fork([&](int in, int out) {
-    uint64_t go = 0;
-    if (!Get(in, &go)) return 1;
-    return ClientProcess(path.path(), 2, in, out);
-  });
-  Child paused = Child::Fork([&](int in, int out) {
-    uint64_t go = 0;
-    if (!Get(in, &go)) return 1;
-    return ClientProcess(path.path(), 3, in, out);
-  });
+  Child killed = ForkClient(path.path(), 2);
+  Child paused = ForkClient(path.path(), 3);
   DaemonProcess d = DaemonProcess::Start(path.path(), 0, "--pnm-threads 1 --pnm-lease-ms 800 --metrics 127.0.0.1:0");
   ASSERT_GT(d.MetricsPort(), 0) << d.first_line;
-  auto pool = OpenOrNull({path.path()}, 1);
-  ASSERT_NE(pool, nullptr);
-  KvCache* cache = *pool->Cache();
-  const NamespaceHandle ns = *cache->Namespace(TestNamespace());
-  const auto keys = PutContext(*cache, ns, 32, 7);
-
-  uint64_t reply = 0;
-  ASSERT_TRUE(killed.Send(1) && killed.Receive(&reply));
-  ASSERT_EQ(reply, 100u);
-  ASSERT_TRUE(paused.Send(1) && paused.Receive(&reply));
-  ASSERT_EQ(reply, 100u);
+  Writer w(path.path());
+  ASSERT_NE(w.pool, nullptr);
+  KvCache* cache = w.cache;
+  const NamespaceHandle ns = w.ns;
+  const auto& keys = w.keys;
+  ASSERT_EQ(Command(killed, 1), 100u);
+  ASSERT_EQ(Command(paused, 1), 100u);
   EXPECT_EQ(*cache->Evict(ns, keys), 0u) << "two open contexts pin every block";
   EXPECT_EQ(SumOf(Scrape(d.MetricsPort()), "cxlkv_pnm_contexts_open"), 2);
 
@@ -382,10 +400,8 @@ TEST(CxlkvdPnm, KilledAndPausedClientsLeaveNothingPinnedAndThePausedOneReopens) 
 
   // Resumed, the paused client's context is gone: it is told so, reopens and attends.
   ::kill(paused.pid, SIGCONT);
-  ASSERT_TRUE(paused.Send(1) && paused.Receive(&reply));
-  EXPECT_EQ(reply, 10u) << "1x: not found, then reopened (0: ok, 2: another error)";
-  ASSERT_TRUE(paused.Send(1) && paused.Receive(&reply));
-  EXPECT_EQ(reply, 0u);
+  EXPECT_EQ(Command(paused, 1), 10u) << "1x: not found, then reopened (0: ok, 2: another error)";
+  EXPECT_EQ(Command(paused, 1), 0u);
   ASSERT_TRUE(paused.Send(0));
   EXPECT_EQ(paused.Wait(), 0);
 
@@ -401,39 +417,31 @@ TEST(CxlkvdPnm, KilledAndPausedClientsLeaveNothingPinnedAndThePausedOneReopens) 
 TEST(CxlkvdPnm, APausedDaemonForgetsItsContextsAndItsClientReopens) {
   TempRegionPath path("pnmpause");
   MakePool(path.path());
-  Child client = Child::Fork([&](int in, int out) {
-    uint64_t go = 0;
-    if (!Get(in, &go)) return 1;
-    return ClientProcess(path.path(), 2, in, out);
-  });
+  Child client = ForkClient(path.path(), 2);
   DaemonProcess d = DaemonProcess::Start(path.path(), 0, "--pnm-threads 1 --metrics 127.0.0.1:0");
   ASSERT_GT(d.MetricsPort(), 0) << d.first_line;
-  auto pool = OpenOrNull({path.path()}, 1);
-  ASSERT_NE(pool, nullptr);
-  KvCache* cache = *pool->Cache();
-  const NamespaceHandle ns = *cache->Namespace(TestNamespace());
-  const auto keys = PutContext(*cache, ns, 32, 7);
-  uint64_t reply = 0;
-  ASSERT_TRUE(client.Send(1) && client.Receive(&reply));
-  ASSERT_EQ(reply, 100u);
+  Writer w(path.path());
+  ASSERT_NE(w.pool, nullptr);
+  KvCache* cache = w.cache;
+  const NamespaceHandle ns = w.ns;
+  const auto& keys = w.keys;
+  ASSERT_EQ(Command(client, 1), 100u);
   EXPECT_EQ(*cache->Evict(ns, keys), 0u) << "pinned by the daemon's context";
 
   ::kill(d.pid, SIGSTOP);
   // Recovery of the daemon's node (by this process's node) drops its pins: the blocks go.
   const auto deadline = std::chrono::steady_clock::now() + 20s;
-  uint64_t evicted = 0;
-  while (evicted == 0 && std::chrono::steady_clock::now() < deadline) {
+  uint64_t evicted = 0;  // recovery releases the pins slot by slot: evict as they come free
+  while (evicted < keys.size() && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(100ms);
-    evicted = *cache->Evict(ns, keys);
+    evicted += *cache->Evict(ns, keys);
   }
   EXPECT_EQ(evicted, 32u) << "the paused daemon's pins were not recovered";
   PutContext(*cache, ns, 32, 7);  // other bytes may now live where the old ones were
   ::kill(d.pid, SIGCONT);
 
-  ASSERT_TRUE(client.Send(1) && client.Receive(&reply));
-  EXPECT_EQ(reply, 10u) << "1x: not found, then reopened (0: the old context answered, 2: another error)";
-  ASSERT_TRUE(client.Send(1) && client.Receive(&reply));
-  EXPECT_EQ(reply, 0u);
+  EXPECT_EQ(Command(client, 1), 10u) << "1x: not found, then reopened (0: the old context answered, 2: another error)";
+  EXPECT_EQ(Command(client, 1), 0u);
   EXPECT_EQ(SumOf(Scrape(d.MetricsPort()), "cxlkv_pnm_contexts_open"), 1);
   ASSERT_TRUE(client.Send(0));
   EXPECT_EQ(client.Wait(), 0);
@@ -444,24 +452,15 @@ TEST(CxlkvdPnm, APausedDaemonForgetsItsContextsAndItsClientReopens) {
 TEST(CxlkvdPnm, ADeadDaemonFailsTheCallInsteadOfHangingIt) {
   TempRegionPath path("pnmdead");
   MakePool(path.path());
-  Child client = Child::Fork([&](int in, int out) {
-    uint64_t go = 0;
-    if (!Get(in, &go)) return 1;
-    return ClientProcess(path.path(), 2, in, out);
-  });
+  Child client = ForkClient(path.path(), 2);
   DaemonProcess d = DaemonProcess::Start(path.path(), 0, "--pnm-threads 0");
-  auto pool = OpenOrNull({path.path()}, 1);
-  ASSERT_NE(pool, nullptr);
-  KvCache* cache = *pool->Cache();
-  PutContext(*cache, *cache->Namespace(TestNamespace()), 32, 7);
-  uint64_t reply = 0;
-  ASSERT_TRUE(client.Send(1) && client.Receive(&reply));
-  ASSERT_EQ(reply, 100u);
+  Writer w(path.path());
+  ASSERT_NE(w.pool, nullptr);
+  ASSERT_EQ(Command(client, 1), 100u);
   ::kill(d.pid, SIGKILL);
   EXPECT_EQ(d.Wait(), 128 + SIGKILL);
   const auto t0 = std::chrono::steady_clock::now();
-  ASSERT_TRUE(client.Send(1) && client.Receive(&reply));
-  EXPECT_EQ(reply, 2u) << "unavailable, not a hang and not an answer";
+  EXPECT_EQ(Command(client, 1), 2u) << "unavailable, not a hang and not an answer";
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);
   ASSERT_TRUE(client.Send(0));
   EXPECT_EQ(client.Wait(), 0);

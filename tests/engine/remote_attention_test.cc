@@ -16,6 +16,7 @@
 #include "cxlkv/pool.h"
 #include "daemon/pnm_service.h"
 #include "engine/model.h"
+#include "decode_test_util.h"
 #include "engine_test_util.h"
 #include "test_region.h"
 
@@ -26,58 +27,23 @@ using test_util::Allocate;
 using test_util::RandomTokens;
 using test_util::TestWeights;
 
-ModelConfig RemoteConfig() {
-  ModelConfig c = test_util::TinyConfig();
-  c.name = "tiny-remote";
-  c.num_heads = 8;
-  c.num_kv_heads = 2;
-  c.head_dim = 16;
-  c.hidden_size = 128;
-  c.intermediate_size = 96;
-  c.max_position = 2048;
-  return c;
-}
+ModelConfig RemoteConfig() { return test_util::GqaConfig("tiny-remote"); }
 
 constexpr uint32_t kBlock = 16;
 constexpr uint32_t kPrompt = 700;  // 43 full pages in the pool, a partial one in the engine
 constexpr uint32_t kSteps = 8;
 
-struct Sequence {
-  explicit Sequence(const Model& m) : cache(m.config(), 64, kBlock) {
-    table = Allocate(cache, 64);
-    tokens = RandomTokens(kPrompt, m.config().vocab_size, 5);
-    auto logits = m.Prefill(tokens, 0, cache, table);
-    EXPECT_TRUE(logits.ok()) << logits.status().ToString();
-    if (logits.ok()) first = Model::Argmax(*logits);
-  }
-  PagedKvCache cache;
-  std::vector<uint32_t> table;
-  std::vector<int32_t> tokens;
-  int32_t first = 0;
+// A sequence of kPrompt tokens prefilled in its own cache, and kSteps decode steps.
+struct Sequence : test_util::PrefilledSequence {
+  explicit Sequence(const Model& m) : PrefilledSequence(m, kPrompt, 64, kBlock, 5) {}
 };
 
 std::vector<std::vector<float>> DecodeSteps(const Model& m, Sequence& s, DecodeAttention* a,
                                             const std::vector<int32_t>& forced = {}) {
-  std::vector<std::vector<float>> out;
-  int32_t token = s.first;
-  for (uint32_t i = 0; i < kSteps; ++i) {
-    auto logits = m.Decode(token, kPrompt + i, s.cache, s.table, a);
-    EXPECT_TRUE(logits.ok()) << logits.status().ToString();
-    if (!logits.ok()) return out;
-    out.push_back(*logits);
-    token = forced.empty() ? Model::Argmax(*logits) : forced[i];
-  }
-  return out;
+  return test_util::DecodeSteps(m, s, a, kSteps, forced);
 }
 
-double RelativeError(const std::vector<float>& a, const std::vector<float>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    num += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
-    den += double(ref[i]) * ref[i];
-  }
-  return std::sqrt(num / den);
-}
+using test_util::RelativeError;
 
 class RemoteDecode : public ::testing::Test {
  protected:
