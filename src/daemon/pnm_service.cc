@@ -174,7 +174,7 @@ Result<size_t> NearMemoryService::Open(const rpc::Request& req, std::span<uint8_
   }
   pnm::Geometry g{r.num_heads, l.num_kv_heads, l.head_size, l.block_size, l.dtype};
   CXLKV_RETURN_IF_ERROR(g.Validate());
-  const auto& area = server_->area();
+  const auto& area = req.server->area();  // (server_ may not be assigned yet: Start is still returning)
   if (4 + pnm::AttendJobRequestBytes(size_t{g.num_heads} * g.head_dim) > area.request_capacity() ||
       pnm::AttendJobAnswerBytes(g.num_heads, g.head_dim) > area.response_capacity()) {
     return InvalidArgument("one query of " + std::to_string(g.num_heads) + " heads × " + std::to_string(g.head_dim) +
