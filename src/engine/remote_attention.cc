@@ -76,6 +76,7 @@ Status RemoteDecodeAttention::Attend(uint32_t layer, const float* q, uint32_t po
     Status s = client_.Attend({&job, 1});
     if (s.code() == StatusCode::kNotFound) {  // closed by its lease while this engine was paused
       const std::vector<BlockKey> keys = keys_;
+      (void)client_.Close({&context_, 1});  // gone at the daemon; the client forgets it too
       open_ = false;
       CXLKV_RETURN_IF_ERROR(Open(keys));
       ++reopened_;
