@@ -490,11 +490,15 @@ void NearMemoryService::Sweep() {
   const auto now = Clock::now();
   const auto lease = std::chrono::milliseconds(options_.context_lease_ms);
   sync::Node& node = *pool_.impl().node;
+  std::map<std::pair<uint32_t, uint64_t>, bool> over;  // one line read per client life, not per context
   for (auto it = contexts_.begin(); it != contexts_.end();) {
     const Context& c = *it->second;
     // Its line read now: restarted, left, or silent a whole lease in this daemon's view (what
     // recovery assumes). A life this daemon has not observed yet is not over.
-    const bool owner_gone = node.LifeOver(c.owner_node, c.owner_life, 0xffffffffull);
+    const auto life = std::make_pair(c.owner_node, c.owner_life);
+    auto known = over.find(life);
+    if (known == over.end()) known = over.emplace(life, node.LifeOver(c.owner_node, c.owner_life, 0xffffffffull)).first;
+    const bool owner_gone = known->second;
     if (now - c.last_used > lease || owner_gone) {
       auto next = std::next(it);
       Drop(it);

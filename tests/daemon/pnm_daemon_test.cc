@@ -364,7 +364,9 @@ struct Writer {
   std::vector<BlockKey> keys;
 };
 
-TEST(CxlkvdPnm, KilledAndPausedClientsLeaveNothingPinnedAndThePausedOneReopens) {
+// One client killed -9, another SIGSTOPped past its lease: nothing stays pinned, and the paused
+// one is told its context is gone, reopens and attends.
+void ClientsKilledAndPaused() {
   TempRegionPath path("pnmproc");
   MakePool(path.path());
   Child killed = ForkClient(path.path(), 2);
@@ -414,7 +416,7 @@ TEST(CxlkvdPnm, KilledAndPausedClientsLeaveNothingPinnedAndThePausedOneReopens) 
 // The daemon paused past its lease: its node is declared dead and recovered, so its pins are
 // gone (the blocks can be evicted meanwhile). Resumed, it must not serve the old contexts over
 // memory that is no longer pinned for it: it forgets them, and its client reopens.
-TEST(CxlkvdPnm, APausedDaemonForgetsItsContextsAndItsClientReopens) {
+void DaemonPaused() {
   TempRegionPath path("pnmpause");
   MakePool(path.path());
   Child client = ForkClient(path.path(), 2);
@@ -447,6 +449,23 @@ TEST(CxlkvdPnm, APausedDaemonForgetsItsContextsAndItsClientReopens) {
   EXPECT_EQ(client.Wait(), 0);
   ::kill(d.pid, SIGTERM);
   EXPECT_EQ(d.Wait(), 0);
+}
+
+TEST(CxlkvdPnm, KilledAndPausedClientsLeaveNothingPinnedAndThePausedOneReopens) { ClientsKilledAndPaused(); }
+
+TEST(CxlkvdPnm, APausedDaemonForgetsItsContextsAndItsClientReopens) { DaemonPaused(); }
+
+// The same two stories with every process (this one, the clients, cxlkvd) behind its own
+// simulated non-coherent cache (docs/protocol.md, "Simulator"), seed by seed.
+TEST(CxlkvdPnm, KillsAndPausesUnderTheNonCoherentSimulator) {
+  for (int seed : {1, 2, 3}) {
+    SCOPED_TRACE("CXLKV_SIM_SEED=" + std::to_string(seed));
+    ::setenv("CXLKV_SIM_SEED", std::to_string(seed).c_str(), 1);  // inherited by every child
+    ClientsKilledAndPaused();
+    DaemonPaused();
+    ::unsetenv("CXLKV_SIM_SEED");
+    if (HasFatalFailure()) return;
+  }
 }
 
 TEST(CxlkvdPnm, ADeadDaemonFailsTheCallInsteadOfHangingIt) {
