@@ -19,7 +19,7 @@ Result<std::unique_ptr<NearMemoryClient>> NearMemoryClient::Open(Pool& pool, uin
     }
     return rpc.status();
   }
-  return std::unique_ptr<NearMemoryClient>(new NearMemoryClient(pool, std::move(*rpc), node));
+  return std::unique_ptr<NearMemoryClient>(new NearMemoryClient(pool, std::move(*rpc), node, options.timeout));
 }
 
 Result<NearMemoryClient::Opened> NearMemoryClient::OpenContext(const KeyNamespace& ns, uint32_t num_heads,
@@ -134,7 +134,7 @@ Status NearMemoryClient::Attend(std::span<Job> jobs) {
   std::deque<size_t> in_flight;
   size_t next = 0;
   Status first;
-  const auto deadline_of = [] { return rpc::RpcClient::Clock::now() + std::chrono::seconds(30); };
+  const auto deadline_of = [this] { return rpc::RpcClient::Clock::now() + timeout_; };
   while (next < batches.size() || !in_flight.empty()) {
     while (next < batches.size()) {
       auto t = rpc_->Submit(kPnmAttend, batches[next].request);

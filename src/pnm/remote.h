@@ -18,6 +18,7 @@
 #define CXLKV_SRC_PNM_REMOTE_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -66,8 +67,9 @@ class NearMemoryClient {
     uint32_t pages_attended = 0;  // summed over KV heads
     Status status;                // this job's outcome
   };
-  // Runs the jobs at the daemon. Returns the first job's error, or a transport error (then no
-  // job has an answer). Jobs of contexts this client did not open are refused locally.
+  // Runs the jobs at the daemon, each answer awaited up to the options' timeout. Returns the
+  // first job's error, or a transport error (then no job has an answer). Jobs of contexts this
+  // client did not open are refused locally.
   Status Attend(std::span<Job> jobs);
   // Keeps idle contexts open; returns how many the daemon still had.
   Result<uint32_t> Renew(std::span<const uint64_t> contexts);
@@ -78,13 +80,14 @@ class NearMemoryClient {
   uint32_t node() const { return node_; }
 
  private:
-  NearMemoryClient(Pool& pool, std::unique_ptr<rpc::RpcClient> rpc, uint32_t node)
-      : pool_(pool), rpc_(std::move(rpc)), node_(node) {}
+  NearMemoryClient(Pool& pool, std::unique_ptr<rpc::RpcClient> rpc, uint32_t node, std::chrono::milliseconds timeout)
+      : pool_(pool), rpc_(std::move(rpc)), node_(node), timeout_(timeout) {}
   Status SendBatch(std::span<Job> jobs, std::span<const std::pair<uint32_t, uint32_t>> shapes);
 
   Pool& pool_;
   std::unique_ptr<rpc::RpcClient> rpc_;
   uint32_t node_ = 0;
+  std::chrono::milliseconds timeout_;  // each answer's deadline (RpcClientOptions::timeout)
   std::mutex mu_;
   std::map<uint64_t, std::pair<uint64_t, std::pair<uint32_t, uint32_t>>> contexts_;  // id -> pages, (heads, dim)
   std::atomic<uint64_t> link_bytes_{0};
