@@ -189,6 +189,12 @@ Result<size_t> NearMemoryService::Open(const rpc::Request& req, std::span<uint8_
     return Corrupted("the pool's namespace for model '" + r.ns.model_id + "' has blocks of " +
                      std::to_string(ns.block_bytes) + " bytes, its layout says " + std::to_string(l.BlockBytes()));
   }
+  // A life already over (its process was paused past the lease and has not beaten since) would
+  // see its context closed at the next sweep: say so now instead.
+  if (pool_.impl().node->LifeOver(req.node, r.client_life, 0xffffffffull)) {
+    return LeaseExpired("node " + std::to_string(req.node) + "'s life " + std::to_string(r.client_life) +
+                        " is over (paused or silent past its lease): open again once it beats as its new life");
+  }
   auto c = std::make_unique<Context>();
   c->id = epoch_ | next_id_++;
   c->owner_node = req.node;

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <thread>
 
 #include "pool/pool_internal.h"
 #include "sync/node.h"
@@ -22,11 +23,26 @@ Result<std::unique_ptr<NearMemoryClient>> NearMemoryClient::Open(Pool& pool, uin
   return std::unique_ptr<NearMemoryClient>(new NearMemoryClient(pool, std::move(*rpc), node, options.timeout));
 }
 
+Result<uint64_t> NearMemoryClient::CurrentLife() const {
+  const sync::Node& node = *pool_.impl().node;
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  for (;;) {
+    const uint64_t life = node.incarnation();
+    Status fenced = node.Fence("open a near-memory context", life);
+    if (fenced.ok()) return life;
+    if (std::chrono::steady_clock::now() >= deadline) return fenced;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+}
+
 Result<NearMemoryClient::Opened> NearMemoryClient::OpenContext(const KeyNamespace& ns, uint32_t num_heads,
                                                                std::span<const BlockKey> keys) {
-  // This node's life now: the daemon ends the context with it (a node that restarted or was
-  // declared dead while this process was paused opens under its new life).
-  const OpenRequest request{ns, num_heads, pool_.impl().node->incarnation()};
+  // This node's life now: the daemon ends the context with it. After a pause past the lease the
+  // life this process last knew may already be over, and a context opened under it would be
+  // closed at the daemon's next sweep: wait (bounded) for the heartbeat to start the new life,
+  // which the fence then vouches for.
+  CXLKV_ASSIGN_OR_RETURN(const uint64_t life, CurrentLife());
+  const OpenRequest request{ns, num_heads, life};
   CXLKV_ASSIGN_OR_RETURN(std::vector<uint8_t> answer, rpc_->Call(kPnmOpen, EncodeOpen(request)));
   CXLKV_ASSIGN_OR_RETURN(OpenAnswer a, DecodeOpenAnswer(answer));
   Opened o;

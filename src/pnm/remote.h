@@ -50,7 +50,8 @@ class NearMemoryClient {
   // Opens a context over the blocks `keys` (in token order, full pages) of namespace `ns`, for a
   // model of `num_heads` query heads. Errors: kNotFound (a key is not in the pool: the message
   // names the page), kInvalidArgument (a layout near-memory attention cannot read), kNoSpace
-  // (too many contexts open there), kUnavailable (no daemon answers).
+  // (too many contexts open there), kUnavailable (no daemon answers), kLeaseExpired (this
+  // node's lease did not come back within the timeout after a pause).
   Result<Opened> OpenContext(const KeyNamespace& ns, uint32_t num_heads, std::span<const BlockKey> keys);
   // Appends blocks to an open context (a decode that filled another page and stored it).
   Result<ExtendAnswer> Extend(uint64_t context, std::span<const BlockKey> keys);
@@ -83,6 +84,8 @@ class NearMemoryClient {
   NearMemoryClient(Pool& pool, std::unique_ptr<rpc::RpcClient> rpc, uint32_t node, std::chrono::milliseconds timeout)
       : pool_(pool), rpc_(std::move(rpc)), node_(node), timeout_(timeout) {}
   Status SendBatch(std::span<Job> jobs, std::span<const std::pair<uint32_t, uint32_t>> shapes);
+  // This node's life, once its lease is surely valid (up to the timeout): kLeaseExpired if not.
+  Result<uint64_t> CurrentLife() const;
 
   Pool& pool_;
   std::unique_ptr<rpc::RpcClient> rpc_;

@@ -14,6 +14,8 @@
 #include "pnm/digest.h"
 #include "pnm/remote.h"
 #include "pnm/select.h"
+#include "pool/pool_internal.h"
+#include "sync/node.h"
 
 namespace cxlkv {
 namespace {
@@ -250,6 +252,11 @@ TEST(NearMemoryService, BadRequestsGetTheirReasonAndChangeNothing) {
     auto r = (*raw)->Call(op, junk);
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << op << ": " << r.status().ToString();
   }
+  // An open under a life of this node that is not its current one (a process resumed from a
+  // pause before its heartbeat started the new life): refused, not opened only to be swept.
+  const pnm::OpenRequest stale{TestNamespace(), kHeads, t.pool->impl().node->incarnation() + 7};
+  auto old_life = (*raw)->Call(pnm::kPnmOpen, pnm::EncodeOpen(stale));
+  EXPECT_EQ(old_life.status().code(), StatusCode::kLeaseExpired) << old_life.status().ToString();
   std::vector<uint8_t> huge_count(8, 0xff);  // an attend batch claiming 4G jobs
   EXPECT_EQ((*raw)->Call(pnm::kPnmAttend, huge_count).status().code(), StatusCode::kInvalidArgument);
   pnm::ExtendRequest repeat{ctx->context, 0, {keys[0]}};
