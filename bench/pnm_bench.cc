@@ -158,7 +158,7 @@ struct Layers {
   uint64_t tokens = 0;
   uint64_t pages = 0;  // per layer
   std::vector<std::vector<pnm::PageKv>> page_kv;  // [layer][page]
-  std::vector<const uint16_t*> digests;           // [layer]
+  std::vector<const uint8_t*> digests;            // [layer]
 
   uint64_t PageBytes() const { return 2 * g.SlabBytes(); }
   uint64_t LayerBytes() const { return pages * PageBytes(); }
@@ -168,7 +168,7 @@ struct Layers {
 
 // Cuts [0, arena) into whole layers; digests of page i of the arena live at digest + i * per-page.
 Layers MakeLayers(const pnm::Geometry& g, uint64_t tokens, uint8_t* arena, uint64_t arena_bytes,
-                  const uint16_t* digest) {
+                  const uint8_t* digest) {
   Layers L;
   L.g = g;
   L.tokens = tokens;
@@ -181,17 +181,17 @@ Layers MakeLayers(const pnm::Geometry& g, uint64_t tokens, uint8_t* arena, uint6
       pk[p] = {page, page + g.SlabBytes()};
     }
     L.page_kv.push_back(std::move(pk));
-    L.digests.push_back(digest + l * L.pages * pnm::DigestElemsPerPage(g));
+    L.digests.push_back(digest + l * L.pages * pnm::DigestBytesPerPage(g));
   }
   return L;
 }
 
 // Builds the digests of every page of the arena in layers of geometry g, one BuildDigests per
 // layer; returns tokens/s per layer.
-Result<std::vector<double>> BuildAll(const Layers& L, uint16_t* digest) {
+Result<std::vector<double>> BuildAll(const Layers& L, uint8_t* digest) {
   std::vector<double> tps;
   for (size_t l = 0; l < L.page_kv.size(); ++l) {
-    std::span<uint16_t> out(digest + l * L.pages * pnm::DigestElemsPerPage(L.g), L.pages * pnm::DigestElemsPerPage(L.g));
+    std::span<uint8_t> out(digest + l * L.pages * pnm::DigestBytesPerPage(L.g), L.pages * pnm::DigestBytesPerPage(L.g));
     auto t0 = Clock::now();
     CXLKV_RETURN_IF_ERROR(pnm::BuildDigests(L.g, L.Ctx(l), out));
     tps.push_back(static_cast<double>(L.tokens) / Seconds(t0));
@@ -338,8 +338,8 @@ Result<nlohmann::json> RunPnmBench(const BenchOptions& options) {
   Arena arena(arena_bytes);
   if (!arena.ok()) return Internal("bench pnm: cannot map " + std::to_string(arena_bytes >> 20) + " MiB");
   FillFp16(arena.data(), arena_bytes, 0x9e11a7e5eedull);
-  // The digests are 1/16 of the KV for fp16 with 16-token pages, whatever the head count.
-  std::vector<uint16_t> digest(arena_bytes / 16 / sizeof(uint16_t));
+  // The digests are about 1/32 of the KV for fp16 with 16-token pages (digest.h): 1/16 holds them.
+  std::vector<uint8_t> digest(arena_bytes / 16);
 
   pnm::Geometry g8;
   g8.num_heads = 32;

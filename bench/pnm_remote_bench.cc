@@ -117,7 +117,7 @@ Result<std::vector<nlohmann::json>> PnmRemoteFigures(const BenchOptions& options
     views.push_back({base, base + g.SlabBytes()});
   }
   const pnm::ContextView ctx{views, kTokens};
-  std::vector<uint16_t> digests(keys.size() * pnm::DigestElemsPerPage(g));
+  std::vector<uint8_t> digests(keys.size() * pnm::DigestBytesPerPage(g));
   CXLKV_RETURN_IF_ERROR(pnm::BuildDigests(g, ctx, digests));
 
   std::vector<nlohmann::json> out;

@@ -22,18 +22,23 @@ using Clock = std::chrono::steady_clock;
 
 constexpr uint64_t kMaxContextPages = uint64_t{1} << 26;  // 1G tokens at 16 a page
 
-// The digests' own namespace: same model, a layout that sizes one page's digest
-// ([layers][kv_heads][lo, hi][head_dim] bf16 = parts 2 × layers × 1 token × heads × dim × 2
-// bytes), and an extra key that says what it holds and of which KV namespace.
+// The digests' own namespace: same model, a layout that sizes one page's digest exactly (per
+// layer DigestBytesPerPage: one part × layers × 1 token × 1 head × that many 1-byte elements),
+// and an extra key that says what it holds — the format's version — and of which KV namespace.
 KeyNamespace DigestNamespace(const KeyNamespace& kv) {
+  pnm::Geometry g;
+  g.num_kv_heads = kv.layout.num_kv_heads;
+  g.head_dim = kv.layout.head_size;
   KeyNamespace d;
   d.model_id = kv.model_id;
   d.layout = kv.layout;
-  d.layout.dtype = KvDtype::kBf16;
+  d.layout.dtype = KvDtype::kFp8;
   d.layout.block_size = 1;
-  d.layout.kv_parts = 2;
+  d.layout.kv_parts = 1;
+  d.layout.num_kv_heads = 1;
+  d.layout.head_size = static_cast<uint32_t>(pnm::DigestBytesPerPage(g));
   char extra[40];
-  std::snprintf(extra, sizeof extra, "pnm-digest-1:%016llx",
+  std::snprintf(extra, sizeof extra, "pnm-digest-2:%016llx",
                 static_cast<unsigned long long>(XXH3_64bits(kv.extra_key.data(), kv.extra_key.size())));
   d.extra_key = extra;
   return d;
@@ -62,7 +67,7 @@ struct NearMemoryService::Context {
   uint64_t piece_bytes = 0;  // one (layer, K or V) slab of a block
   std::vector<BlockPin> pins;
   std::vector<std::vector<pnm::PageKv>> views;      // [layer][page]
-  std::vector<std::vector<uint16_t>> digests;       // [layer][page × DigestElemsPerPage]
+  std::vector<std::vector<uint8_t>> digests;        // [layer][page × DigestBytesPerPage]
   Clock::time_point last_used;
 
   uint64_t pages() const { return pins.size(); }
@@ -292,8 +297,8 @@ Result<size_t> NearMemoryService::Extend(const rpc::Request& req, std::span<uint
 Status NearMemoryService::LoadOrBuildDigests(Context& c, uint64_t first_page, std::span<const BlockKey> keys,
                                              pnm::ExtendAnswer* a) {
   const pnm::Geometry& g = c.g;
-  const uint64_t elems = pnm::DigestElemsPerPage(g);
-  const uint64_t digest_bytes = elems * sizeof(uint16_t) * c.layers;
+  const uint64_t elems = pnm::DigestBytesPerPage(g);
+  const uint64_t digest_bytes = elems * c.layers;
   for (auto& d : c.digests) d.resize((first_page + keys.size()) * elems);
   size_t found = 0;
   std::vector<BlockKey> dkeys;
@@ -306,10 +311,13 @@ Status NearMemoryService::LoadOrBuildDigests(Context& c, uint64_t first_page, st
         if (p.bytes != digest_bytes) break;  // not ours to trust: build from here on
         const uint8_t* src = cache_->PayloadPtr(p);
         cache_->InvalidateForRead(src, p.bytes);
-        for (uint32_t l = 0; l < c.layers; ++l) {
-          std::memcpy(c.digests[l].data() + (first_page + found) * elems, src + l * elems * sizeof(uint16_t),
-                      elems * sizeof(uint16_t));
+        bool well_formed = true;
+        for (uint32_t l = 0; l < c.layers && well_formed; ++l) {
+          uint8_t* d = c.digests[l].data() + (first_page + found) * elems;
+          std::memcpy(d, src + l * elems, elems);  // copied first: checked bytes are the ones used
+          well_formed = pnm::DigestPageWellFormed(g, d);
         }
+        if (!well_formed) break;
         ++found;
       }
       cache_->Release(hit->pins);
@@ -318,7 +326,7 @@ Status NearMemoryService::LoadOrBuildDigests(Context& c, uint64_t first_page, st
   for (uint64_t i = found; i < keys.size(); ++i) {
     const uint64_t page = first_page + i;
     for (uint32_t l = 0; l < c.layers; ++l) {
-      uint16_t* d = c.digests[l].data() + page * elems;
+      uint8_t* d = c.digests[l].data() + page * elems;
       pnm::ClearPageDigest(g, d);
       pnm::ExtendPageDigest(g, c.views[l][page], 0, g.page_tokens, d);
     }
@@ -337,8 +345,8 @@ Status NearMemoryService::LoadOrBuildDigests(Context& c, uint64_t first_page, st
         if (kr.outcome != ReserveOutcome::kReserved) continue;
         const uint64_t page = first_page + found + j;
         for (uint32_t l = 0; l < c.layers; ++l) {
-          std::memcpy(block.data() + l * elems * sizeof(uint16_t), c.digests[l].data() + page * elems,
-                      elems * sizeof(uint16_t));
+          std::memcpy(block.data() + l * elems, c.digests[l].data() + page * elems,
+                      elems);
         }
         if (cache_->Write(kr.reservation, 0, block.data(), block.size()).ok()) {
           open.push_back(kr.reservation);

@@ -44,7 +44,7 @@ const char* AttentionModeName(AttentionMode m) {
 struct SparseDecodeAttention::Layer {
   std::vector<uint32_t> blocks;  // the block id behind each viewed page
   std::vector<pnm::PageKv> pages;
-  std::vector<uint16_t> digests;  // pages × DigestElemsPerPage
+  std::vector<uint8_t> digests;   // pages × DigestBytesPerPage
   uint64_t digested = 0;          // positions whose keys the digests cover
   // kHybrid, one entry per KV head.
   std::vector<pnm::ResidentPages> residents;
@@ -101,6 +101,15 @@ Status SparseDecodeAttention::Prepare(const PagedKvCache& cache,
   return Status::Ok();
 }
 
+void SparseDecodeAttention::EvictResidentsFrom(Layer& L, uint64_t first_page) {
+  for (size_t h = 0; h < L.residents.size(); ++h) {
+    for (uint32_t p : L.residents[h].EvictFrom(first_page)) {
+      L.free_slots[h].push_back(L.slot_of_page[h][p]);
+      L.slot_of_page[h][p] = kNoSlot;
+    }
+  }
+}
+
 Status SparseDecodeAttention::CatchUp(uint32_t layer, const PagedKvCache& cache,
                                       std::span<const uint32_t> block_table, uint64_t tokens) {
   const pnm::Geometry& g = geometry_;
@@ -125,13 +134,11 @@ Status SparseDecodeAttention::CatchUp(uint32_t layer, const PagedKvCache& cache,
   uint64_t same = 0;
   const uint64_t viewed = std::min<uint64_t>(L.blocks.size(), pages);
   while (same < viewed && L.blocks[same] == block_table[same]) ++same;
-  if (same < viewed) {  // keep the views and digests before page `same`; resident copies go
-    Layer kept;
-    kept.blocks.assign(L.blocks.begin(), L.blocks.begin() + same);
-    kept.pages.assign(L.pages.begin(), L.pages.begin() + same);
-    kept.digests = std::move(L.digests);
-    kept.digested = std::min(L.digested, same * bs);
-    L = std::move(kept);
+  if (same < viewed) {  // keep the views, digests and resident copies before page `same`
+    L.blocks.resize(same);
+    L.pages.resize(same);
+    L.digested = std::min(L.digested, same * bs);
+    EvictResidentsFrom(L, same);
   }
   for (uint64_t i = L.blocks.size(); i < pages; ++i) {
     if (block_table[i] >= cache.num_blocks()) {
@@ -144,8 +151,12 @@ Status SparseDecodeAttention::CatchUp(uint32_t layer, const PagedKvCache& cache,
   }
   // The decode step just wrote position tokens - 1: a rewrite of digested positions (the
   // caller stepped back) re-digests that page from its start, since digests only widen.
-  if (L.digested >= tokens) L.digested = (tokens - 1) / bs * bs;
-  const uint64_t elems = pnm::DigestElemsPerPage(g);
+  // Resident copies of that page and later ones are stale the same way.
+  if (L.digested >= tokens) {
+    L.digested = (tokens - 1) / bs * bs;
+    EvictResidentsFrom(L, (tokens - 1) / bs);
+  }
+  const uint64_t elems = pnm::DigestBytesPerPage(g);
   L.digests.resize(std::max<uint64_t>(L.digests.size(), pages * elems));
   for (uint64_t t = L.digested; t < tokens;) {
     const uint64_t p = t / bs;

@@ -103,6 +103,8 @@ class SparseDecodeAttention final : public DecodeAttention {
   // Page views and digests of `layer` brought up to `tokens` positions.
   Status CatchUp(uint32_t layer, const PagedKvCache& cache, std::span<const uint32_t> block_table,
                  uint64_t tokens);
+  // kHybrid: drops the engine's resident copies of pages from `first_page` on (their KV changed).
+  static void EvictResidentsFrom(Layer& L, uint64_t first_page);
   // kHybrid: recalls and evicts by steady selection, splits the selection, attends both parts
   // and merges them into near_.
   Status AttendHybrid(Layer& L, uint32_t layer, const float* q, const pnm::ContextView& ctx,

@@ -1,4 +1,4 @@
-// The AVX-512 block kernels (kernels.h): the digest scores, and attend_page — one page of one
+// The AVX-512 block kernel (kernels.h): attend_page — one page of one
 // KV head for its whole GQA group, FlashAttention-style — all the page's logits
 // first, one max and one rescale per page and head, the exponentials as vectors, then the
 // values accumulated in registers across the page's tokens.
@@ -272,115 +272,11 @@ CXLKV_AVX512 void AttendPageAvx512T(const PageHead& page, const float* q, uint32
   }
 }
 
-// One head's digest score terms at chunk d: the sum and the magnitude accumulate
-// max(q·lo, q·hi) and its absolute value.
-CXLKV_AVX512 inline void ScoreStep(__m512 vq, __m512 lo, __m512 hi, __m512& sum, __m512& mag) {
-  const __m512 t = _mm512_max_ps(_mm512_mul_ps(vq, lo), _mm512_mul_ps(vq, hi));
-  sum = _mm512_add_ps(sum, t);
-  mag = _mm512_add_ps(mag, _mm512_abs_ps(t));
-}
-
-CXLKV_AVX512 inline __m512 LoadBf16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
 
 }  // namespace
-
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-
-// The digest scores reduce their lanes with the tree of Sum16 — within each 128-bit lane
-// (x0+x2)+(x1+x3), then (L0+L1)+(L2+L3) — alone (one head) or four heads' sums and magnitudes
-// in one transposed reduction (Sum8: 24 operations for 8 sums, ~8 each with a reduction apiece).
-// The tree is the same for every series, so group_digest_score equals digest_score bit for bit.
-CXLKV_AVX512 float DigestScoreAvx512(const float* q, const uint16_t* lo, const uint16_t* hi, uint32_t n,
-                                     float* magnitude) {
-  __m512 sum = _mm512_setzero_ps(), mag = _mm512_setzero_ps();
-  for (uint32_t d = 0; d < n; d += 16) ScoreStep(_mm512_loadu_ps(q + d), LoadBf16(lo + d), LoadBf16(hi + d), sum, mag);
-  // Pair1..3 of a series with itself: lane 0 is the series' sum through the tree.
-  const __m512 x = Pair2(Pair1(sum, mag), Pair1(sum, mag));  // lanes [s, m, s, m] per 128 bits
-  const __m512 y = Pair3(Pair3(x, x), Pair3(x, x));
-  *magnitude = _mm512_cvtss_f32(_mm512_permutexvar_ps(_mm512_set1_epi32(1), y));
-  return _mm512_cvtss_f32(y);
-}
-
-// The Sum8 reduction of four heads' sums and magnitudes into score[0..4), magnitude[0..4) (the
-// first `valid` stored): lanes 0..3 the scores, 4..7 the magnitudes.
-CXLKV_AVX512 inline void StoreSum8(__m512 s0, __m512 s1, __m512 s2, __m512 s3, __m512 m0, __m512 m1, __m512 m2,
-                                   __m512 m3, uint32_t valid, float* score, float* magnitude) {
-  const __m512 x0 = Pair2(Pair1(s0, s1), Pair1(s2, s3)), x1 = Pair2(Pair1(m0, m1), Pair1(m2, m3));
-  const __m512 y = Pair3(x0, x1);
-  alignas(64) float sums[16];
-  _mm512_store_ps(sums, Pair3(y, y));
-  for (uint32_t j = 0; j < valid; ++j) {
-    score[j] = sums[j];
-    magnitude[j] = sums[4 + j];
-  }
-}
-
-CXLKV_AVX512 void GroupDigestScoreAvx512(const float* q, uint32_t heads, const uint16_t* lo, const uint16_t* hi,
-                                         uint32_t n, float* score, float* magnitude) {
-  for (uint32_t i = 0; i < heads; i += 4) {  // the bounds widened once for four heads
-    // Heads past the group repeat its last one; their sums are not stored.
-    const float* q0 = q + uint64_t{i} * n;
-    const float* q1 = q + uint64_t{i + 1 < heads ? i + 1 : heads - 1} * n;
-    const float* q2 = q + uint64_t{i + 2 < heads ? i + 2 : heads - 1} * n;
-    const float* q3 = q + uint64_t{i + 3 < heads ? i + 3 : heads - 1} * n;
-    // Named registers, not arrays: at -O2 an array of vectors with a loop over it stays in memory.
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, m0 = s0, m1 = s0, m2 = s0, m3 = s0;
-    for (uint32_t d = 0; d < n; d += 16) {
-      const __m512 l = LoadBf16(lo + d), h = LoadBf16(hi + d);
-      ScoreStep(_mm512_loadu_ps(q0 + d), l, h, s0, m0);
-      ScoreStep(_mm512_loadu_ps(q1 + d), l, h, s1, m1);
-      ScoreStep(_mm512_loadu_ps(q2 + d), l, h, s2, m2);
-      ScoreStep(_mm512_loadu_ps(q3 + d), l, h, s3, m3);
-    }
-    StoreSum8(s0, s1, s2, s3, m0, m1, m2, m3, heads - i < 4 ? heads - i : 4, score + i, magnitude + i);
-  }
-}
-
-CXLKV_AVX512 void GroupDigestScore2Avx512(const float* q, uint32_t heads, const uint16_t* lo_a, const uint16_t* hi_a,
-                                          const uint16_t* lo_b, const uint16_t* hi_b, uint32_t n, float* score_a,
-                                          float* magnitude_a, float* score_b, float* magnitude_b) {
-  for (uint32_t i = 0; i < heads; i += 4) {  // four heads × two pages: 16 accumulators
-    const float* q0 = q + uint64_t{i} * n;
-    const float* q1 = q + uint64_t{i + 1 < heads ? i + 1 : heads - 1} * n;
-    const float* q2 = q + uint64_t{i + 2 < heads ? i + 2 : heads - 1} * n;
-    const float* q3 = q + uint64_t{i + 3 < heads ? i + 3 : heads - 1} * n;
-    __m512 sa0 = _mm512_setzero_ps(), sa1 = sa0, sa2 = sa0, sa3 = sa0, ma0 = sa0, ma1 = sa0, ma2 = sa0, ma3 = sa0;
-    __m512 sb0 = sa0, sb1 = sa0, sb2 = sa0, sb3 = sa0, mb0 = sa0, mb1 = sa0, mb2 = sa0, mb3 = sa0;
-    for (uint32_t d = 0; d < n; d += 16) {
-      const __m512 la = LoadBf16(lo_a + d), ha = LoadBf16(hi_a + d), lb = LoadBf16(lo_b + d), hb = LoadBf16(hi_b + d);
-      __m512 x = _mm512_loadu_ps(q0 + d);
-      ScoreStep(x, la, ha, sa0, ma0);
-      ScoreStep(x, lb, hb, sb0, mb0);
-      x = _mm512_loadu_ps(q1 + d);
-      ScoreStep(x, la, ha, sa1, ma1);
-      ScoreStep(x, lb, hb, sb1, mb1);
-      x = _mm512_loadu_ps(q2 + d);
-      ScoreStep(x, la, ha, sa2, ma2);
-      ScoreStep(x, lb, hb, sb2, mb2);
-      x = _mm512_loadu_ps(q3 + d);
-      ScoreStep(x, la, ha, sa3, ma3);
-      ScoreStep(x, lb, hb, sb3, mb3);
-    }
-    const uint32_t valid = heads - i < 4 ? heads - i : 4;
-    StoreSum8(sa0, sa1, sa2, sa3, ma0, ma1, ma2, ma3, valid, score_a + i, magnitude_a + i);
-    StoreSum8(sb0, sb1, sb2, sb3, mb0, mb1, mb2, mb3, valid, score_b + i, magnitude_b + i);
-  }
-}
-
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-#undef CXLKV_AVX512
 
 __attribute__((target("avx512f"))) float ExpSumAvx512(float* x, uint32_t n, float shift) { return ExpSum(x, n, shift); }
 

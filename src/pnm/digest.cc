@@ -1,71 +1,140 @@
 #include "pnm/digest.h"
 
+#include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "pnm/kernels.h"
 
 namespace cxlkv::pnm {
 
-using internal::Bf16RoundDown;
-using internal::Bf16RoundUp;
-using internal::Bf16ToFloat;
+namespace {
 
-void ClearPageDigest(const Geometry& g, uint16_t* out) {
-  constexpr uint16_t kPlusInf = 0x7f80, kMinusInf = 0xff80;
-  for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
-    uint16_t* lo = out + uint64_t{h} * 2 * g.head_dim;
-    for (uint32_t d = 0; d < g.head_dim; ++d) {
-      lo[d] = kPlusInf;
-      lo[g.head_dim + d] = kMinusInf;
-    }
-  }
+// ceil(x · 2^-e) for x an fp32 value and |x| <= 127·2^e, given 2^-e: the product is exact in
+// double, and truncation then one step up is ceil without a libm call (this runs per dimension).
+int8_t CeilScaled(double x, double inv_scale) {
+  const double y = x * inv_scale;
+  auto t = static_cast<int32_t>(y);  // toward zero
+  if (static_cast<double>(t) < y) ++t;
+  return static_cast<int8_t>(t);
 }
 
-void ExtendPageDigest(const Geometry& g, const PageKv& page, uint32_t from, uint32_t to, uint16_t* digest) {
+// ceil(v / 2^k) for a stored value: an arithmetic shift floors, so negate around it.
+int8_t ShiftUp(int8_t v, int k) { return static_cast<int8_t>(-((-int{v}) >> std::min(k, 31))); }
+
+// The smallest e >= kDigestMinExponent with m <= 127·2^e.
+int ExponentFor(double m) {
+  if (!(m > 0)) return kDigestMinExponent;
+  int ex = 0;
+  (void)std::frexp(m / kDigestValueMax, &ex);  // m/127 in [2^(ex-1), 2^ex)
+  int e = ex - 1;
+  if (std::ldexp(double{kDigestValueMax}, e) < m) ++e;
+  return std::max(e, int{kDigestMinExponent});
+}
+
+}  // namespace
+
+void ClearPageDigest(const Geometry& g, uint8_t* out) {
+  std::memset(out, 0, DigestBytesPerPage(g));
+  for (uint32_t h = 0; h < g.num_kv_heads; ++h) out[h] = static_cast<uint8_t>(kDigestEmpty);
+}
+
+void ExtendPageDigest(const Geometry& g, const PageKv& page, uint32_t from, uint32_t to, uint8_t* digest) {
   if (from >= to) return;
   const internal::Kernels& k = internal::Active();
-  const uint32_t width = g.num_kv_heads * g.head_dim;  // one token's keys across the heads
-  thread_local std::vector<float> row, lo, hi;
+  const uint32_t dim = g.head_dim;
+  const uint32_t width = g.num_kv_heads * dim;  // one token's keys across the heads
+  thread_local std::vector<float> row, lo, hi, probe;
   row.resize(width);
   lo.assign(width, std::numeric_limits<float>::infinity());
   hi.assign(width, -std::numeric_limits<float>::infinity());
-  // The rows' min and max in fp32 first (loops the compiler vectorizes), rounded once after:
-  // rounding is monotonic, so round(min) = min(round) and the result is the same either way.
+  probe.assign(width, 0.0f);
+  // The rows' min and max in fp32 first (loops the compiler vectorizes), quantized once after.
+  // x·0 is NaN exactly when x is NaN or ±inf, and NaN stays in a sum: `probe` finds them.
   const auto* slab = static_cast<const uint8_t*>(page.k);
   for (uint32_t t = from; t < to; ++t) {
     k.to_float(g.dtype, slab + t * g.RowBytes(), row.data(), width);
     for (uint32_t j = 0; j < width; ++j) {
-      lo[j] = row[j] < lo[j] ? row[j] : lo[j];  // NaN compares false: it widens nothing
+      lo[j] = row[j] < lo[j] ? row[j] : lo[j];
       hi[j] = row[j] > hi[j] ? row[j] : hi[j];
+      probe[j] += row[j] * 0.0f;
     }
   }
   for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
-    uint16_t* dlo = digest + uint64_t{h} * 2 * g.head_dim;
-    uint16_t* dhi = dlo + g.head_dim;
-    const float* flo = lo.data() + uint64_t{h} * g.head_dim;
-    const float* fhi = hi.data() + uint64_t{h} * g.head_dim;
-    for (uint32_t d = 0; d < g.head_dim; ++d) {
-      if (flo[d] < Bf16ToFloat(dlo[d])) dlo[d] = Bf16RoundDown(flo[d]);
-      if (fhi[d] > Bf16ToFloat(dhi[d])) dhi[d] = Bf16RoundUp(fhi[d]);
+    float sum = 0;
+    for (uint32_t d = 0; d < dim; ++d) sum += probe[uint64_t{h} * dim + d];
+    const bool finite = sum == 0;
+    auto* values = reinterpret_cast<int8_t*>(digest + DigestHeaderBytes(g) + uint64_t{h} * 2 * dim);
+    const int old_e = static_cast<int8_t>(digest[h]);
+    if (old_e == kDigestUnbounded) continue;
+    if (!finite) {
+      std::memset(values, 0, 2 * dim);
+      digest[h] = static_cast<uint8_t>(kDigestUnbounded);
+      continue;
     }
+    const float* flo = lo.data() + uint64_t{h} * dim;
+    const float* fhi = hi.data() + uint64_t{h} * dim;
+    double m = 0;
+    for (uint32_t d = 0; d < dim; ++d) m = std::max({m, std::fabs(double{flo[d]}), std::fabs(double{fhi[d]})});
+    int e = ExponentFor(m);
+    if (old_e != kDigestEmpty && e <= old_e) {
+      e = old_e;
+    } else if (old_e != kDigestEmpty) {
+      for (uint32_t j = 0; j < 2 * dim; ++j) values[j] = ShiftUp(values[j], e - old_e);
+    }
+    const double inv_scale = std::ldexp(1.0, -e);
+    for (uint32_t d = 0; d < dim; ++d) {
+      const int8_t up = CeilScaled(fhi[d], inv_scale), nlo = CeilScaled(-double{flo[d]}, inv_scale);
+      if (old_e == kDigestEmpty) {
+        values[2 * d] = up;
+        values[2 * d + 1] = nlo;
+      } else {
+        values[2 * d] = std::max(values[2 * d], up);
+        values[2 * d + 1] = std::max(values[2 * d + 1], nlo);
+      }
+    }
+    digest[h] = static_cast<uint8_t>(static_cast<int8_t>(e));
   }
 }
 
-Status BuildDigests(const Geometry& g, const ContextView& ctx, std::span<uint16_t> out) {
+Status BuildDigests(const Geometry& g, const ContextView& ctx, std::span<uint8_t> out) {
   if (Status s = g.Validate(); !s.ok()) return s;
   if (Status s = ctx.Validate(g); !s.ok()) return s;
-  if (out.size() != ctx.pages.size() * DigestElemsPerPage(g)) {
-    return InvalidArgument("digest buffer holds " + std::to_string(out.size()) + " elements; " +
+  if (out.size() != ctx.pages.size() * DigestBytesPerPage(g)) {
+    return InvalidArgument("digest buffer holds " + std::to_string(out.size()) + " bytes; " +
                            std::to_string(ctx.pages.size()) + " pages need " +
-                           std::to_string(ctx.pages.size() * DigestElemsPerPage(g)));
+                           std::to_string(ctx.pages.size() * DigestBytesPerPage(g)));
   }
   for (uint64_t p = 0; p < ctx.pages.size(); ++p) {
-    uint16_t* d = out.data() + p * DigestElemsPerPage(g);
+    uint8_t* d = out.data() + p * DigestBytesPerPage(g);
     ClearPageDigest(g, d);
     ExtendPageDigest(g, ctx.pages[p], 0, ctx.TokensOf(p, g.page_tokens), d);
   }
   return Status::Ok();
+}
+
+bool DigestPageWellFormed(const Geometry& g, const uint8_t* page_digest) {
+  for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
+    const int e = DigestExponent(page_digest, h);
+    const bool sentinel = e == kDigestEmpty || e == kDigestUnbounded;
+    const int8_t* v = DigestValues(g, page_digest, h);
+    for (uint32_t j = 0; j < 2 * g.head_dim; ++j) {
+      if (v[j] < -kDigestValueMax || (sentinel && v[j] != 0)) return false;
+    }
+  }
+  return true;
+}
+
+DigestBounds DigestBoundsOf(const Geometry& g, const uint8_t* page_digest, uint32_t h, uint32_t d) {
+  const int e = DigestExponent(page_digest, h);
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  if (e == kDigestEmpty) return {kInf, -kInf};
+  if (e == kDigestUnbounded) return {-kInf, kInf};
+  const int8_t* v = DigestValues(g, page_digest, h);
+  return {-std::ldexp(static_cast<double>(v[2 * d + 1]), e), std::ldexp(static_cast<double>(v[2 * d]), e)};
 }
 
 }  // namespace cxlkv::pnm

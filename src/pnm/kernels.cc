@@ -81,24 +81,15 @@ void AxpyScalar(float a, const float* x, float* y, uint32_t n) {
   for (uint32_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-float DigestScoreScalar(const float* q, const uint16_t* lo, const uint16_t* hi, uint32_t n, float* magnitude) {
-  float sum = 0, mag = 0;
-  for (uint32_t i = 0; i < n; ++i) {
-    const float a = q[i] * Bf16ToFloat(lo[i]);
-    const float b = q[i] * Bf16ToFloat(hi[i]);
-    const float t = a > b ? a : b;
-    sum += t;
-    mag += std::fabs(t);
+// Exact in int32: |q·v| <= 16383·127 and at most 2·1024 terms of which half are 0 (a query
+// dimension is positive or negative, not both): below 2^31 (kernels.h).
+void DigestDotScalar(const int16_t* q, uint32_t heads, const int8_t* rows, uint32_t n, int32_t* out) {
+  for (uint32_t i = 0; i < heads; ++i) {
+    const int16_t* qi = q + uint64_t{i} * 2 * n;
+    int32_t sum = 0;
+    for (uint32_t j = 0; j < 2 * n; ++j) sum += int32_t{qi[j]} * int32_t{rows[j]};
+    out[i] = sum;
   }
-  *magnitude = mag;
-  return sum;
-}
-
-// One head at a time through the table's own digest_score: equal to it by construction.
-template <float (*Score)(const float*, const uint16_t*, const uint16_t*, uint32_t, float*)>
-void GroupDigestScoreEach(const float* q, uint32_t heads, const uint16_t* lo, const uint16_t* hi, uint32_t n,
-                          float* score, float* magnitude) {
-  for (uint32_t i = 0; i < heads; ++i) score[i] = Score(q + uint64_t{i} * n, lo, hi, n, magnitude + i);
 }
 
 float LoadScalar(KvDtype dtype, const void* row, uint32_t d) {
@@ -178,18 +169,44 @@ CXLKV_AVX2 void AxpyAvx2(float a, const float* x, float* y, uint32_t n) {
   }
 }
 
-CXLKV_AVX2 float DigestScoreAvx2(const float* q, const uint16_t* lo, const uint16_t* hi, uint32_t n,
-                                 float* magnitude) {
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 sum = _mm256_setzero_ps(), mag = _mm256_setzero_ps();
-  for (uint32_t i = 0; i < n; i += 8) {
-    const __m256 vq = _mm256_loadu_ps(q + i);
-    const __m256 t = _mm256_max_ps(_mm256_mul_ps(vq, LoadBf16x8(lo + i)), _mm256_mul_ps(vq, LoadBf16x8(hi + i)));
-    sum = _mm256_add_ps(sum, t);
-    mag = _mm256_add_ps(mag, _mm256_and_ps(t, abs_mask));
+CXLKV_AVX2 int32_t HorizontalSum256i(__m256i v) {
+  __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(x);
+}
+
+// 16 digest values widened to int16 once for every head; madd sums the pairs (hi_d·q+_d and
+// nlo_d·q−_d) into int32 lanes.
+CXLKV_AVX2 void DigestDotAvx2(const int16_t* q, uint32_t heads, const int8_t* rows, uint32_t n, int32_t* out) {
+  const uint32_t len = 2 * n;
+  uint32_t i = 0;
+  for (; i + 4 <= heads; i += 4) {
+    const int16_t* q0 = q + uint64_t{i} * len;
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    for (uint32_t j = 0; j < len; j += 16) {
+      const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + j)));
+      a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0 + j))));
+      a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0 + len + j))));
+      a2 = _mm256_add_epi32(a2,
+                            _mm256_madd_epi16(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0 + 2 * len + j))));
+      a3 = _mm256_add_epi32(a3,
+                            _mm256_madd_epi16(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0 + 3 * len + j))));
+    }
+    out[i] = HorizontalSum256i(a0);
+    out[i + 1] = HorizontalSum256i(a1);
+    out[i + 2] = HorizontalSum256i(a2);
+    out[i + 3] = HorizontalSum256i(a3);
   }
-  *magnitude = HorizontalSum256(mag);
-  return HorizontalSum256(sum);
+  for (; i < heads; ++i) {
+    const int16_t* qi = q + uint64_t{i} * len;
+    __m256i a = _mm256_setzero_si256();
+    for (uint32_t j = 0; j < len; j += 16) {
+      const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + j)));
+      a = _mm256_add_epi32(a, _mm256_madd_epi16(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qi + j))));
+    }
+    out[i] = HorizontalSum256i(a);
+  }
 }
 
 CXLKV_AVX2 __m256 Load8(KvDtype dtype, const void* row, uint32_t d) {
@@ -375,20 +392,52 @@ CXLKV_AVX512 void GroupAxpyAvx512(KvDtype dtype, const void* row, const float* w
   }
 }
 
+// 32 digest values widened to int16 once for every head (AVX-512BW).
+__attribute__((target("avx512f,avx512bw"))) void DigestDotAvx512(const int16_t* q, uint32_t heads,
+                                                                  const int8_t* rows, uint32_t n, int32_t* out) {
+  const uint32_t len = 2 * n;  // a multiple of 32
+  uint32_t i = 0;
+  for (; i + 4 <= heads; i += 4) {
+    const int16_t* q0 = q + uint64_t{i} * len;
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    for (uint32_t j = 0; j < len; j += 32) {
+      const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + j)));
+      a0 = _mm512_add_epi32(a0, _mm512_madd_epi16(v, _mm512_loadu_si512(q0 + j)));
+      a1 = _mm512_add_epi32(a1, _mm512_madd_epi16(v, _mm512_loadu_si512(q0 + len + j)));
+      a2 = _mm512_add_epi32(a2, _mm512_madd_epi16(v, _mm512_loadu_si512(q0 + 2 * len + j)));
+      a3 = _mm512_add_epi32(a3, _mm512_madd_epi16(v, _mm512_loadu_si512(q0 + 3 * len + j)));
+    }
+    // The four sums at once: interleave and add within 128-bit lanes until each lane holds
+    // [a0, a1, a2, a3] partials, then fold the lanes (integers: any order gives the same sum).
+    const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+    const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+    const __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+    const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+    const __m128i x = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), x);
+  }
+  for (; i < heads; ++i) {
+    const int16_t* qi = q + uint64_t{i} * len;
+    __m512i a = _mm512_setzero_si512();
+    for (uint32_t j = 0; j < len; j += 32) {
+      const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + j)));
+      a = _mm512_add_epi32(a, _mm512_madd_epi16(v, _mm512_loadu_si512(qi + j)));
+    }
+    out[i] = _mm512_reduce_add_epi32(a);
+  }
+}
+
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
 #undef CXLKV_AVX512
 
-constexpr Kernels kScalar{Isa::kScalar,     "scalar",        ToFloatScalar,   DotScalar,   AxpyScalar,
-                          DigestScoreScalar, GroupDotScalar, GroupAxpyScalar, GroupDigestScoreEach<DigestScoreScalar>,
-                          ExpSumScalar,      nullptr, nullptr};
-constexpr Kernels kAvx2{Isa::kAvx2,     "avx2",        ToFloatAvx2,   DotAvx2,     AxpyAvx2,
-                        DigestScoreAvx2, GroupDotAvx2, GroupAxpyAvx2, GroupDigestScoreEach<DigestScoreAvx2>,
-                        ExpSumAvx2,      nullptr, nullptr};
-constexpr Kernels kAvx512{Isa::kAvx512,     "avx512",        ToFloatAvx512,   DotAvx512,     AxpyAvx512,
-                          DigestScoreAvx512, GroupDotAvx512, GroupAxpyAvx512, GroupDigestScoreAvx512,
-                          ExpSumAvx512,      AttendPageAvx512, GroupDigestScore2Avx512};
+constexpr Kernels kScalar{Isa::kScalar,  "scalar",       ToFloatScalar, DotScalar,    AxpyScalar, DigestDotScalar,
+                          GroupDotScalar, GroupAxpyScalar, ExpSumScalar,  nullptr};
+constexpr Kernels kAvx2{Isa::kAvx2,  "avx2",        ToFloatAvx2, DotAvx2,   AxpyAvx2, DigestDotAvx2,
+                        GroupDotAvx2, GroupAxpyAvx2, ExpSumAvx2,  nullptr};
+constexpr Kernels kAvx512{Isa::kAvx512,  "avx512",        ToFloatAvx512, DotAvx512,        AxpyAvx512, DigestDotAvx512,
+                          GroupDotAvx512, GroupAxpyAvx512, ExpSumAvx512,  AttendPageAvx512};
 
 const Kernels& Choose() {
   const Kernels* best = ForIsa(Isa::kAvx512);
@@ -419,7 +468,7 @@ const Kernels* ForIsa(Isa isa) {
     case Isa::kAvx2:
       return cpu.avx2 && cpu.fma && cpu.f16c ? &kAvx2 : nullptr;
     case Isa::kAvx512:
-      return cpu.avx512f && cpu.f16c ? &kAvx512 : nullptr;
+      return cpu.avx512f && cpu.avx512bw && cpu.f16c ? &kAvx512 : nullptr;
   }
   return nullptr;
 }

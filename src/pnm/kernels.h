@@ -29,6 +29,9 @@ struct PageHead {
   const void* next_v = nullptr;
 };
 
+// The largest query magnitude digest_dot takes: 1024 dimensions × 16383 × 127 stays below 2^31.
+inline constexpr int32_t kDigestQueryMax = 16383;
+
 struct Kernels {
   Isa isa;
   const char* name;
@@ -38,10 +41,11 @@ struct Kernels {
   float (*dot)(const float* a, const float* b, uint32_t n);
   // y[i] += a * x[i]. REQUIRES: n % 16 == 0.
   void (*axpy)(float a, const float* x, float* y, uint32_t n);
-  // The page score Σ_d max(q_d·lo_d, q_d·hi_d) over bf16 digest bounds; *magnitude gets
-  // Σ_d |max(q_d·lo_d, q_d·hi_d)|, from which the caller bounds the sum's rounding error.
-  // REQUIRES: n % 16 == 0.
-  float (*digest_score)(const float* q, const uint16_t* lo, const uint16_t* hi, uint32_t n, float* magnitude);
+  // A digest's integer score (digest.h): out[i] = Σ_{j < 2n} q[i·2n + j]·rows[j], for `heads`
+  // consecutive query vectors of 2n int16 (|q| <= kDigestQueryMax) against one KV head's 2n
+  // int8 digest values (|v| <= 127). Exact in int32 for n <= 1024, so every table gives the same
+  // result. REQUIRES: n % 16 == 0.
+  void (*digest_dot)(const int16_t* q, uint32_t heads, const int8_t* rows, uint32_t n, int32_t* out);
 
   // The group kernels: one row of KV (dtype) read and widened once for the `heads` query heads
   // of a GQA group, whose vectors are consecutive (q[i·n .. i·n + n)). REQUIRES: n % 16 == 0.
@@ -51,10 +55,6 @@ struct Kernels {
   // acc[i·n + d] += w[i·w_stride]·row[d].
   void (*group_axpy)(KvDtype dtype, const void* row, const float* w, uint32_t w_stride, uint32_t heads, uint32_t n,
                      float* acc);
-  // digest_score for `heads` consecutive query heads against one digest, each bound widened
-  // once: score[i], magnitude[i] equal digest_score(q + i·n, ...) bit for bit.
-  void (*group_digest_score)(const float* q, uint32_t heads, const uint16_t* lo, const uint16_t* hi, uint32_t n,
-                             float* score, float* magnitude);
   // x[i] = e^(x[i] − shift) for any n; returns Σ of the results. For −87 <= x − shift <= 0
   // (what the online softmax passes) the relative error is below 4e-7; below −87 the result is
   // below 2e-38, negligible next to the e^0 that every such sum holds. NaN in, NaN out.
@@ -66,24 +66,10 @@ struct Kernels {
   // where the table has none: Attend then uses group_dot, exp_sum and group_axpy per token.
   void (*attend_page)(KvDtype dtype, const PageHead& page, const float* q, uint32_t heads, uint32_t n, float scale,
                       float* logits, uint32_t stride, float* max, float* sum, float* acc);
-  // group_digest_score for two pages' digests at once (lo_a/hi_a into score_a/magnitude_a, lo_b/hi_b
-  // into score_b/magnitude_b), each equal to group_digest_score's bit for bit: a query chunk is
-  // loaded once for both (18% faster over digests in L2, 5% from memory). Null where the table
-  // has none.
-  void (*group_digest_score2)(const float* q, uint32_t heads, const uint16_t* lo_a, const uint16_t* hi_a,
-                              const uint16_t* lo_b, const uint16_t* hi_b, uint32_t n, float* score_a,
-                              float* magnitude_a, float* score_b, float* magnitude_b);
 };
 
-// The AVX-512 table's exp_sum, digest scores and attend_page (the last three in
-// attend_kernels.cc). REQUIRES: ForIsa(kAvx512).
+// The AVX-512 table's exp_sum and attend_page (in attend_kernels.cc). REQUIRES: ForIsa(kAvx512).
 float ExpSumAvx512(float* x, uint32_t n, float shift);
-float DigestScoreAvx512(const float* q, const uint16_t* lo, const uint16_t* hi, uint32_t n, float* magnitude);
-void GroupDigestScoreAvx512(const float* q, uint32_t heads, const uint16_t* lo, const uint16_t* hi, uint32_t n,
-                            float* score, float* magnitude);
-void GroupDigestScore2Avx512(const float* q, uint32_t heads, const uint16_t* lo_a, const uint16_t* hi_a,
-                             const uint16_t* lo_b, const uint16_t* hi_b, uint32_t n, float* score_a, float* magnitude_a,
-                             float* score_b, float* magnitude_b);
 void AttendPageAvx512(KvDtype dtype, const PageHead& page, const float* q, uint32_t heads, uint32_t n, float scale,
                       float* logits, uint32_t stride, float* max, float* sum, float* acc);
 

@@ -40,18 +40,67 @@ Selection Selection::All(uint32_t num_kv_heads, uint64_t pages) {
 
 namespace {
 
-// An fp32 sum of n terms is within (n - 1)·2^-24·Σ|term| of the exact sum, and each product
-// within 2^-24·|term|: twice that covers the bound's own rounding too.
-float WithRoundingSlack(const Geometry& g, float score, float magnitude) {
-  return score + magnitude * static_cast<float>(g.head_dim + 4) * 0x1p-23f;
+// A query head in int16: for each dimension its positive part then its negative part (one of
+// them 0), in units of `scale` (max |q_d| / kDigestQueryMax), rounded to nearest: each is off by
+// at most half a unit. Returns the scale; NaN when a component is not finite (every page is then
+// the best), 0 for a zero query.
+double QuantizeQuery(const float* q, uint32_t dim, int16_t* out) {
+  double m = 0;
+  bool finite = true;
+  for (uint32_t d = 0; d < dim; ++d) {
+    finite = finite && std::isfinite(q[d]);
+    m = std::max(m, std::fabs(double{q[d]}));
+  }
+  if (!finite) return std::numeric_limits<double>::quiet_NaN();
+  const double scale = m / internal::kDigestQueryMax;
+  for (uint32_t d = 0; d < dim; ++d) {
+    const double units = m > 0 ? std::min(std::nearbyint(std::fabs(double{q[d]}) / scale), double{internal::kDigestQueryMax}) : 0;
+    out[2 * d] = static_cast<int16_t>(q[d] > 0 ? units : 0);
+    out[2 * d + 1] = static_cast<int16_t>(q[d] < 0 ? units : 0);
+  }
+  return scale;
+}
+
+// 2^e for every stored exponent, so a bound costs two multiplies and no ldexp.
+struct Pow2Table {
+  double v[256];
+  Pow2Table() {
+    for (int e = -128; e < 128; ++e) v[e + 128] = std::ldexp(1.0, e);
+  }
+};
+const Pow2Table kPow2;
+
+// The upper bound from a page head's integer score `dot`:
+//   Σ_d max(q_d·lo_d, q_d·hi_d) <= 2^e·Σ_d (q⁺_d·hi'_d + q⁻_d·nlo'_d)      (digest.h: outward)
+//                              <= 2^e·scale·(dot + Σ_d ½·|v_d|)         (query rounding)
+// with |v_d| <= 127, so the slack is 64·dim units (63.5 and the division's rounding). The product
+// is in double (errors near 2^-52, far inside the slack). Its float is then nudged up by 2^-20
+// of itself and the smallest subnormal, more than the conversion's rounding (2^-24 relative, or
+// 2^-150), without a branch: this runs per query head and page. `unit` = scale·2^e. A NaN scale (the query head is
+// not finite) gives NaN, which selection takes as the best.
+inline float BoundOf(int32_t dot, double unit, uint32_t dim) {
+  const double x = (static_cast<double>(dot) + 64.0 * dim) * unit;
+  // Below −FLT_MAX the float would be −inf, and −inf + inf is NaN.
+  const float f = static_cast<float>(std::max(x, -double{std::numeric_limits<float>::max()}));
+  return f + std::fabs(f) * 0x1p-20f + 0x1p-149f;
+}
+
+// The same with the page head's exponent: −inf for an empty head, +inf for an unbounded one.
+float BoundFrom(int32_t dot, double scale, int8_t e, uint32_t dim) {
+  if (e == kDigestEmpty) return -std::numeric_limits<float>::infinity();
+  if (e == kDigestUnbounded) return std::numeric_limits<float>::infinity();
+  return BoundOf(dot, scale * kPow2.v[e + 128], dim);
 }
 
 }  // namespace
 
-float PageScoreBound(const Geometry& g, const float* q_head, const uint16_t* digest_lo) {
-  float magnitude = 0, score = 0;
-  internal::Active().group_digest_score(q_head, 1, digest_lo, digest_lo + g.head_dim, g.head_dim, &score, &magnitude);
-  return WithRoundingSlack(g, score, magnitude);
+float PageScoreBound(const Geometry& g, const float* q_head, const uint8_t* page_digest, uint32_t kv_head) {
+  std::vector<int16_t> quantized(2 * size_t{g.head_dim});
+  const double scale = QuantizeQuery(q_head, g.head_dim, quantized.data());
+  int32_t dot = 0;
+  internal::Active().digest_dot(quantized.data(), 1, DigestValues(g, page_digest, kv_head), g.head_dim, &dot);
+  const float bound = BoundFrom(dot, scale, DigestExponent(page_digest, kv_head), g.head_dim);
+  return std::isnan(bound) ? std::numeric_limits<float>::infinity() : bound;  // as selection takes it
 }
 
 namespace {
@@ -69,7 +118,7 @@ constexpr uint64_t kAhead = 4;
 
 }  // namespace
 
-Status SelectPages(const Geometry& g, const float* q, const uint16_t* digests, uint64_t tokens,
+Status SelectPages(const Geometry& g, const float* q, const uint8_t* digests, uint64_t tokens,
                    const SelectOptions& o, Selection* out) {
   if (Status s = g.Validate(); !s.ok()) return s;
   if (tokens == 0) return InvalidArgument("page selection over an empty context");
@@ -96,59 +145,78 @@ Status SelectPages(const Geometry& g, const float* q, const uint16_t* digests, u
   // the threshold. Appends cost O(1) where a heap paid two sifts per admitted page, and the
   // result is the same: the top cap by (score, page), a later page winning a tie.
   const uint64_t room = 2 * cap;
-  out->scores_.resize(4 * uint64_t{heads});  // [page a, page b][scores, magnitudes][heads]
   out->kept_.resize(room * heads);
   out->kept_size_.assign(heads, 0);
   out->threshold_.assign(heads, -std::numeric_limits<float>::infinity());
+  out->dots_.resize(heads);
+  out->above_.resize(heads);
+  out->threshold_d_.assign(heads, -std::numeric_limits<double>::infinity());
+  out->query_.resize(uint64_t{heads} * 2 * dim);
+  out->query_scale_.resize(heads);
+  for (uint32_t head = 0; head < heads; ++head) {
+    out->query_scale_[head] = QuantizeQuery(q + uint64_t{head} * dim, dim, out->query_.data() + uint64_t{head} * 2 * dim);
+  }
   const internal::Kernels& k = internal::Active();
-  float* scores = out->scores_.data();
-  float* magnitudes = scores + heads;
   auto keep_best = [&](uint32_t head, uint64_t keep) {  // the best `keep` first in the buffer
     Scored* c = out->kept_.data() + head * room;
     std::nth_element(c, c + keep - 1, c + out->kept_size_[head], Better{});
     out->kept_size_[head] = static_cast<uint32_t>(keep);
   };
   if (cap > 0) {
-    const uint64_t page_elems = DigestElemsPerPage(g);
-    const uint32_t head_bytes = 2 * dim * sizeof(uint16_t);
+    const uint64_t page_bytes = DigestBytesPerPage(g);
+    const uint64_t header = DigestHeaderBytes(g);
+    const uint32_t head_bytes = 2 * dim;
+    // Most pages fail one compare against their head's threshold; the rest take this path.
+    Scored* kept = out->kept_.data();
+    uint32_t* kept_size = out->kept_size_.data();
+    float* threshold = out->threshold_.data();
+    double* threshold_d = out->threshold_d_.data();  // the same, for the filter
     auto admit = [&](uint32_t head, uint64_t p, float score) {
       if (std::isnan(score)) score = std::numeric_limits<float>::infinity();
-      // Pages come in increasing order: a tie with the threshold's page is a win.
-      if (!(score >= out->threshold_[head])) return;
-      uint32_t& size = out->kept_size_[head];
-      out->kept_[head * room + size++] = {score, static_cast<uint32_t>(p)};
+      else if (!(score >= threshold[head])) return;  // pages come in order: a tie is a win
+      uint32_t& size = kept_size[head];
+      kept[head * room + size++] = {score, static_cast<uint32_t>(p)};
       if (size == room) {
         keep_best(head, cap);
-        out->threshold_[head] = out->kept_[head * room + cap - 1].first;
+        threshold[head] = kept[head * room + cap - 1].first;
+        threshold_d[head] = threshold[head];
       }
     };
-    // Pages two at a time where the table scores two at once (a query chunk loaded once for
-    // both), in page order either way.
-    const uint64_t step = k.group_digest_score2 != nullptr ? 2 : 1;
-    for (uint64_t p = sinks; p < recent_from; p += step) {
-      const bool two = step == 2 && p + 1 < recent_from;
-      const uint16_t* page = digests + p * page_elems;
-      for (uint32_t h = 0; h < kv_heads; ++h) {
-        // Each page's digests are a few KiB of their own: ask for those a few pages ahead, a
-        // KV head's at a time (the hardware prefetchers stop at 4 KiB page boundaries).
-        for (uint64_t ahead = p + kAhead; ahead < p + kAhead + step && ahead < recent_from; ++ahead) {
-          const auto* next = reinterpret_cast<const uint8_t*>(digests + ahead * page_elems + uint64_t{h} * 2 * dim);
-          for (uint32_t b = 0; b < head_bytes; b += 64) __builtin_prefetch(next + b, 0, 3);
-        }
-        const uint16_t* lo = page + uint64_t{h} * 2 * dim;  // the group's scores at once
+    const int16_t* quantized = out->query_.data();
+    const double* scale = out->query_scale_.data();
+    int32_t* dots = out->dots_.data();
+    double* above = out->above_.data();
+    const double slack = 64.0 * dim;
+    for (uint64_t p = sinks; p < recent_from; ++p) {
+      const uint8_t* page = digests + p * page_bytes;
+      if (kAhead > 0 && p + kAhead < recent_from) {
+        const auto* next = digests + (p + kAhead) * page_bytes;
+        for (uint64_t b = 0; b < page_bytes; b += 64) __builtin_prefetch(next + b, 0, 1);
+      }
+      for (uint32_t h = 0; h < kv_heads; ++h) {  // the group's scores at once
         const uint64_t first = uint64_t{h} * group;
-        if (two) {
-          const uint16_t* lo_b = lo + page_elems;
-          k.group_digest_score2(q + first * dim, group, lo, lo + dim, lo_b, lo_b + dim, dim, scores + first,
-                                magnitudes + first, scores + 2 * heads + first, magnitudes + 2 * heads + first);
+        k.digest_dot(quantized + first * 2 * dim, group, reinterpret_cast<const int8_t*>(page + header + h * head_bytes),
+                     dim, dots + first);
+        // A filter in double, nudged above what BoundOf can round to (2^-20 + 2^-24 of itself and
+        // 2^-149): a page head below its threshold here is below it exactly, and only the pages
+        // that pass pay for the float bound. Empty heads filter as −inf, unbounded as +inf.
+        const int8_t e = static_cast<int8_t>(page[h]);
+        if (e == kDigestEmpty || e == kDigestUnbounded) {
+          const double special = e == kDigestEmpty ? -std::numeric_limits<double>::infinity()
+                                                   : std::numeric_limits<double>::infinity();
+          for (uint32_t i = 0; i < group; ++i) above[first + i] = special;
         } else {
-          k.group_digest_score(q + first * dim, group, lo, lo + dim, dim, scores + first, magnitudes + first);
+          const double unit = kPow2.v[e + 128];
+          for (uint32_t i = 0; i < group; ++i) {
+            const double x = (static_cast<double>(dots[first + i]) + slack) * (scale[first + i] * unit);
+            above[first + i] = x + std::fabs(x) * 0x1p-18 + 0x1p-140;
+          }
         }
       }
-      for (uint32_t head = 0; head < heads; ++head) admit(head, p, WithRoundingSlack(g, scores[head], magnitudes[head]));
-      if (two) {
-        const float* s2 = scores + 2 * heads;
-        for (uint32_t head = 0; head < heads; ++head) admit(head, p + 1, WithRoundingSlack(g, s2[head], s2[heads + head]));
+      for (uint32_t head = 0; head < heads; ++head) {
+        // -inf thresholds admit everything; NaN (a query head not finite) compares false here.
+        if (above[head] < threshold_d[head]) continue;
+        admit(head, p, BoundFrom(dots[head], scale[head], static_cast<int8_t>(page[head / group]), dim));
       }
     }
     // Best first within each head's buffer.

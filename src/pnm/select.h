@@ -12,6 +12,11 @@
 // Always selected, outside the budget's competition: the first `sink_pages` pages (attention
 // sinks) and the last `recent_pages` pages (where the query sits, often partial).
 //
+// Scores are integer multiply-adds (digest.h): the query head is rounded to int16 (|q_d| scaled
+// to at most 16383, split into its positive and negative parts), dotted with the page's int8
+// bounds exactly, and the sum of the rounding (half a step per dimension, at most 127 units)
+// is added back, so the score stays >= the exact max of q·k over the page.
+//
 // Thread-safety: a Selection is one caller's; SelectPages reads digests it does not change.
 #ifndef CXLKV_SRC_PNM_SELECT_H_
 #define CXLKV_SRC_PNM_SELECT_H_
@@ -36,11 +41,12 @@ struct SelectOptions {
 class Selection;
 
 // Selects pages of a context of `tokens` tokens whose digests (PagesFor(tokens) ×
-// DigestElemsPerPage, see digest.h) are at `digests`, for query q ([num_heads][head_dim] fp32;
-// any positive scale). A page whose score is NaN (non-finite keys) counts as the best. When the
+// DigestBytesPerPage, see digest.h) are at `digests`, for query q ([num_heads][head_dim] fp32;
+// any positive scale). A page with non-finite keys, or any page for a query head that is not
+// finite, counts as the best. When the
 // budget covers every page, every page is selected. Errors: kInvalidArgument for a bad geometry,
 // an empty context, or a context of 2^32 pages or more.
-Status SelectPages(const Geometry& g, const float* q, const uint16_t* digests, uint64_t tokens,
+Status SelectPages(const Geometry& g, const float* q, const uint8_t* digests, uint64_t tokens,
                    const SelectOptions& o, Selection* out);
 
 // Pages chosen per KV head, ascending within each head (so reads walk memory forward).
@@ -70,7 +76,7 @@ class Selection {
   }
 
  private:
-  friend Status SelectPages(const Geometry&, const float*, const uint16_t*, uint64_t, const SelectOptions&,
+  friend Status SelectPages(const Geometry&, const float*, const uint8_t*, uint64_t, const SelectOptions&,
                             Selection*);
   std::vector<uint32_t> pages_;
   std::vector<uint32_t> ranked_;  // pages_ per head again, best first
@@ -82,12 +88,16 @@ class Selection {
   std::vector<uint32_t> kept_size_;
   std::vector<float> threshold_;
   std::vector<uint8_t> taken_;  // per page, while one KV head's union is taken
-  std::vector<float> scores_;    // two pages' scores and magnitudes, every query head
+  std::vector<int16_t> query_;   // per query head, its int16 form (select.cc)
+  std::vector<double> query_scale_;
+  std::vector<int32_t> dots_;     // one page's integer scores, every query head
+  std::vector<double> above_;     // ... and values at or above their bounds (select.cc)
+  std::vector<double> threshold_d_;
 };
 
-// The upper bound that SelectPages ranks by, for one query head and one page: the digest score
-// plus a bound on its fp32 rounding error, so it is >= the exact max of q·k over the page.
-float PageScoreBound(const Geometry& g, const float* q_head, const uint16_t* digest_lo);
+// The upper bound that SelectPages ranks by, for one query head (of KV head `kv_head`) and one
+// page's digest: >= the exact max of q·k over the page's keys.
+float PageScoreBound(const Geometry& g, const float* q_head, const uint8_t* page_digest, uint32_t kv_head);
 
 }  // namespace cxlkv::pnm
 

@@ -16,6 +16,18 @@ void ResidentPages::GrowTo(uint64_t context_pages) {
   in_budget_.resize((pages_ + 63) / 64, 0);
 }
 
+std::vector<uint32_t> ResidentPages::EvictFrom(uint64_t first_page) {
+  std::vector<uint32_t> evicted;
+  for (uint32_t& page : slots_) {
+    if (page == kEmpty || page < first_page) continue;
+    SetBit(resident_, page, false);
+    evicted.push_back(page);
+    page = kEmpty;
+    --size_;
+  }
+  return evicted;
+}
+
 void ResidentPages::SetBit(std::vector<uint64_t>& m, uint32_t page, bool on) {
   const uint64_t bit = uint64_t{1} << (page % 64);
   m[page / 64] = on ? (m[page / 64] | bit) : (m[page / 64] & ~bit);

@@ -44,6 +44,10 @@ class ResidentPages {
   // ArkVale-style replacement: the best min(capacity, budget) pages all become resident.
   Result<ResidentStep> ArkValeStep(std::span<const uint32_t> budget_best_first);
 
+  // Evicts every resident page >= first_page (their KV was rewritten: the engine's copies are
+  // stale); returns them. Their slots come free for the next step.
+  std::vector<uint32_t> EvictFrom(uint64_t first_page);
+
   // Decode appended pages: the context now has `context_pages` (never fewer than before).
   void GrowTo(uint64_t context_pages);
 

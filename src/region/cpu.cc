@@ -29,6 +29,7 @@ CpuFeatures Detect() {
     if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) {
       f.avx2 = ymm_ok && ((ebx >> 5) & 1);
       f.avx512f = zmm_ok && ((ebx >> 16) & 1);
+      f.avx512bw = zmm_ok && ((ebx >> 30) & 1);
       f.clflushopt = (ebx >> 23) & 1;
       f.clwb = (ebx >> 24) & 1;
     }
@@ -56,6 +57,7 @@ std::string CpuFeatures::ToString() const {
   add(clwb, "clwb");
   add(avx2, "avx2");
   add(avx512f, "avx512f");
+  add(avx512bw, "avx512bw");
   add(fma, "fma");
   add(f16c, "f16c");
   return s.empty() ? "none" : s;

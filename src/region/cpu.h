@@ -13,10 +13,11 @@ struct CpuFeatures {
   bool clwb = false;
   bool avx2 = false;
   bool avx512f = false;
+  bool avx512bw = false;  // byte and word lanes (the near-memory digests' integer scores)
   bool fma = false;   // with avx2 (AVX-512 has its own fused multiply-add)
   bool f16c = false;  // fp16 <-> fp32 conversion (the near-memory attention's fp16 KV)
 
-  // "clflush clflushopt clwb avx2 avx512f fma f16c"-style list of what is present.
+  // "clflush clflushopt clwb avx2 avx512f avx512bw fma f16c"-style list of what is present.
   std::string ToString() const;
 };
 

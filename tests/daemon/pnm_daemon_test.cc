@@ -91,7 +91,7 @@ pnm::Partial LocalAttention(KvCache& cache, const NamespaceHandle& ns, std::span
   pnm::Selection sel;
   const pnm::Selection* selection = nullptr;
   if (budget != 0) {
-    std::vector<uint16_t> digests(keys.size() * pnm::DigestElemsPerPage(g));
+    std::vector<uint8_t> digests(keys.size() * pnm::DigestBytesPerPage(g));
     EXPECT_TRUE(pnm::BuildDigests(g, ctx, digests).ok());
     EXPECT_TRUE(pnm::SelectPages(g, q.data(), digests.data(), ctx.tokens, {budget, 1, 1}, &sel).ok());
     selection = &sel;

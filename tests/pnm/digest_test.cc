@@ -1,6 +1,7 @@
-// The near-memory attention's kernels and page digests: every ISA's kernels agree, bf16 bounds
-// round outward, a digest grown row by row equals one built at once, and every page score is an
-// upper bound on the page's true largest q·k, for adversarial queries too.
+// The near-memory attention's kernels and page digests: every ISA's kernels agree (the digests'
+// integer scores exactly), bf16 conversions round outward, a digest grown row by row equals one
+// built at once (exponent shifts included), and every page score is an upper bound on the page's
+// true largest q·k, for adversarial queries too.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -57,59 +58,60 @@ TEST(PnmKernels, EveryIsaConvertsEveryFp16AndBf16ValueExactly) {
   EXPECT_EQ(internal::HalfToFloat(0x7c00), std::numeric_limits<float>::infinity());
 }
 
-TEST(PnmKernels, EveryIsaAgreesOnDotAxpyAndDigestScores) {
+TEST(PnmKernels, EveryIsaAgreesOnDotAndAxpy) {
   std::mt19937_64 rng(7);
   std::normal_distribution<float> n(0.0f, 3.0f);
   for (uint32_t dim : {16u, 32u, 48u, 64u, 128u, 256u}) {
     std::vector<float> a(dim), b(dim), y0(dim);
-    std::vector<uint16_t> lo(dim), hi(dim);
     for (uint32_t i = 0; i < dim; ++i) {
       a[i] = n(rng);
       b[i] = n(rng);
       y0[i] = n(rng);
-      float x = n(rng), z = n(rng);
-      lo[i] = internal::Bf16RoundDown(std::min(x, z));
-      hi[i] = internal::Bf16RoundUp(std::max(x, z));
     }
-    double dot = 0, score = 0;
-    for (uint32_t i = 0; i < dim; ++i) {
-      dot += double{a[i]} * b[i];
-      score += std::max(double{a[i]} * internal::Bf16ToFloat(lo[i]), double{a[i]} * internal::Bf16ToFloat(hi[i]));
-    }
+    double dot = 0;
+    for (uint32_t i = 0; i < dim; ++i) dot += double{a[i]} * b[i];
     for (const Kernels* k : AvailableKernels()) {
       SCOPED_TRACE(std::string(k->name) + " dim " + std::to_string(dim));
       EXPECT_NEAR(k->dot(a.data(), b.data(), dim), dot, 1e-4 * (1 + std::fabs(dot)) * dim);
-      float mag = 0;
-      EXPECT_NEAR(k->digest_score(a.data(), lo.data(), hi.data(), dim, &mag), score, 1e-4 * (1 + std::fabs(score)) * dim);
-      EXPECT_GE(mag, std::fabs(score) * 0.999);
-      // The group form scores several heads, each bit for bit as digest_score alone.
-      for (uint32_t heads : {1u, 3u, 4u, 6u}) {
-        std::vector<float> qs(heads * dim), scores(heads), mags(heads);
-        for (float& x : qs) x = n(rng);
-        k->group_digest_score(qs.data(), heads, lo.data(), hi.data(), dim, scores.data(), mags.data());
-        for (uint32_t i = 0; i < heads; ++i) {
-          float one_mag = 0;
-          ASSERT_EQ(scores[i], k->digest_score(qs.data() + i * dim, lo.data(), hi.data(), dim, &one_mag));
-          ASSERT_EQ(mags[i], one_mag);
-        }
-        // The two-page form (selection's, where the table has it) gives the same sums for each.
-        if (k->group_digest_score2 != nullptr) {
-          std::vector<uint16_t> lo_b(hi), hi_b(hi);  // another digest: lo = hi = the first's hi
-          std::vector<float> sa(heads), ma(heads), sb(heads), mb(heads), sb1(heads), mb1(heads);
-          k->group_digest_score2(qs.data(), heads, lo.data(), hi.data(), lo_b.data(), hi_b.data(), dim, sa.data(),
-                                 ma.data(), sb.data(), mb.data());
-          k->group_digest_score(qs.data(), heads, lo_b.data(), hi_b.data(), dim, sb1.data(), mb1.data());
-          for (uint32_t i = 0; i < heads; ++i) {
-            ASSERT_EQ(sa[i], scores[i]);
-            ASSERT_EQ(ma[i], mags[i]);
-            ASSERT_EQ(sb[i], sb1[i]);
-            ASSERT_EQ(mb[i], mb1[i]);
-          }
-        }
-      }
       std::vector<float> y = y0;
       k->axpy(0.5f, a.data(), y.data(), dim);
       for (uint32_t i = 0; i < dim; ++i) EXPECT_FLOAT_EQ(y[i], y0[i] + 0.5f * a[i]);
+    }
+  }
+}
+
+// The digests' integer score is exact on every ISA: random values, every head count (4 at a
+// time and the rest), and the extremes at the largest head_dim (no int32 overflow).
+TEST(PnmKernels, EveryIsaComputesTheDigestDotExactly) {
+  std::mt19937_64 rng(17);
+  std::uniform_int_distribution<int> value(-127, 127), query(0, internal::kDigestQueryMax);
+  auto reference = [](const std::vector<int16_t>& q, uint32_t head, const std::vector<int8_t>& v) {
+    int64_t sum = 0;
+    for (size_t j = 0; j < v.size(); ++j) sum += int64_t{q[head * v.size() + j]} * v[j];
+    return sum;
+  };
+  for (uint32_t dim : {16u, 48u, 64u, 128u, 256u, 1024u}) {
+    for (uint32_t heads : {1u, 3u, 4u, 6u}) {
+      std::vector<int8_t> v(2 * dim);
+      std::vector<int16_t> q(uint64_t{heads} * 2 * dim);
+      for (auto& x : v) x = static_cast<int8_t>(value(rng));
+      for (uint32_t j = 0; j < q.size(); j += 2) {  // one of each pair is 0, as QuantizeQuery makes them
+        const int16_t m = static_cast<int16_t>(query(rng));
+        q[j] = rng() & 1 ? m : 0;
+        q[j + 1] = q[j] == 0 ? m : 0;
+      }
+      std::vector<int8_t> worst(2 * dim);  // every product at its largest: 1024 × 16383 × 127
+      std::vector<int16_t> worst_q(uint64_t{heads} * 2 * dim);
+      for (uint32_t j = 0; j < worst.size(); ++j) worst[j] = j % 2 == 0 ? 127 : -127;
+      for (uint32_t j = 0; j < worst_q.size(); j += 2) worst_q[j] = internal::kDigestQueryMax;
+      for (const Kernels* k : AvailableKernels()) {
+        SCOPED_TRACE(std::string(k->name) + " dim " + std::to_string(dim) + " heads " + std::to_string(heads));
+        std::vector<int32_t> out(heads, -1);
+        k->digest_dot(q.data(), heads, v.data(), dim, out.data());
+        for (uint32_t i = 0; i < heads; ++i) ASSERT_EQ(out[i], reference(q, i, v)) << "head " << i;
+        k->digest_dot(worst_q.data(), heads, worst.data(), dim, out.data());
+        for (uint32_t i = 0; i < heads; ++i) ASSERT_EQ(out[i], int64_t{dim} * internal::kDigestQueryMax * 127);
+      }
     }
   }
 }
@@ -225,27 +227,81 @@ TEST(PnmDigest, GrowingAPartialPageRowByRowEqualsBuildingItAtOnce) {
     std::mt19937_64 rng(11);
     TestContext c(g, 16 * 5 + 7);
     c.FillNormal(rng, 4.0f);
-    const std::vector<uint16_t> built = c.Digests();
+    // Later rows that need a larger exponent (the stored values shift), and tiny keys.
+    c.SetKey(9, 0, 3, 900.0f);
+    c.SetKey(16 + 15, 1, 60, -3000.0f);
+    c.SetKey(32 + 4, 1, 1, 20000.0f);
+    for (uint32_t d = 0; d < g.head_dim; ++d) c.SetKey(48 + 2, 0, d, 1e-3f);
+    const std::vector<uint8_t> built = c.Digests();
     ASSERT_FALSE(built.empty());
     const ContextView v = c.View();
     for (uint64_t p = 0; p < v.pages.size(); ++p) {
-      std::vector<uint16_t> grown(DigestElemsPerPage(g));
+      std::vector<uint8_t> grown(DigestBytesPerPage(g));
       ClearPageDigest(g, grown.data());
       for (uint32_t t = 0; t < v.TokensOf(p, g.page_tokens); ++t) ExtendPageDigest(g, v.pages[p], t, t + 1, grown.data());
       ASSERT_TRUE(std::equal(grown.begin(), grown.end(), built.begin() + static_cast<std::ptrdiff_t>(p * grown.size())))
           << "page " << p;
+      ASSERT_TRUE(DigestPageWellFormed(g, grown.data()));
     }
-    // Every stored key lies within its page's bounds.
+    // Every stored key lies within its page's bounds, and the bounds are tight to one step of
+    // the page head's scale (2^e, with 127·2^e at most twice the page's largest magnitude).
     for (uint64_t t = 0; t < c.tokens(); ++t) {
       for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
-        const uint16_t* lo = DigestLo(g, built.data(), t / g.page_tokens, h);
+        const uint8_t* page = PageDigest(g, built.data(), t / g.page_tokens);
+        ASSERT_NE(DigestExponent(page, h), kDigestEmpty);
+        const double step = std::ldexp(1.0, DigestExponent(page, h));
         for (uint32_t d = 0; d < g.head_dim; ++d) {
-          ASSERT_LE(internal::Bf16ToFloat(lo[d]), c.Key(t, h, d));
-          ASSERT_GE(internal::Bf16ToFloat(lo[g.head_dim + d]), c.Key(t, h, d));
+          const DigestBounds b = DigestBoundsOf(g, page, h, d);
+          ASSERT_LE(b.lo, c.Key(t, h, d));
+          ASSERT_GE(b.hi, c.Key(t, h, d));
+          double lo = INFINITY, hi = -INFINITY;
+          const uint64_t first = t / g.page_tokens * g.page_tokens;
+          for (uint64_t u = first; u < std::min(c.tokens(), first + g.page_tokens); ++u) {
+            lo = std::min<double>(lo, c.Key(u, h, d));
+            hi = std::max<double>(hi, c.Key(u, h, d));
+          }
+          ASSERT_LE(b.hi - hi, step);
+          ASSERT_LE(lo - b.lo, step);
         }
       }
     }
   }
+}
+
+// A head whose keys include NaN or ±inf is unbounded (it always scores +inf, so a poisoned page
+// is attended, not hidden); an empty head scores −inf; bytes that no digest holds are caught.
+TEST(PnmDigest, NonFiniteKeysMakeAPageUnboundedAndMalformedBytesAreCaught) {
+  const Geometry g = SmallGeometry(KvDtype::kFp32, 1);  // (the test's fp16 store saturates)
+  std::mt19937_64 rng(13);
+  TestContext c(g, 16 * 3);
+  c.FillNormal(rng, 1.0f);
+  c.SetKey(16 + 5, 1, 9, std::numeric_limits<float>::quiet_NaN());
+  c.SetKey(32 + 2, 0, 0, std::numeric_limits<float>::infinity());
+  const std::vector<uint8_t> d = c.Digests();
+  const auto q = testing::RandomQuery(g, rng, 1.0f);
+  const uint8_t* p1 = PageDigest(g, d.data(), 1);
+  const uint8_t* p2 = PageDigest(g, d.data(), 2);
+  EXPECT_EQ(DigestExponent(p1, 1), kDigestUnbounded);
+  EXPECT_NE(DigestExponent(p1, 0), kDigestUnbounded) << "only the poisoned head";
+  EXPECT_EQ(DigestExponent(p2, 0), kDigestUnbounded);
+  EXPECT_EQ(PageScoreBound(g, q.data() + g.head_dim, p1, 1), INFINITY);
+  EXPECT_LT(PageScoreBound(g, q.data(), p1, 0), INFINITY);
+  std::vector<uint8_t> empty(DigestBytesPerPage(g));
+  ClearPageDigest(g, empty.data());
+  EXPECT_EQ(PageScoreBound(g, q.data(), empty.data(), 0), -INFINITY);
+  EXPECT_TRUE(DigestPageWellFormed(g, empty.data()));
+  // A query that is not finite makes every page the best.
+  auto nan_q = q;
+  nan_q[3] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(PageScoreBound(g, nan_q.data(), PageDigest(g, d.data(), 0), 0), INFINITY);
+
+  std::vector<uint8_t> bad(d.begin(), d.begin() + static_cast<std::ptrdiff_t>(DigestBytesPerPage(g)));
+  ASSERT_TRUE(DigestPageWellFormed(g, bad.data()));
+  bad[DigestHeaderBytes(g) + 5] = 0x80;  // -128: outside ±127
+  EXPECT_FALSE(DigestPageWellFormed(g, bad.data()));
+  std::vector<uint8_t> bad_empty = empty;
+  bad_empty[DigestHeaderBytes(g)] = 1;  // an empty head with a value
+  EXPECT_FALSE(DigestPageWellFormed(g, bad_empty.data()));
 }
 
 // For random and adversarial queries — the sign pattern of one key (it maximizes that key's
@@ -259,7 +315,7 @@ TEST(PnmDigest, EveryPageScoreBoundsThePagesLargestLogit) {
     TestContext c(g, 16 * 12 + 3);
     c.FillNormal(rng, 2.0f);
     for (uint64_t t = 0; t < c.tokens(); ++t) c.SetKey(t, 0, 7, 200.0f + static_cast<float>(t % 5));  // outlier channel
-    const std::vector<uint16_t> digests = c.Digests();
+    const std::vector<uint8_t> digests = c.Digests();
     std::vector<std::vector<float>> queries;
     for (int i = 0; i < 8; ++i) queries.push_back(testing::RandomQuery(g, rng, 5.0f));
     for (uint64_t t : {uint64_t{3}, uint64_t{100}, c.tokens() - 1}) {
@@ -284,7 +340,7 @@ TEST(PnmDigest, EveryPageScoreBoundsThePagesLargestLogit) {
             for (uint32_t d = 0; d < g.head_dim; ++d) s += double{q[h * g.head_dim + d]} * c.Key(t, h, d);
             best = std::max(best, s);
           }
-          const float bound = PageScoreBound(g, q.data() + uint64_t{h} * g.head_dim, DigestLo(g, digests.data(), p, h));
+          const float bound = PageScoreBound(g, q.data() + uint64_t{h} * g.head_dim, PageDigest(g, digests.data(), p), h);
           ASSERT_GE(double{bound}, best) << "page " << p << " head " << h;
         }
       }
@@ -295,10 +351,10 @@ TEST(PnmDigest, EveryPageScoreBoundsThePagesLargestLogit) {
 TEST(PnmDigest, BadShapesAreRefusedClearly) {
   Geometry g = SmallGeometry(KvDtype::kFp16);
   TestContext c(g, 40);
-  std::vector<uint16_t> wrong(3);
+  std::vector<uint8_t> wrong(3);
   Status s = BuildDigests(g, c.View(), wrong);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(s.message().find("3 elements"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("3 bytes"), std::string::npos) << s.message();
   Geometry bad = g;
   bad.num_heads = 3;
   EXPECT_NE(bad.Validate().message().find("not a multiple"), std::string::npos);

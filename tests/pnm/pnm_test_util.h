@@ -74,8 +74,8 @@ class TestContext {
     }
   }
 
-  std::vector<uint16_t> Digests() const {
-    std::vector<uint16_t> out(pages_.size() * DigestElemsPerPage(g_));
+  std::vector<uint8_t> Digests() const {
+    std::vector<uint8_t> out(pages_.size() * DigestBytesPerPage(g_));
     if (!BuildDigests(g_, View(), out).ok()) out.clear();
     return out;
   }

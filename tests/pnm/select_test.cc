@@ -66,7 +66,7 @@ TEST(PnmSelect, ForcedPagesPlusExactlyTheBestScoresUnderTheBudget) {
     for (uint32_t i = 0; i < g.group(); ++i) {
       std::vector<std::pair<float, uint32_t>> scored;
       for (uint32_t p = 2; p < 98; ++p) {
-        scored.push_back({PageScoreBound(g, q.data() + (h * g.group() + i) * g.head_dim, DigestLo(g, digests.data(), p, h)), p});
+        scored.push_back({PageScoreBound(g, q.data() + (h * g.group() + i) * g.head_dim, PageDigest(g, digests.data(), p), h), p});
       }
       std::sort(scored.rbegin(), scored.rend());
       for (const auto& [score, p] : scored) ranked[i].push_back(p);
@@ -97,7 +97,7 @@ TEST(PnmSelect, APlantedNeedlesPageIsSelectedAt32K128KAnd1MTokens) {
     std::mt19937_64 rng(tokens);
     TestContext c(g, tokens);
     FillNoiseKeys(c, rng, kOutlier);
-    std::vector<uint16_t> digests = c.Digests();
+    std::vector<uint8_t> digests = c.Digests();
     ASSERT_FALSE(digests.empty());
     int trials = 0;
     for (float margin : {1.05f, 1.25f}) {
@@ -117,7 +117,7 @@ TEST(PnmSelect, APlantedNeedlesPageIsSelectedAt32K128KAnd1MTokens) {
           if (d != kOutlier) c.SetKey(t, 0, d, beta * qh[d]);
         }
         const uint64_t page = t / g.page_tokens;
-        uint16_t* pd = digests.data() + page * DigestElemsPerPage(g);
+        uint8_t* pd = digests.data() + page * DigestBytesPerPage(g);
         ClearPageDigest(g, pd);
         ExtendPageDigest(g, c.View().pages[page], 0, c.View().TokensOf(page, g.page_tokens), pd);
         for (uint32_t budget : {256u, 1024u}) {
@@ -145,7 +145,7 @@ struct RecallRun {
 
 double Scale(const Geometry& g) { return 1.0 / std::sqrt(static_cast<double>(g.head_dim)); }
 
-RecallRun MeasureRecall(const TestContext& c, const std::vector<uint16_t>& digests, const std::vector<float>& q,
+RecallRun MeasureRecall(const TestContext& c, const std::vector<uint8_t>& digests, const std::vector<float>& q,
                         const testing::DenseResult& dense, uint32_t budget) {
   const Geometry& g = c.geometry();
   const double scale = Scale(g);

@@ -60,6 +60,24 @@ TEST(PnmSteady, AStepEvictsWhatLeftTheBudgetAndRecallsTheBestMissingIntoTheFreed
   EXPECT_EQ(r.Pages(), before);
 }
 
+// A rewritten tail (a shorter sequence sharing the prefix, a step back) evicts exactly the
+// residents at or past its first page; the next step refills the freed slots.
+TEST(PnmSteady, EvictingFromAPageDropsExactlyTheResidentsAtOrPastIt) {
+  ResidentPages r(4, 50);
+  ASSERT_TRUE(r.SteadyStep(std::vector<uint32_t>{3, 40, 12, 30, 7}).ok());
+  ASSERT_EQ(r.Pages(), (std::vector<uint32_t>{3, 12, 30, 40}));
+  std::vector<uint32_t> evicted = r.EvictFrom(30);
+  std::sort(evicted.begin(), evicted.end());
+  EXPECT_EQ(evicted, (std::vector<uint32_t>{30, 40}));
+  EXPECT_EQ(r.Pages(), (std::vector<uint32_t>{3, 12}));
+  EXPECT_EQ(r.size(), 2u);
+  EXPECT_TRUE(r.EvictFrom(13).empty());
+  auto s = r.SteadyStep(std::vector<uint32_t>{3, 12, 30, 7});
+  ASSERT_TRUE(s.ok());
+  EXPECT_TRUE(s->evicted.empty());
+  EXPECT_EQ(s->recalled, (std::vector<uint32_t>{30, 7}));
+}
+
 TEST(PnmSteady, ArkValeHoldsTheWholeTopSetAfterEveryStep) {
   std::mt19937_64 rng(4);
   ResidentPages r(16, 200);
