@@ -47,6 +47,7 @@
 
 #include "pnm/attend.h"
 #include "pnm/digest.h"
+#include "util/huge_page_allocator.h"
 #include "pnm/geometry.h"
 #include "pnm/kernels.h"
 #include "pnm/select.h"
@@ -339,7 +340,7 @@ Result<nlohmann::json> RunPnmBench(const BenchOptions& options) {
   if (!arena.ok()) return Internal("bench pnm: cannot map " + std::to_string(arena_bytes >> 20) + " MiB");
   FillFp16(arena.data(), arena_bytes, 0x9e11a7e5eedull);
   // The digests are about 1/32 of the KV for fp16 with 16-token pages (digest.h): 1/16 holds them.
-  std::vector<uint8_t> digest(arena_bytes / 16);
+  util::HugePageBytes digest(arena_bytes / 16);  // on huge pages, as the engine and cxlkvd keep theirs
 
   pnm::Geometry g8;
   g8.num_heads = 32;

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "pnm/digest.h"
+#include "util/huge_page_allocator.h"
 #include "pnm/geometry.h"
 
 namespace cxlkv::engine {
@@ -44,7 +45,7 @@ const char* AttentionModeName(AttentionMode m) {
 struct SparseDecodeAttention::Layer {
   std::vector<uint32_t> blocks;  // the block id behind each viewed page
   std::vector<pnm::PageKv> pages;
-  std::vector<uint8_t> digests;   // pages × DigestBytesPerPage
+  util::HugePageBytes digests;    // pages × DigestBytesPerPage (scanned every step: huge pages)
   uint64_t digested = 0;          // positions whose keys the digests cover
   // kHybrid, one entry per KV head.
   std::vector<pnm::ResidentPages> residents;
