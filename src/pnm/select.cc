@@ -76,8 +76,8 @@ const Pow2Table kPow2;
 // with |v_d| <= 127, so the slack is 64·dim units (63.5 and the division's rounding). The product
 // is in double (errors near 2^-52, far inside the slack). Its float is then nudged up by 2^-20
 // of itself and the smallest subnormal, more than the conversion's rounding (2^-24 relative, or
-// 2^-150), without a branch: this runs per query head and page. `unit` = scale·2^e. A NaN scale (the query head is
-// not finite) gives NaN, which selection takes as the best.
+// 2^-150), without a branch: this runs per query head and page. `unit` = scale·2^e. A NaN scale
+// (the query head is not finite) gives NaN, which selection takes as the best.
 inline float BoundOf(int32_t dot, double unit, uint32_t dim) {
   const double x = (static_cast<double>(dot) + 64.0 * dim) * unit;
   // Below −FLT_MAX the float would be −inf, and −inf + inf is NaN.
@@ -208,7 +208,8 @@ Status SelectPages(const Geometry& g, const float* q, const uint8_t* digests, ui
         } else {
           const double unit = kPow2.v[e + 128];
           for (uint32_t i = 0; i < group; ++i) {
-            const double x = (static_cast<double>(dots[first + i]) + slack) * (scale[first + i] * unit);
+            const double x = std::max((static_cast<double>(dots[first + i]) + slack) * (scale[first + i] * unit),
+                                      -double{std::numeric_limits<float>::max()});  // as BoundOf clamps
             above[first + i] = x + std::fabs(x) * 0x1p-18 + 0x1p-140;
           }
         }
