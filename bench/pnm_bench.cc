@@ -47,7 +47,6 @@
 
 #include "pnm/attend.h"
 #include "pnm/digest.h"
-#include "util/huge_page_allocator.h"
 #include "pnm/geometry.h"
 #include "pnm/kernels.h"
 #include "pnm/select.h"
@@ -55,6 +54,7 @@
 #include "pnm/steady.h"
 #include "region/cpu.h"
 #include "suites.h"
+#include "util/huge_page_allocator.h"
 
 namespace cxlkv::bench {
 namespace {

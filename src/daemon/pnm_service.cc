@@ -9,7 +9,6 @@
 
 #include "cxlkv/layout.h"
 #include "pnm/digest.h"
-#include "util/huge_page_allocator.h"
 #include "pnm/geometry.h"
 #include "pnm/select.h"
 #include "pool/pool_internal.h"

@@ -5,8 +5,8 @@
 #include <cstring>
 
 #include "pnm/digest.h"
-#include "util/huge_page_allocator.h"
 #include "pnm/geometry.h"
+#include "util/huge_page_allocator.h"
 
 namespace cxlkv::engine {
 
