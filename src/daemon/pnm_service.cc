@@ -100,11 +100,20 @@ Result<std::unique_ptr<NearMemoryService>> NearMemoryService::Start(Pool& pool, 
 
   std::map<uint32_t, rpc::Handler> ops;
   NearMemoryService* svc = s.get();
-  ops[pnm::kPnmOpen] = {[svc](const rpc::Request& r, std::span<uint8_t> out) { return svc->Open(r, out); }, false};
-  ops[pnm::kPnmExtend] = {[svc](const rpc::Request& r, std::span<uint8_t> out) { return svc->Extend(r, out); }, false};
-  ops[pnm::kPnmAttend] = {[svc](const rpc::Request& r, std::span<uint8_t> out) { return svc->Attend(r, out); }, true};
-  ops[pnm::kPnmRenew] = {[svc](const rpc::Request& r, std::span<uint8_t> out) { return svc->Renew(r, out); }, true};
-  ops[pnm::kPnmClose] = {[svc](const rpc::Request& r, std::span<uint8_t> out) { return svc->Close(r, out); }, true};
+  // Every request first checks this node's life (ForgetIfLifeChanged), then runs its handler.
+  using Method = Result<size_t> (NearMemoryService::*)(const rpc::Request&, std::span<uint8_t>);
+  auto handler = [svc](Method m, bool idempotent) {
+    return rpc::Handler{[svc, m](const rpc::Request& r, std::span<uint8_t> out) {
+                          svc->ForgetIfLifeChanged();
+                          return (svc->*m)(r, out);
+                        },
+                        idempotent};
+  };
+  ops[pnm::kPnmOpen] = handler(&NearMemoryService::Open, false);
+  ops[pnm::kPnmExtend] = handler(&NearMemoryService::Extend, false);
+  ops[pnm::kPnmAttend] = handler(&NearMemoryService::Attend, true);
+  ops[pnm::kPnmRenew] = handler(&NearMemoryService::Renew, true);
+  ops[pnm::kPnmClose] = handler(&NearMemoryService::Close, true);
   rpc::RpcServerOptions so;
   so.geometry = pnm::PnmGeometry();
   so.hot_window = std::chrono::microseconds(500);  // a decoding client asks every few ms
@@ -162,7 +171,6 @@ NearMemoryServiceStats NearMemoryService::stats() const {
 }
 
 Result<size_t> NearMemoryService::Open(const rpc::Request& req, std::span<uint8_t> out) {
-  ForgetIfLifeChanged();
   CXLKV_ASSIGN_OR_RETURN(pnm::OpenRequest r, pnm::DecodeOpen(req.payload));
   const KvLayoutSignature& l = r.ns.layout;
   if (l.kv_parts != 2 || l.block_format != kPoolBlockFormat) {
@@ -243,7 +251,6 @@ Result<NearMemoryService::Context*> NearMemoryService::Find(const rpc::Request& 
 }
 
 Result<size_t> NearMemoryService::Extend(const rpc::Request& req, std::span<uint8_t> out) {
-  ForgetIfLifeChanged();
   CXLKV_ASSIGN_OR_RETURN(pnm::ExtendRequest r, pnm::DecodeExtend(req.payload));
   CXLKV_ASSIGN_OR_RETURN(Context * c, Find(req, r.context));
   if (r.first_page != c->pages()) {
@@ -364,7 +371,6 @@ Status NearMemoryService::LoadOrBuildDigests(Context& c, uint64_t first_page, st
 }
 
 Result<size_t> NearMemoryService::Attend(const rpc::Request& req, std::span<uint8_t> out) {
-  ForgetIfLifeChanged();
   CXLKV_ASSIGN_OR_RETURN(std::vector<pnm::AttendJobRequest> jobs, pnm::DecodeAttend(req.payload));
   const size_t n = jobs.size();
   std::vector<Context*> ctx(n, nullptr);
@@ -445,7 +451,6 @@ Result<size_t> NearMemoryService::Attend(const rpc::Request& req, std::span<uint
 }
 
 Result<size_t> NearMemoryService::Renew(const rpc::Request& req, std::span<uint8_t> out) {
-  ForgetIfLifeChanged();
   CXLKV_ASSIGN_OR_RETURN(std::vector<uint64_t> ids, pnm::DecodeContexts(req.payload));
   uint32_t renewed = 0;
   for (uint64_t id : ids) renewed += Find(req, id).ok();
@@ -454,7 +459,6 @@ Result<size_t> NearMemoryService::Renew(const rpc::Request& req, std::span<uint8
 }
 
 Result<size_t> NearMemoryService::Close(const rpc::Request& req, std::span<uint8_t>) {
-  ForgetIfLifeChanged();
   CXLKV_ASSIGN_OR_RETURN(std::vector<uint64_t> ids, pnm::DecodeContexts(req.payload));
   Status first;
   for (uint64_t id : ids) {

@@ -100,7 +100,7 @@ class NearMemoryService {
   void Drop(std::map<uint64_t, std::unique_ptr<Context>>::iterator it);
   void DropAll();
   // Forgets every context (without releasing) when this node's life is no longer the one their
-  // pins were taken in. Called first by every handler and the sweep.
+  // pins were taken in. Runs before every request (Start wraps the handlers) and each sweep.
   void ForgetIfLifeChanged();
   Status LoadOrBuildDigests(Context& c, uint64_t first_page, std::span<const BlockKey> keys, pnm::ExtendAnswer* a);
   void BindThread();

@@ -382,12 +382,9 @@ void ClientsKilledAndPaused() {
   ASSERT_GT(d.MetricsPort(), 0) << d.first_line;
   Writer w(path.path());
   ASSERT_NE(w.pool, nullptr);
-  KvCache* cache = w.cache;
-  const NamespaceHandle ns = w.ns;
-  const auto& keys = w.keys;
   ASSERT_EQ(Command(killed, 1), 100u);
   ASSERT_EQ(Command(paused, 1), 100u);
-  EXPECT_EQ(*cache->Evict(ns, keys), 0u) << "two open contexts pin every block";
+  EXPECT_EQ(*w.cache->Evict(w.ns, w.keys), 0u) << "two open contexts pin every block";
   EXPECT_EQ(SumOf(Scrape(d.MetricsPort()), "cxlkv_pnm_contexts_open"), 2);
 
   // kill -9 one client, SIGSTOP the other past its lease (and its node's).
@@ -404,8 +401,8 @@ void ClientsKilledAndPaused() {
   EXPECT_EQ(SumOf(m, "cxlkv_pnm_contexts_expired_total"), 2);
 
   // Nothing is pinned: the blocks can go (and are put back for the paused client's retry).
-  EXPECT_EQ(*cache->Evict(ns, keys), 32u);
-  PutContext(*cache, ns, 32, 7);
+  EXPECT_EQ(*w.cache->Evict(w.ns, w.keys), 32u);
+  PutContext(*w.cache, w.ns, 32, 7);
 
   // Resumed, the paused client's context is gone: it is told so, reopens and attends.
   ::kill(paused.pid, SIGCONT);
@@ -431,22 +428,19 @@ void DaemonPaused() {
   ASSERT_GT(d.MetricsPort(), 0) << d.first_line;
   Writer w(path.path());
   ASSERT_NE(w.pool, nullptr);
-  KvCache* cache = w.cache;
-  const NamespaceHandle ns = w.ns;
-  const auto& keys = w.keys;
   ASSERT_EQ(Command(client, 1), 100u);
-  EXPECT_EQ(*cache->Evict(ns, keys), 0u) << "pinned by the daemon's context";
+  EXPECT_EQ(*w.cache->Evict(w.ns, w.keys), 0u) << "pinned by the daemon's context";
 
   ::kill(d.pid, SIGSTOP);
   // Recovery of the daemon's node (by this process's node) drops its pins: the blocks go.
   const auto deadline = std::chrono::steady_clock::now() + 20s;
   uint64_t evicted = 0;  // recovery releases the pins slot by slot: evict as they come free
-  while (evicted < keys.size() && std::chrono::steady_clock::now() < deadline) {
+  while (evicted < w.keys.size() && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(100ms);
-    evicted += *cache->Evict(ns, keys);
+    evicted += *w.cache->Evict(w.ns, w.keys);
   }
   EXPECT_EQ(evicted, 32u) << "the paused daemon's pins were not recovered";
-  PutContext(*cache, ns, 32, 7);  // other bytes may now live where the old ones were
+  PutContext(*w.cache, w.ns, 32, 7);  // other bytes may now live where the old ones were
   ::kill(d.pid, SIGCONT);
 
   EXPECT_EQ(Command(client, 1), 10u) << "1x: not found, then reopened (0: the old context answered, 2: another error)";
