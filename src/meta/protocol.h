@@ -65,6 +65,7 @@ class WireWriter {
     Bytes(&v, sizeof v);
   }
   void Bytes(const void* p, size_t n) {
+    if (n == 0) return;  // an empty vector's data() may be null, which memcpy must not see
     if (n > out_.size() - at_) {
       overflow_ = true;
       return;
@@ -100,6 +101,7 @@ class WireReader {
     return Bytes(v, sizeof *v);
   }
   bool Bytes(void* p, size_t n) {
+    if (n == 0) return true;  // an empty vector's data() may be null, which memcpy must not see
     if (n > in_.size() - at_) return false;
     std::memcpy(p, in_.data() + at_, n);
     at_ += n;
