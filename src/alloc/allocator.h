@@ -94,6 +94,11 @@ class Allocator {
   // Test hook: runs after a remote free is decided (announced, its owner surely live) and
   // before it is published, so a test can end the owner's life in that window.
   void TestHookBeforePush(std::function<void()> hook) { test_before_push_ = std::move(hook); }
+  // Test hooks of DrainRemoteFrees: `before` runs before a drain takes the node's drain lock
+  // (a test holds a process's drains back with it); `after_claim` after a ring's entries are
+  // claimed and its head is published, before any is applied (a test kills the drainer there).
+  // Either may be empty. Safe to set while the process's drains run.
+  void TestHookDrain(std::function<void()> before, std::function<void()> after_claim);
   // Allocator-lock acquisitions by this process (tests count lock round trips).
   uint64_t lock_acquisitions() const { return lock_acquisitions_.load(std::memory_order_relaxed); }
   // Reachability for recovery: a provider appends the raw offsets of every published object.
@@ -156,6 +161,13 @@ class Allocator {
   Status FreeLeasedLocked(ChunkRef chunk, OwnerWord w);
   // One free taken off this node's remote-free ring (DrainRemoteFrees).
   void ApplyRemoteFree(ObjectOffset off);
+  // Applies what the node's drain claim still holds (entries a drainer took out of a ring and
+  // died before applying), when the claim is this life's and its ring's head is where it was
+  // published; otherwise drops it. REQUIRES: the node's drain_mu.
+  void FinishDrainClaim();
+  // Applies the claim's entries from `next` on, each marked started before it is applied.
+  // REQUIRES: the node's drain_mu.
+  void ApplyDrainClaim();
   void NoteLeaseLine(uint32_t region, uint64_t line);
   bool LeaseAllowed() const { return lease_lines_ > 0 && leasable_; }
   uint64_t LeaseWord() const;
@@ -199,6 +211,9 @@ class Allocator {
   std::vector<ChunkRef> lease_hint_;
   std::atomic<uint64_t> lock_acquisitions_{0};
   std::function<void()> test_before_push_;
+  std::mutex test_drain_mu_;  // guards the two drain hooks (set by a test thread, run by drains)
+  std::atomic<bool> test_drain_hooked_{false};
+  std::function<void()> test_before_drain_, test_after_drain_claim_;
   std::mutex providers_mu_;
   std::vector<std::function<void(std::vector<uint64_t>&)>> providers_;
 };

@@ -54,11 +54,15 @@ inline uint32_t Inc20(uint64_t incarnation) { return static_cast<uint32_t>(incar
 
 // Remote-free ring (owner node o, freeing node f): single producer f, single consumer o (or,
 // once o's life has ended, its recovery under the allocator lock). Line 0, written by f: the
-// tail and the pushing word; line 1, written by the consumer: the head; then the entries.
+// tail and the pushing word; line 1, written by the consumer: the head; line 2, written by the
+// recoverer of one of o's lives: the closed word; then the entries. One writer per line (P5):
+// the closed word shared the head's line until layout version 5, and a stale copy of that line
+// written back whole by one of its two writers could undo the other's word.
 inline constexpr uint64_t kInboxEntries = 256;
 inline constexpr uint64_t kInboxHeadOffset = 64;
 inline constexpr uint64_t kInboxPushingOffset = 8;
-inline constexpr uint64_t kInboxEntriesOffset = 128;
+inline constexpr uint64_t kInboxClosedOffset = 128;
+inline constexpr uint64_t kInboxEntriesOffset = 192;
 inline constexpr uint64_t kInboxBytes = kInboxEntriesOffset + kInboxEntries * 8;
 // The pushing word: nonzero while f has decided to push for owner life `owner_inc` and has not
 // published yet. Recovery of that life waits for it (see Allocator::PushRemoteFree).
@@ -69,12 +73,10 @@ inline bool PushingFor(uint64_t word, uint32_t owner_inc) {
   return (word >> 63) != 0 && ((word >> 32) & 0xfffff) == (owner_inc & 0xfffff);
 }
 inline uint32_t PushingPusherInc(uint64_t word) { return static_cast<uint32_t>(word & 0xfffff); }
-// The closed word (line 1, after the head; written by whoever consumes for the owner): the
-// owner life whose recovery has begun. A pusher that announced its push and then finds the ring
-// closed for the life it pushes to frees in place instead: a push after recovery consumed the
-// ring would never be applied (the pushing word and this word are a Dekker pair). Zero in
-// regions made before it (bytes that were unused): then only the liveness check guards.
-inline constexpr uint64_t kInboxClosedOffset = 72;
+// The closed word (line 2, written by whoever recovers a life of the owner): the owner life
+// whose recovery has begun. A pusher that announced its push and then finds the ring closed for
+// the life it pushes to frees in place instead: a push after recovery consumed the ring would
+// never be applied (the pushing word and this word are a Dekker pair).
 inline uint64_t ClosedWord(uint32_t owner_inc) { return (uint64_t{1} << 63) | (owner_inc & 0xfffff); }
 // A ring's head and tail are read from the region: a consumer walks [head, tail) only when it
 // holds at most kInboxEntries messages (a corrupted tail would otherwise loop for 2^64 steps).

@@ -196,38 +196,94 @@ Result<bool> Allocator::PushRemoteFree(OwnerWord owner, ObjectOffset off) {
   return true;
 }
 
+void Allocator::TestHookDrain(std::function<void()> before, std::function<void()> after_claim) {
+  std::lock_guard<std::mutex> g(test_drain_mu_);
+  test_before_drain_ = std::move(before);
+  test_after_drain_claim_ = std::move(after_claim);
+  test_drain_hooked_.store(test_before_drain_ || test_after_drain_claim_);
+}
+
 void Allocator::DrainRemoteFrees() {
   if (!tables_[0].has_inboxes()) return;
+  auto hook = [&](std::function<void()> Allocator::*which) {
+    if (!test_drain_hooked_.load()) return;
+    std::function<void()> f;
+    {
+      std::lock_guard<std::mutex> g(test_drain_mu_);
+      f = this->*which;
+    }
+    if (f) f();
+  };
+  hook(&Allocator::test_before_drain_);
   // Every process of the node drains (each beat, and a reserve that made room): two at once
   // would both apply entries between the same head and tail — a second free of a slot that may
   // have been allocated again in between. One at a time; a busy drainer does the work.
-  if (sync::TryLockRobust(&node_.local().header().drain_mu) < 0) return;
+  pthread_mutex_t* drain_mu = &node_.local().header().drain_mu;
+  if (sync::TryLockRobust(drain_mu) < 0) return;
   struct Unlock {
     pthread_mutex_t* mu;
     ~Unlock() { pthread_mutex_unlock(mu); }
-  } unlock{&node_.local().header().drain_mu};
+  } unlock{drain_mu};
+  // What a drainer killed between claiming and applying left (it may have died holding
+  // drain_mu, or have been the last to hold it cleanly; the claim says which entries remain).
+  FinishDrainClaim();
   auto& m = meta(0);
-  std::vector<uint64_t> claimed;
+  sync::LocalDrainClaim& claim = node_.local().header().drain_claim;
+  static_assert(kInboxEntries <= sync::kLocalDrainClaimEntries);
   for (uint32_t f = 0; f < max_nodes_; ++f) {
     uint64_t ring = tables_[0].inbox(node_.id(), f);
     uint64_t tail = m.Fetch(ring);
     uint64_t head = m.Fetch(ring + kInboxHeadOffset);
     if (head == tail) continue;
     if (!RingSane(head, tail)) continue;  // corrupted: left for `cxlkv check` (never looped over)
-    // Claimed before applied: the entries are copied out, the head published, and only then
-    // are the frees applied. A drainer that stops in between (killed, or stalled on the
-    // allocator lock long enough to be presumed dead, its ring then consumed by a recoverer)
-    // can at worst leak those objects; applying first and publishing after could apply them
-    // twice — a free of a slot allocated again meanwhile, a live block's payload lost.
+    // Claimed before applied: the entries are copied out into the node's claim, the head
+    // published, and only then are the frees applied, each marked started first. Applying first
+    // and publishing after could apply them twice — a free of a slot allocated again meanwhile,
+    // a live block's payload lost. A drainer killed in between leaves the rest in the claim for
+    // the node's next drainer (FinishDrainClaim); at most the entry it was applying is lost.
     // Fenced: a node silent past its lease may have been presumed dead, its rings and heap
     // taken over by a recoverer; it leaves them alone (they are the recoverer's now).
     if (!node_.Fence("remote-free drain").ok()) return;
-    claimed.clear();
-    for (uint64_t at = head; at < tail; ++at) claimed.push_back(m.Fetch(ring + kInboxEntriesOffset + (at % kInboxEntries) * 8));
-    m.Invalidate(ring + kInboxHeadOffset, 8);  // the line holds the recoverer's closed word too
+    claim.count = 0;  // not valid while it is written
+    claim.incarnation = node_.incarnation();
+    claim.freer = f;
+    claim.tail = tail;
+    claim.next = 0;
+    uint32_t n = 0;
+    for (uint64_t at = head; at < tail; ++at) claim.offsets[n++] = m.Fetch(ring + kInboxEntriesOffset + (at % kInboxEntries) * 8);
+    std::atomic_thread_fence(std::memory_order_release);
+    claim.count = n;
+    m.Invalidate(ring + kInboxHeadOffset, 8);  // P2 before a store: another life's drainer wrote the line
     m.Publish(ring + kInboxHeadOffset, tail);
-    for (uint64_t raw : claimed) ApplyRemoteFree(ObjectOffset(raw));
+    hook(&Allocator::test_after_drain_claim_);
+    ApplyDrainClaim();
   }
+}
+
+void Allocator::FinishDrainClaim() {
+  sync::LocalDrainClaim& claim = node_.local().header().drain_claim;
+  if (claim.count == 0) return;
+  // Values of node-local memory a dead process wrote: checked before use like any other.
+  const bool sane = claim.count <= kInboxEntries && claim.next <= claim.count && claim.freer < max_nodes_;
+  // Only this life's claim, and only once its head was published: a head still short of `tail`
+  // means the entries are still in the ring (the drainer died before publishing) and the
+  // drain below takes them. An earlier life's claim belongs to that life's recovery.
+  if (sane && claim.incarnation == node_.incarnation() && node_.Fence("remote-free drain").ok() &&
+      meta(0).Fetch(tables_[0].inbox(node_.id(), claim.freer) + kInboxHeadOffset) == claim.tail) {
+    ApplyDrainClaim();
+  }
+  claim.count = 0;
+}
+
+void Allocator::ApplyDrainClaim() {
+  sync::LocalDrainClaim& claim = node_.local().header().drain_claim;
+  while (claim.next < claim.count) {
+    const uint64_t raw = claim.offsets[claim.next];
+    ++claim.next;  // started: never applied twice, at most this one lost to a kill
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    ApplyRemoteFree(ObjectOffset(raw));
+  }
+  claim.count = 0;
 }
 
 void Allocator::ApplyRemoteFree(ObjectOffset off) {

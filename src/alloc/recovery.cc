@@ -16,10 +16,9 @@ void Allocator::WaitForPushesInFlight(uint32_t dead, uint32_t inc) {
   auto& m = meta(0);
   // Close every ring of that life first (flushed), then look for announced pushes: a pusher
   // announces, then looks at this word, so one of the two sees the other.
-  // The closed word shares its line with the owner's head: the line is invalidated right before
-  // the store, or a stale copy cached here (read when this node last pushed into that ring)
-  // would be written back whole with the closed word — the head moved back, and the consumption
-  // below would take frees the owner applied long ago for objects allocated again since.
+  // The closed word has its own line, written only by recoverers (under the allocator lock).
+  // The line is still invalidated before the store: a copy this node read earlier may be
+  // stale, and a store into a stale line is written back whole (P2).
   for (uint32_t f = 0; f < max_nodes_; ++f) {
     const uint64_t closed = tables_[0].inbox(dead, f) + kInboxClosedOffset;
     m.Invalidate(closed, 8);

@@ -200,10 +200,11 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::vector<std::string>& paths,
   // After the index's handler: the index first drops a dead node's half-done entries, so the
   // allocator's reachability no longer counts their payloads and reclaims them.
   impl->node->AddRecoveryHandler([allocator](uint32_t node, uint64_t inc) { allocator->Recover(node, inc); });
-  // Once a beat. (8 times a beat made a promote short of room wait ms instead of up to a beat,
-  // but a process killed mid-drain — more likely the more it drains — can leak what it claimed
-  // on a live node, and a kill -9 storm under the simulator failed once with it: drains stay at
-  // a beat until a killed drainer's claim is recovered; docs/tiers.md, "Room for a promote".)
+  // Once a beat. (8 times a beat made a promote short of room wait a little less — 34–48 ms
+  // against 40 in the demo's quick run — when a process killed mid-drain still leaked what it
+  // had claimed; the node's next drainer now finishes such a claim, docs/protocol.md, "The
+  // drain's claim". Writers that make room drain at once anyway: docs/tiers.md, "Room for a
+  // promote".)
   impl->node->AddPeriodicTask([allocator] { allocator->DrainRemoteFrees(); });
   // Only now: a recovery queued meanwhile (this node may manage from its first beat) runs with
   // every handler, in order.

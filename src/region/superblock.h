@@ -8,6 +8,7 @@
 //   4  node lines publish one life word; manager line one holder word; per-node lock doorbells;
 //      pool identity: pool id (random 128-bit at pool creation), this region's index in the
 //      pool and the pool's region count, so a foreign or reordered region is refused.
+//   5  remote-free rings: the closed word on a line of its own (the entries one line later).
 #ifndef CXLKV_SRC_REGION_SUPERBLOCK_H_
 #define CXLKV_SRC_REGION_SUPERBLOCK_H_
 

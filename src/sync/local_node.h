@@ -47,6 +47,22 @@ struct LocalHeapClass {
   std::atomic<uint64_t> cursor;         // slot to start searching from
 };
 
+// The remote-free entries a drainer of this node took out of one incoming ring (alloc layer):
+// written before the ring's head moves past them, and `next` moves past each entry before it is
+// applied. A drainer killed in between leaves them here, and the next drainer of the node, once
+// it sees the ring's head at `tail`, applies the rest: at most the one entry being applied when
+// it died is lost, and none is applied twice. Guarded by drain_mu.
+inline constexpr uint32_t kLocalDrainClaimEntries = 256;
+struct LocalDrainClaim {
+  uint64_t incarnation;  // the node life that claimed them
+  uint64_t tail;         // the head the drainer published for the ring (the claim is valid once it is there)
+  uint32_t freer;        // the ring: this node's incoming ring from node `freer`
+  uint32_t count;        // entries claimed; 0: nothing pending
+  uint32_t next;         // the first entry not yet started
+  uint32_t reserved;
+  uint64_t offsets[kLocalDrainClaimEntries];
+};
+
 struct LocalHeader {
   uint64_t magic;
   uint32_t version;
@@ -61,6 +77,7 @@ struct LocalHeader {
   alignas(64) pthread_mutex_t inbox_mu;    // guards this node's outgoing remote-free rings
   alignas(64) pthread_mutex_t drain_mu;    // one drainer of this node's incoming rings at a time:
                                            // two would apply the same entries twice
+  alignas(64) LocalDrainClaim drain_claim;  // guarded by drain_mu
   LocalHeapClass heap[kLocalSizeClasses];
   LocalProcess processes[kLocalProcessSlots];
 };

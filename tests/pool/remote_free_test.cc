@@ -3,6 +3,9 @@
 // region, also under the non-coherent simulator.
 #include <signal.h>
 
+#include <atomic>
+#include <chrono>
+
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -160,6 +163,93 @@ TEST(RemoteFree, AFreerKilledAfterAnnouncingDoesNotStallRecovery) {
   EXPECT_TRUE(Allocated(paths, off)) << "a root still names it";
   survivor.reset();
   ExpectNoProblems(paths);
+}
+
+// Node 2 has two processes. Node 1 frees node 2's objects through node 2's ring; node 2's first
+// process drains them — claims them out of the ring, publishes the head — and is killed with -9
+// before it applies any. Node 2 lives on in its second process, so no recovery will ever free
+// them: its next drain must apply what the claim left, while node 2 still lives. Before the
+// claim was recorded in the node-local file, those objects stayed allocated for the life.
+void DrainerKilledAfterClaiming(uint64_t sim_seed) {
+  constexpr uint64_t kObjects = 4;
+  testing::TempRegionPath path("rf-drain");
+  auto paths = CreatePool(path.path());
+  const uint64_t total = FreeChunks(paths);
+  Child drainer = Child::Fork([&](int, int out) {
+    auto p = OpenOrNull(paths, 2, sim_seed ? sim_seed + 2 : 0);
+    if (!p) return 1;
+    p->impl().allocator->TestHookDrain(nullptr, [] { ::raise(SIGKILL); });  // claimed, none applied
+    for (uint64_t i = 0; i < kObjects; ++i) {
+      auto off = p->Alloc(4096);
+      if (!off.ok() || !Put(out, *off)) return 2;
+    }
+    for (int i = 0; i < 3000; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    return 3;  // no drain ever claimed the frees
+  });
+  Child next = Child::Fork([&](int in, int out) {
+    auto p = OpenOrNull(paths, 2, sim_seed ? sim_seed + 3 : 0);
+    if (!p) return 1;
+    std::atomic<bool> released{false};
+    // This process drains only once the first one is dead: the claim must be the dead one's.
+    p->impl().allocator->TestHookDrain(
+        [&] {
+          while (!released.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        },
+        nullptr);
+    uint64_t go;
+    if (!Put(out, 1) || !Get(in, &go)) return 2;
+    released.store(true);
+    if (!Get(in, &go)) return 3;  // leave when told
+    p->impl().allocator->TestHookDrain(nullptr, nullptr);
+    return 0;
+  });
+  Child freer = Child::Fork([&](int in, int out) {
+    auto p = OpenOrNull(paths, 1, sim_seed ? sim_seed + 1 : 0);
+    if (!p) return 1;
+    for (uint64_t i = 0; i < kObjects; ++i) {
+      uint64_t off;
+      if (!Get(in, &off)) return 2;
+      Status s = p->Free(off);
+      CHILD_CHECK(s.ok(), "free: %s", s.ToString().c_str());
+    }
+    return Put(out, 1) ? 0 : 4;
+  });
+  auto survivor = OpenOrNull(paths, 0, sim_seed);
+  ASSERT_TRUE(survivor);
+  std::vector<uint64_t> offs(kObjects);
+  for (uint64_t& off : offs) ASSERT_TRUE(drainer.Receive(&off));
+  uint64_t ack;
+  ASSERT_TRUE(next.Receive(&ack)) << "node 2's second process did not attach";
+  for (uint64_t off : offs) ASSERT_TRUE(freer.Send(off));
+  ASSERT_TRUE(freer.Receive(&ack));
+  EXPECT_EQ(freer.Wait(), 0);
+  ASSERT_EQ(drainer.Wait(), 128 + SIGKILL) << "node 2's first process never claimed the frees";
+  auto allocated = [&] {
+    uint64_t n = 0;
+    for (uint64_t off : offs) n += Allocated(paths, off) ? 1 : 0;
+    return n;
+  };
+  ASSERT_GT(allocated(), 0u) << "the killed drainer applied what it claimed: nothing left to test";
+  ASSERT_TRUE(next.Send(1));  // node 2's next drain: it finds the claim
+  const auto start = std::chrono::steady_clock::now();
+  while (allocated() != 0 && std::chrono::steady_clock::now() - start < std::chrono::seconds(20)) Sleep(0.25);
+  EXPECT_EQ(allocated(), 0u) << "frees a killed drainer had claimed were never applied while its node lived";
+  ASSERT_TRUE(next.Send(2));
+  EXPECT_EQ(next.Wait(), 0);
+  Sleep(2);
+  survivor->impl().allocator->Trim();
+  survivor.reset();
+  EXPECT_EQ(FreeChunks(paths), total) << "chunks leaked";
+  ExpectNoProblems(paths);
+}
+
+TEST(RemoteFree, ADrainerKilledAfterClaimingLeavesTheRestToTheNodesNextDrainer) { DrainerKilledAfterClaiming(0); }
+
+TEST(RemoteFree, ADrainerKilledAfterClaimingLeavesTheRestUnderTheNonCoherentSimulator) {
+  for (uint64_t seed : {17u, 211u}) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    DrainerKilledAfterClaiming(seed);
+  }
 }
 
 // After its owner left, a published object sits in an orphan heap chunk (or stays a whole-
