@@ -140,8 +140,10 @@ Result<ObjectOffset> Allocator::Alloc(uint64_t bytes) {
       ChunkRef c;
       Status st;
       for (int attempt = 0; attempt < 2; ++attempt) {
-        if (TakeFromLeaseLocked(&c)) {
+        const Result<bool> took = TakeFromLeaseLocked(&c);
+        if (!took.ok() || *took) {
           pthread_mutex_unlock(&node_.local().header().heap_mu);
+          if (!took.ok()) return took.status();
           return OffsetOf(c, 0);
         }
         st = RefillLeaseLocked(lease_lines_);
@@ -164,7 +166,17 @@ Result<ObjectOffset> Allocator::Alloc(uint64_t bytes) {
   return out;
 }
 
-bool Allocator::TrySlotIn(ChunkRef chunk, uint32_t c, ObjectOffset* out) {
+Status Allocator::FenceOwnStore(const char* act, uint32_t life20) const {
+  CXLKV_RETURN_IF_ERROR(node_.Fence(act));
+  if (Inc20(node_.incarnation()) != life20) {
+    return LeaseExpired(std::string(act) + " refused: node " + std::to_string(node_.id()) + "'s life " +
+                        std::to_string(life20) + " (20 bits) has ended while this process was paused or starved; "
+                        "what it held was recovered, retry");
+  }
+  return Status::Ok();
+}
+
+bool Allocator::TrySlotIn(ChunkRef chunk, uint32_t c, uint32_t life20, ObjectOffset* out, Status* fenced) {
   auto& m = meta(chunk.region);
   uint64_t base = ChunkBase(chunk);
   // The owner node is the only writer of its heap headers, so its own copy is current.
@@ -181,6 +193,11 @@ bool Allocator::TrySlotIn(ChunkRef chunk, uint32_t c, ObjectOffset* out) {
     uint64_t free_bits = ~bits & valid;
     if (free_bits == 0) continue;
     uint64_t bit = std::countr_zero(free_bits);
+    if (test_before_heap_store_) test_before_heap_store_();
+    if (Status f = FenceOwnStore("heap allocation", life20); !f.ok()) {
+      *fenced = std::move(f);
+      return false;
+    }
     m.Store(off, bits | (uint64_t{1} << bit));
     m.Store(base + offsetof(HeapHeader, used), h.used + 1);
     m.Flush(off, 8);  // P1: recovery and `cxlkv check` on other nodes read these
@@ -218,7 +235,9 @@ Result<ObjectOffset> Allocator::AllocSlotLocked(uint32_t c) {
       OwnerWord w = OwnerWord::Decode(meta(ref.region).Load(tables_[ref.region].owner(ref.chunk)));
       bool mine = w.kind == ChunkKind::kHeap && w.node == node_.id() &&
                   w.incarnation == Inc20(node_.incarnation()) && w.detail == c;
-      if (mine && TrySlotIn(ref, c, &out)) return out;
+      Status fenced;
+      if (mine && TrySlotIn(ref, c, w.incarnation, &out, &fenced)) return out;
+      if (!fenced.ok()) return fenced;
     }
     ChunkRef next;
     if (FindPartialChunk(c, &next)) {
@@ -231,6 +250,9 @@ Result<ObjectOffset> Allocator::AllocSlotLocked(uint32_t c) {
     auto run = TakeRunLocked(1, word);
     UnlockAllocator();
     if (!run.ok()) return run.status();
+    // Taken but not formatted: if the life ended meanwhile, its recovery frees the chunk (a
+    // heap chunk without a header), and it may be another node's by the time this one resumes.
+    CXLKV_RETURN_IF_ERROR(FenceOwnStore("heap chunk format", word.incarnation));
     HeapGeometry g = GeometryFor(chunk_bytes(), ClassBytes(c));
     uint64_t base = ChunkBase(*run);
     auto& m = meta(run->region);
@@ -261,7 +283,12 @@ Result<std::vector<ObjectOffset>> Allocator::AllocMany(uint64_t bytes, size_t n)
     ChunkRef c;
     bool refilled = false;
     while (out.size() < n) {
-      if (TakeFromLeaseLocked(&c)) {
+      const Result<bool> took = TakeFromLeaseLocked(&c);
+      if (!took.ok()) {
+        pthread_mutex_unlock(&node_.local().header().heap_mu);
+        return undo(took.status());
+      }
+      if (*took) {
         out.push_back(OffsetOf(c, 0));
         continue;
       }

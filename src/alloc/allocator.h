@@ -94,6 +94,9 @@ class Allocator {
   // Test hook: runs after a remote free is decided (announced, its owner surely live) and
   // before it is published, so a test can end the owner's life in that window.
   void TestHookBeforePush(std::function<void()> hook) { test_before_push_ = std::move(hook); }
+  // Test hook: runs in a heap allocation after it has chosen its slot and before the fence
+  // and the stores that take it, so a test can pause the process there.
+  void TestHookBeforeHeapStore(std::function<void()> hook) { test_before_heap_store_ = std::move(hook); }
   // Test hooks of DrainRemoteFrees: `before` runs before a drain takes the node's drain lock
   // (a test holds a process's drains back with it); `after_claim` after a ring's entries are
   // claimed and its head is published, before any is applied (a test kills the drainer there).
@@ -151,7 +154,9 @@ class Allocator {
 
   void ReturnFreeLeaseLinesLocked();
   // Lease helpers. REQUIRES: heap_mu held.
-  bool TakeFromLeaseLocked(ChunkRef* out);
+  // True with a chunk of the lease, false when the lease has none free; kLeaseExpired when this
+  // node's lease lapsed (FenceOwnStore).
+  Result<bool> TakeFromLeaseLocked(ChunkRef* out);
   // Leases `lines` more owner-word lines under the allocator lock (the first call of a
   // process adopts the node's existing lease instead, when it has one).
   Status RefillLeaseLocked(uint64_t lines);
@@ -174,9 +179,17 @@ class Allocator {
 
   // Heap helpers. REQUIRES: heap_mu held.
   Result<ObjectOffset> AllocSlotLocked(uint32_t c);
-  bool TrySlotIn(ChunkRef chunk, uint32_t c, ObjectOffset* out);
+  // A slot of class c in `chunk`, this node's chunk of life `life20`; false when it has none
+  // free or when fenced (then `*fenced` says why).
+  bool TrySlotIn(ChunkRef chunk, uint32_t c, uint32_t life20, ObjectOffset* out, Status* fenced);
   bool FindPartialChunk(uint32_t c, ChunkRef* out);
-  Status FreeSlot(ChunkRef chunk, uint64_t within, bool orphan);
+  // `life20`: the owner life of a chunk this node owns (not orphan), for FenceOwnStore.
+  Status FreeSlot(ChunkRef chunk, uint64_t within, bool orphan, uint32_t life20 = 0);
+  // Before a store into this node's own heap chunks or leased owner words: ok only while this
+  // node's lease holds and it still runs as `life20`, the life those words were read under. A
+  // process paused past its lease may find them recovered and handed to another node meanwhile;
+  // its late stores would corrupt that node's chunk.
+  Status FenceOwnStore(const char* act, uint32_t life20) const;
   Status Free(ObjectOffset off, int reroutes);
   // Pushes `off` into the ring of the life `owner` names while that life surely beats: true
   // once pushed; false once the life is over (the caller frees in place under the lock);
@@ -211,6 +224,7 @@ class Allocator {
   std::vector<ChunkRef> lease_hint_;
   std::atomic<uint64_t> lock_acquisitions_{0};
   std::function<void()> test_before_push_;
+  std::function<void()> test_before_heap_store_;
   std::mutex test_drain_mu_;  // guards the two drain hooks (set by a test thread, run by drains)
   std::atomic<bool> test_drain_hooked_{false};
   std::function<void()> test_before_drain_, test_after_drain_claim_;

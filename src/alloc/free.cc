@@ -6,7 +6,7 @@ namespace cxlkv::alloc {
 
 // ---- frees -----------------------------------------------------------------------------
 
-Status Allocator::FreeSlot(ChunkRef chunk, uint64_t within, bool orphan) {
+Status Allocator::FreeSlot(ChunkRef chunk, uint64_t within, bool orphan, uint32_t life20) {
   auto& m = meta(chunk.region);
   uint64_t base = ChunkBase(chunk);
   if (orphan) m.Invalidate(base, 64);
@@ -26,6 +26,7 @@ Status Allocator::FreeSlot(ChunkRef chunk, uint64_t within, bool orphan) {
   uint64_t bits = m.Load(off);
   uint64_t bit = uint64_t{1} << (slot % 64);
   if (!(bits & bit)) return InvalidArgument("object is not allocated (double free?)");
+  if (!orphan) CXLKV_RETURN_IF_ERROR(FenceOwnStore("heap free", life20));  // orphans: under the allocator lock
   m.Store(off, bits & ~bit);
   m.Store(base + offsetof(HeapHeader, used), h.used - 1);
   m.Flush(off, 8);
@@ -74,7 +75,7 @@ Status Allocator::Free(ObjectOffset off, int reroutes) {
       if (leased && within != 0) return InvalidArgument("offset points inside a whole-chunk object, not at its start");
       if (w.node == node_.id() && w.incarnation == Inc20(node_.incarnation())) {
         sync::LockRobust(&node_.local().header().heap_mu);
-        Status s = leased ? FreeLeasedLocked(chunk, w) : FreeSlot(chunk, within, /*orphan=*/false);
+        Status s = leased ? FreeLeasedLocked(chunk, w) : FreeSlot(chunk, within, /*orphan=*/false, w.incarnation);
         pthread_mutex_unlock(&node_.local().header().heap_mu);
         return s;
       }
@@ -316,7 +317,7 @@ void Allocator::ApplyRemoteFree(ObjectOffset off) {
     return;
   }
   if (w.kind == ChunkKind::kHeap) {
-    (void)FreeSlot(chunk, within, false);
+    (void)FreeSlot(chunk, within, false, w.incarnation);
   } else if (within == 0) {
     (void)FreeLeasedLocked(chunk, w);
   }

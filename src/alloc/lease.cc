@@ -16,9 +16,10 @@ void Allocator::NoteLeaseLine(uint32_t region, uint64_t first) {
   lease_hint_.push_back(ChunkRef{region, first});
 }
 
-bool Allocator::TakeFromLeaseLocked(ChunkRef* out) {
+Result<bool> Allocator::TakeFromLeaseLocked(ChunkRef* out) {
   const uint64_t free_word = LeaseWord();
-  const uint64_t object = OwnerWord{ChunkKind::kLeasedObject, node_.id(), Inc20(node_.incarnation()), 1}.Encode();
+  const uint32_t life20 = Inc20(node_.incarnation());
+  const uint64_t object = OwnerWord{ChunkKind::kLeasedObject, node_.id(), life20, 1}.Encode();
   for (size_t i = 0; i < lease_hint_.size();) {
     const ChunkRef line = lease_hint_[i];
     const ChunkTableLayout& t = tables_[line.region];
@@ -29,6 +30,8 @@ bool Allocator::TakeFromLeaseLocked(ChunkRef* out) {
     for (uint64_t k = 0; k < kLeaseLineChunks; ++k) {
       const uint64_t off = t.owner(line.chunk + k);
       if (m.Load(off) != free_word) continue;
+      // The word is this life's lease; after a pause past the lease it may be another node's.
+      CXLKV_RETURN_IF_ERROR(FenceOwnStore("whole-chunk allocation", life20));
       m.Store(off, object);
       m.Flush(off, 8);  // P1: frees, recovery and `check` on other nodes read it
       *out = ChunkRef{line.region, line.chunk + k};
@@ -112,6 +115,7 @@ Status Allocator::FreeLeasedLocked(ChunkRef chunk, OwnerWord w) {
   const uint64_t off = t.owner(chunk.chunk);
   m.Invalidate(t.owner(chunk.chunk / kLeaseLineChunks * kLeaseLineChunks), kLeaseLineChunks * 8);
   if (m.Load(off) != w.Encode()) return InvalidArgument("whole-chunk object is not allocated (double free?)");
+  CXLKV_RETURN_IF_ERROR(FenceOwnStore("whole-chunk free", w.incarnation));
   const uint64_t free_word = LeaseWord();
   m.Store(off, free_word);
   m.Flush(off, 8);  // P1: back in the lease
