@@ -144,7 +144,6 @@ void Check(const std::vector<Region*>& regions, const std::vector<NodeStatus>& n
     uint64_t begin, end, slot;
   };
   std::vector<Span> spans;
-  uint64_t live_bytes = 0;
   for (uint64_t slot = 0; slot < n; ++slot) {
     const Entry& e = s.entries[slot];
     const EntryState st = StateOf(e.state);
@@ -155,7 +154,6 @@ void Check(const std::vector<Region*>& regions, const std::vector<NodeStatus>& n
       continue;
     }
     if (!Live(st)) continue;
-    if (e.tier == kTierRegion) live_bytes += e.bytes;
     if (st == kEvicting) problems.push_back(where + "eviction left half done (its evictor died; the next holder of the stripe lock finishes it)");
     if (st == kWriting && !node_live(WriterNode(e.writer))) {
       problems.push_back(where + "written by node " + std::to_string(WriterNode(e.writer)) +
