@@ -97,6 +97,9 @@ class Allocator {
   // Test hook: runs in a heap allocation after it has chosen its slot and before the fence
   // and the stores that take it, so a test can pause the process there.
   void TestHookBeforeHeapStore(std::function<void()> hook) { test_before_heap_store_ = std::move(hook); }
+  // Test hook: runs in Recover before it takes the allocator lock to consume the ended life's
+  // rings, so a test can let the node's next life push and drain first.
+  void TestHookBeforeRecoveryLock(std::function<void()> hook);
   // Test hooks of DrainRemoteFrees: `before` runs before a drain takes the node's drain lock
   // (a test holds a process's drains back with it); `after_claim` after a ring's entries are
   // claimed and its head is published, before any is applied (a test kills the drainer there).
@@ -225,8 +228,9 @@ class Allocator {
   std::atomic<uint64_t> lock_acquisitions_{0};
   std::function<void()> test_before_push_;
   std::function<void()> test_before_heap_store_;
-  std::mutex test_drain_mu_;  // guards the two drain hooks (set by a test thread, run by drains)
-  std::atomic<bool> test_drain_hooked_{false};
+  std::function<void()> test_before_recovery_lock_;  // guarded by test_hooks_mu_
+  std::mutex test_hooks_mu_;  // guards the drain and recovery hooks (set by a test thread, run by others)
+  std::atomic<bool> test_hooked_{false};  // any of the guarded hooks is set
   std::function<void()> test_before_drain_, test_after_drain_claim_;
   std::mutex providers_mu_;
   std::vector<std::function<void(std::vector<uint64_t>&)>> providers_;

@@ -198,19 +198,19 @@ Result<bool> Allocator::PushRemoteFree(OwnerWord owner, ObjectOffset off) {
 }
 
 void Allocator::TestHookDrain(std::function<void()> before, std::function<void()> after_claim) {
-  std::lock_guard<std::mutex> g(test_drain_mu_);
+  std::lock_guard<std::mutex> g(test_hooks_mu_);
   test_before_drain_ = std::move(before);
   test_after_drain_claim_ = std::move(after_claim);
-  test_drain_hooked_.store(test_before_drain_ || test_after_drain_claim_);
+  test_hooked_.store(test_before_drain_ || test_after_drain_claim_ || test_before_recovery_lock_);
 }
 
 void Allocator::DrainRemoteFrees() {
   if (!tables_[0].has_inboxes()) return;
   auto hook = [&](std::function<void()> Allocator::*which) {
-    if (!test_drain_hooked_.load()) return;
+    if (!test_hooked_.load()) return;
     std::function<void()> f;
     {
-      std::lock_guard<std::mutex> g(test_drain_mu_);
+      std::lock_guard<std::mutex> g(test_hooks_mu_);
       f = this->*which;
     }
     if (f) f();
@@ -254,7 +254,7 @@ void Allocator::DrainRemoteFrees() {
     for (uint64_t at = head; at < tail; ++at) claim.offsets[n++] = m.Fetch(ring + kInboxEntriesOffset + (at % kInboxEntries) * 8);
     std::atomic_thread_fence(std::memory_order_release);
     claim.count = n;
-    m.Invalidate(ring + kInboxHeadOffset, 8);  // P2 before a store: another life's drainer wrote the line
+    m.Invalidate(ring + kInboxHeadOffset, 8);  // P2 before a store: a recoverer may have written the line
     m.Publish(ring + kInboxHeadOffset, tail);
     hook(&Allocator::test_after_drain_claim_);
     ApplyDrainClaim();

@@ -42,11 +42,25 @@ void Allocator::WaitForPushesInFlight(uint32_t dead, uint32_t inc) {
   }
 }
 
+void Allocator::TestHookBeforeRecoveryLock(std::function<void()> hook) {
+  std::lock_guard<std::mutex> g(test_hooks_mu_);
+  test_before_recovery_lock_ = std::move(hook);
+  test_hooked_.store(test_before_drain_ || test_after_drain_claim_ || test_before_recovery_lock_);
+}
+
 void Allocator::Recover(uint32_t dead, uint64_t incarnation) {
   if (dead >= max_nodes_) return;
   const uint32_t inc = Inc20(incarnation);
   // Pushes decided while the life still beat are published before its rings are consumed.
   WaitForPushesInFlight(dead, inc);
+  if (test_hooked_.load()) {
+    std::function<void()> hook;
+    {
+      std::lock_guard<std::mutex> g(test_hooks_mu_);
+      hook = test_before_recovery_lock_;
+    }
+    if (hook) hook();
+  }
   // The manager queues each dead life once: giving up here would leak what it held for good.
   // Keep trying (the lock can be slow to get under contention) until this node leaves.
   Status locked = LockAllocator();
@@ -73,12 +87,21 @@ void Allocator::Recover(uint32_t dead, uint64_t incarnation) {
       const uint64_t ring = tables_[0].inbox(dead, f);
       const uint64_t tail = m.Fetch(ring);
       if (!RingSane(m.Fetch(ring + kInboxHeadOffset), tail)) continue;  // corrupted: left for `cxlkv check`
-      for (uint64_t head = m.Fetch(ring + kInboxHeadOffset); head < tail; ++head) {
+      uint64_t head = m.Fetch(ring + kInboxHeadOffset);
+      for (; head < tail; ++head) {
         const ObjectOffset off(m.Fetch(ring + kInboxEntriesOffset + (head % kInboxEntries) * 8));
         ChunkRef chunk;
         uint64_t within;
         if (!Locate(off, &chunk, &within)) continue;
         const OwnerWord w = OwnerWord::Decode(meta(chunk.region).Fetch(tables_[chunk.region].owner(chunk.chunk)));
+        // The node may already run as a newer life (a quick rejoin), and a freer pushes for the
+        // life it sees: from the first free of a newer life's object on, the rest of the ring
+        // is that life's to drain. Consuming it here dropped those frees, and the objects
+        // stayed allocated for that life. (A freer's pushes are in order, so an older life's
+        // entries never follow a newer one's.)
+        const bool newer_life = w.node == dead && w.incarnation != inc &&
+                                (w.kind == ChunkKind::kHeap || w.kind == ChunkKind::kLeasedObject);
+        if (newer_life) break;
         if (w.node == dead && w.incarnation == inc) {
           freed.insert(off.raw());
         } else if (w.node == dead && (w.kind == ChunkKind::kOrphanHeap || w.kind == ChunkKind::kLargeHead)) {
@@ -88,7 +111,8 @@ void Allocator::Recover(uint32_t dead, uint64_t incarnation) {
           elsewhere.push_back(off);
         }
       }
-      m.Publish(ring + kInboxHeadOffset, tail);
+      m.Invalidate(ring + kInboxHeadOffset, 8);  // P2 before a store: the owner's drainer wrote the line
+      m.Publish(ring + kInboxHeadOffset, head);
     }
   }
   auto published = [&](uint64_t raw) { return reachable.count(raw) && !freed.count(raw); };

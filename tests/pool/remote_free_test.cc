@@ -252,6 +252,96 @@ TEST(RemoteFree, ADrainerKilledAfterClaimingLeavesTheRestUnderTheNonCoherentSimu
   }
 }
 
+// Node 2's first life leaves; node 0's recovery of it is held right before it consumes node 2's
+// rings. Meanwhile node 2 rejoins as its next life, allocates an object, and node 1 frees it
+// through node 2's ring (node 2 surely beats again). The recovery then consumes the ring: it must
+// stop at the next life's entry, which node 2's own drain applies. It used to consume the whole
+// ring, and the next life's object stayed allocated for that life.
+void NextLifeFreeDuringRecovery(uint64_t sim_seed) {
+  testing::TempRegionPath path("rf-next-life");
+  auto paths = CreatePool(path.path());
+  const uint64_t total = FreeChunks(paths);
+  Child first = Child::Fork([&](int in, int out) {
+    auto p = OpenOrNull(paths, 2, sim_seed ? sim_seed + 2 : 0);
+    uint64_t go;
+    if (!p || !Put(out, 1) || !Get(in, &go)) return 1;
+    return 0;  // leaves cleanly: the life ends at once
+  });
+  Child next = Child::Fork([&](int in, int out) {
+    uint64_t go;
+    if (!Get(in, &go)) return 1;  // joins once the first life has left
+    auto p = OpenOrNull(paths, 2, sim_seed ? sim_seed + 3 : 0);
+    if (!p) return 2;
+    std::atomic<bool> drains{false};
+    p->impl().allocator->TestHookDrain(
+        [&] {
+          while (!drains.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        },
+        nullptr);
+    auto off = p->Alloc(4096);
+    if (!off.ok() || !Put(out, *off) || !Get(in, &go)) return 3;
+    drains.store(true);
+    if (!Get(in, &go)) return 4;  // leave when told
+    p->impl().allocator->TestHookDrain(nullptr, nullptr);
+    return 0;
+  });
+  Child freer = Child::Fork([&](int in, int out) {
+    auto p = OpenOrNull(paths, 1, sim_seed ? sim_seed + 1 : 0);
+    uint64_t off, go;
+    if (!p || !Put(out, 1) || !Get(in, &off)) return 1;
+    Status s = p->Free(off);
+    CHILD_CHECK(s.ok(), "free: %s", s.ToString().c_str());
+    if (!Put(out, 1) || !Get(in, &go)) return 2;
+    return 0;
+  });
+  auto survivor = OpenOrNull(paths, 0, sim_seed);  // manages the pool, recovers node 2's first life
+  ASSERT_TRUE(survivor);
+  std::atomic<bool> held{false}, recover{false};
+  survivor->impl().allocator->TestHookBeforeRecoveryLock([&] {
+    held.store(true);
+    while (!recover.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  uint64_t ack;
+  ASSERT_TRUE(first.Receive(&ack));
+  ASSERT_TRUE(freer.Receive(&ack));
+  Sleep(1);  // node 0 manages by now (the lowest live node)
+  ASSERT_TRUE(first.Send(1));
+  EXPECT_EQ(first.Wait(), 0);
+  const auto start = std::chrono::steady_clock::now();
+  while (!held.load() && std::chrono::steady_clock::now() - start < std::chrono::seconds(10)) Sleep(0.1);
+  ASSERT_TRUE(held.load()) << "node 0 never began to recover node 2's first life";
+  ASSERT_TRUE(next.Send(1));
+  uint64_t off;
+  ASSERT_TRUE(next.Receive(&off));
+  ASSERT_TRUE(freer.Send(off));
+  ASSERT_TRUE(freer.Receive(&ack));  // the free is in node 2's ring, for its next life
+  recover.store(true);
+  Sleep(1);  // the recovery consumes node 2's rings
+  ASSERT_TRUE(next.Send(1));  // node 2's drains go
+  const auto drained = std::chrono::steady_clock::now();
+  while (Allocated(paths, off) && std::chrono::steady_clock::now() - drained < std::chrono::seconds(10)) Sleep(0.25);
+  EXPECT_FALSE(Allocated(paths, off)) << "the recovery of node 2's first life consumed the free of its next life's object";
+  ASSERT_TRUE(next.Send(1));
+  EXPECT_EQ(next.Wait(), 0);
+  ASSERT_TRUE(freer.Send(1));
+  EXPECT_EQ(freer.Wait(), 0);
+  survivor->impl().allocator->TestHookBeforeRecoveryLock(nullptr);
+  Sleep(2);
+  survivor->impl().allocator->Trim();
+  survivor.reset();
+  EXPECT_EQ(FreeChunks(paths), total) << "chunks leaked";
+  ExpectNoProblems(paths);
+}
+
+TEST(RemoteFree, TheRecoveryOfAnEndedLifeLeavesTheNextLifesFreesInTheRing) { NextLifeFreeDuringRecovery(0); }
+
+TEST(RemoteFree, TheRecoveryOfAnEndedLifeLeavesTheNextLifesFreesUnderTheNonCoherentSimulator) {
+  for (uint64_t seed : {29u, 307u}) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    NextLifeFreeDuringRecovery(seed);
+  }
+}
+
 // After its owner left, a published object sits in an orphan heap chunk (or stays a whole-
 // chunk object of the ended life). Once nothing reaches it, ReclaimIfUnreachable frees it —
 // and refuses everything else: a reachable object, a live node's object, a freed one.
