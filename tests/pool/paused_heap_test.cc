@@ -11,28 +11,21 @@
 
 #include <gtest/gtest.h>
 
+#include "alloc_test_util.h"
 #include "child.h"
-#include "pool_test_util.h"
 
 namespace cxlkv {
 namespace {
 
+using testing::Allocated;
 using testing::Child;
+using testing::ExpectNoProblems;
 using testing::Get;
 using testing::OpenOrNull;
 using testing::Put;
+using testing::SleepLeases;
 
 constexpr uint64_t kRegionBytes = 48 << 20;
-
-void Sleep(double leases) {
-  std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(leases * testing::kTestLeaseMs)));
-}
-
-bool Allocated(const std::vector<std::string>& paths, uint64_t off) {
-  auto regions = pool::AttachAll(paths);
-  EXPECT_TRUE(regions.ok());
-  return alloc::IsAllocated(*(*regions)[0], region::Offset<void>(off).byte_offset(), 4);
-}
 
 // Node 1 (one process) allocates one object, then starts a second allocation and stops between
 // choosing its slot and taking it. Node 0 recovers node 1's life (nothing published: the chunk is
@@ -78,7 +71,7 @@ void PausedHeapAllocation(uint64_t seed) {
   uint64_t first = 0;
   ASSERT_TRUE(victim.Receive(&first)) << "node 1 never reached its allocation's stores";
   ::kill(victim.pid, SIGSTOP);
-  Sleep(4);  // node 1 is silent past its lease: node 0 recovers its life
+  SleepLeases(4);  // node 1 is silent past its lease: node 0 recovers its life
   std::vector<uint64_t> mine;
   for (int i = 0; i < 16; ++i) {
     auto off = survivor->Alloc(4096);
@@ -97,9 +90,7 @@ void PausedHeapAllocation(uint64_t seed) {
   for (uint64_t off : mine) ASSERT_TRUE(survivor->Free(off).ok());
   survivor->impl().allocator->Trim();
   survivor.reset();
-  auto regions = pool::AttachAll(paths);
-  ASSERT_TRUE(regions.ok());
-  for (const auto& problem : pool::Check(*regions)) ADD_FAILURE() << problem;
+  ExpectNoProblems(paths);
 }
 
 TEST(PausedHeap, AnAllocationPausedPastTheLeaseIsRefusedAndTakesNoSlotOfARecoveredChunk) { PausedHeapAllocation(0); }
