@@ -150,6 +150,40 @@ cxlkv_status cxlkv_evict(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlk
                          uint64_t* evicted);
 cxlkv_status cxlkv_evict_all(cxlkv_pool* pool, uint64_t* evicted);
 
+/* ---- The engine-keyed batch API (cxlkv/kv_store.h): register an engine's paged KV tensors
+ * once, then move blocks by engine block id. ---- */
+
+/* An engine's paged KV tensors (the values of cxlkv::EngineLayoutKind):
+ *   kind 0  vLLM FlashAttention, per layer [2, num_blocks, block_size, num_kv_heads, head_size]
+ *   kind 1  FlashInfer,          per layer [num_blocks, 2, block_size, num_kv_heads, head_size]
+ *   kind 2  MLA latent,          per layer [num_blocks, block_size, latent_dim]
+ * dtype as in cxlkv_layout. num_kv_heads is this tensor-parallel rank's slice. */
+typedef struct {
+  uint32_t kind, dtype, num_blocks, block_size, num_kv_heads, head_size, latent_dim;
+  uint32_t tp_rank, tp_size, pp_stage;
+} cxlkv_engine_layout;
+
+typedef struct cxlkv_kv_store cxlkv_kv_store;
+
+/* The namespace layout signature of these tensors (register the namespace with it). */
+cxlkv_layout cxlkv_engine_layout_signature(const cxlkv_engine_layout* layout, uint32_t num_layers);
+/* Registers num_layers layer tensors (base pointers, owned by the caller and kept allocated
+ * until cxlkv_kv_store_close) for namespace ns; copy_threads workers (0 = 1). The store lives
+ * no longer than its pool. */
+cxlkv_status cxlkv_kv_store_register(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_engine_layout* layout,
+                                     void* const* layers, uint32_t num_layers, uint32_t copy_threads,
+                                     cxlkv_kv_store** out);
+void cxlkv_kv_store_close(cxlkv_kv_store* store);
+/* How many leading keys the pool holds, without pinning (for schedulers). */
+cxlkv_status cxlkv_exists_prefix(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_key* keys, size_t n,
+                                 size_t* prefix);
+/* Engine blocks block_ids[i] -> the pool under keys[i]; cached keys are skipped and counted. */
+cxlkv_status cxlkv_put_many(cxlkv_kv_store* store, const cxlkv_key* keys, const uint32_t* block_ids, size_t n,
+                            uint64_t* written, uint64_t* skipped);
+/* The longest cached prefix of keys -> engine blocks block_ids[0..*loaded). */
+cxlkv_status cxlkv_get_many_into(cxlkv_kv_store* store, const cxlkv_key* keys, const uint32_t* block_ids, size_t n,
+                                 size_t* loaded);
+
 #ifdef __cplusplus
 }
 #endif

@@ -8,11 +8,17 @@
 #include <vector>
 
 #include "cxlkv/cache.h"
+#include "cxlkv/kv_store.h"
+#include "cxlkv/layout.h"
 #include "cxlkv/pool.h"
 
 struct cxlkv_pool {
   std::unique_ptr<cxlkv::Pool> pool;
   cxlkv::KvCache* cache = nullptr;
+};
+
+struct cxlkv_kv_store {
+  std::unique_ptr<cxlkv::EngineKvStore> store;
 };
 
 namespace {
@@ -84,6 +90,24 @@ cxlkv_status Finish(cxlkv::KvCache& cache, cxlkv::Status (cxlkv::KvCache::*op)(c
   do {                                                                            \
     if (!(cond)) return Report(cxlkv::InvalidArgument(std::string(what) + " is null")); \
   } while (0)
+
+// The C struct's fields onto the C++ layout; `layers` null pointers when none are given.
+cxlkv::EngineKvLayout EngineLayout(const cxlkv_engine_layout& c, void* const* layers, uint32_t num_layers) {
+  cxlkv::EngineKvLayout l;
+  l.kind = static_cast<cxlkv::EngineLayoutKind>(c.kind);
+  l.dtype = static_cast<cxlkv::KvDtype>(c.dtype);
+  l.num_blocks = c.num_blocks;
+  l.block_size = c.block_size;
+  l.num_kv_heads = c.num_kv_heads;
+  l.head_size = c.head_size;
+  l.latent_dim = c.latent_dim;
+  l.tp_rank = c.tp_rank;
+  l.tp_size = c.tp_size;
+  l.pp_stage = c.pp_stage;
+  l.layers.assign(num_layers, nullptr);
+  for (uint32_t i = 0; layers && i < num_layers; ++i) l.layers[i] = static_cast<uint8_t*>(layers[i]);
+  return l;
+}
 
 }  // namespace
 
@@ -268,6 +292,55 @@ cxlkv_status cxlkv_evict_all(cxlkv_pool* pool, uint64_t* evicted) {
   auto r = pool->cache->EvictAll();
   if (!r.ok()) return Report(r.status());
   if (evicted) *evicted = *r;
+  return Report(cxlkv::Status::Ok());
+}
+
+cxlkv_layout cxlkv_engine_layout_signature(const cxlkv_engine_layout* layout, uint32_t num_layers) {
+  if (!layout) return cxlkv_layout_default();
+  cxlkv::KvLayoutSignature l = EngineLayout(*layout, nullptr, num_layers).Signature();
+  return {static_cast<uint32_t>(l.dtype), l.num_layers, l.num_kv_heads, l.head_size, l.block_size,
+          l.tp_rank, l.tp_size, l.pp_stage, l.kv_parts, l.block_format};
+}
+
+cxlkv_status cxlkv_kv_store_register(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_engine_layout* layout,
+                                     void* const* layers, uint32_t num_layers, uint32_t copy_threads,
+                                     cxlkv_kv_store** out) {
+  CXLKV_C_REQUIRE(pool && ns && layout && layers && out, "pool, namespace, layout, layers or out");
+  if (layout->kind > static_cast<uint32_t>(cxlkv::EngineLayoutKind::kMla) || layout->dtype > 3) {
+    return Report(cxlkv::InvalidArgument("register KV buffers: layout kind " + std::to_string(layout->kind) +
+                                         " / dtype " + std::to_string(layout->dtype) +
+                                         " unknown (kind 0..2, dtype 0..3)"));
+  }
+  auto r = cxlkv::EngineKvStore::Register(*pool->cache, Handle(ns), EngineLayout(*layout, layers, num_layers),
+                                          copy_threads ? copy_threads : 1);
+  if (!r.ok()) return Report(r.status());
+  *out = new cxlkv_kv_store{std::move(*r)};
+  return Report(cxlkv::Status::Ok());
+}
+
+void cxlkv_kv_store_close(cxlkv_kv_store* store) { delete store; }
+
+cxlkv_status cxlkv_exists_prefix(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_key* keys, size_t n,
+                                 size_t* prefix) {
+  return cxlkv_exists(pool, ns, keys, n, prefix);
+}
+
+cxlkv_status cxlkv_put_many(cxlkv_kv_store* store, const cxlkv_key* keys, const uint32_t* block_ids, size_t n,
+                            uint64_t* written, uint64_t* skipped) {
+  CXLKV_C_REQUIRE(store && (keys || !n) && (block_ids || !n), "store, keys or block ids");
+  auto r = store->store->PutMany(Keys(keys, n), std::span<const uint32_t>(block_ids, n));
+  if (!r.ok()) return Report(r.status());
+  if (written) *written = r->written;
+  if (skipped) *skipped = r->skipped;
+  return Report(cxlkv::Status::Ok());
+}
+
+cxlkv_status cxlkv_get_many_into(cxlkv_kv_store* store, const cxlkv_key* keys, const uint32_t* block_ids, size_t n,
+                                 size_t* loaded) {
+  CXLKV_C_REQUIRE(store && (keys || !n) && (block_ids || !n) && loaded, "store, keys, block ids or loaded");
+  auto r = store->store->GetManyInto(Keys(keys, n), std::span<const uint32_t>(block_ids, n));
+  if (!r.ok()) return Report(r.status());
+  *loaded = *r;
   return Report(cxlkv::Status::Ok());
 }
 

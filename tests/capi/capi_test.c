@@ -24,6 +24,69 @@ static void Fill(unsigned char* p, size_t n, unsigned seed) {
   for (size_t i = 0; i < n; ++i) p[i] = (unsigned char)((i * 2654435761u + seed * 40503u) >> 13);
 }
 
+/* The engine-keyed batch API: engine tensors registered once, blocks moved by id. The writer
+ * puts engine blocks 3, 0, 2 under three engine hashes; the reader (another process and node)
+ * gets them into its blocks 0, 1, 2. */
+enum { kEngBlocks = 4, kEngLayers = 2 };
+static const cxlkv_engine_layout kEngine = {0, 0, kEngBlocks, 4, 1, 16, 0, 0, 1, 0};
+static size_t EngineTensorBytes(void) { return (size_t)2 * kEngBlocks * 4 * 1 * 16 * 2; }
+
+static int EngineKv(cxlkv_pool* pool, int write) {
+  cxlkv_layout sig = cxlkv_engine_layout_signature(&kEngine, kEngLayers);
+  cxlkv_namespace ns;
+  CHECK(cxlkv_namespace_register(pool, "c-engine", &sig, "", &ns) == CXLKV_OK);
+  cxlkv_key keys[3];
+  for (unsigned i = 0; i < 3; ++i) {
+    unsigned char hash[32];
+    Fill(hash, sizeof hash, 500 + i);
+    keys[i] = cxlkv_key_from_engine_hash(&ns, hash, sizeof hash);
+  }
+  static unsigned char tensors[kEngLayers][2 * kEngBlocks * 4 * 16 * 2];
+  void* layers[kEngLayers];
+  for (unsigned l = 0; l < kEngLayers; ++l) {
+    layers[l] = tensors[l];
+    Fill(tensors[l], EngineTensorBytes(), write ? 600 + l : 700 + l);
+  }
+  cxlkv_kv_store* store = NULL;
+  CHECK(cxlkv_kv_store_register(pool, &ns, &kEngine, layers, kEngLayers, 1, &store) == CXLKV_OK);
+  size_t prefix = 99;
+  if (write) {
+    const uint32_t ids[3] = {3, 0, 2};
+    uint64_t written = 0, skipped = 0;
+    CHECK(cxlkv_exists_prefix(pool, &ns, keys, 3, &prefix) == CXLKV_OK && prefix == 0);
+    CHECK(cxlkv_put_many(store, keys, ids, 3, &written, &skipped) == CXLKV_OK && written == 3 && skipped == 0);
+    CHECK(cxlkv_put_many(store, keys, ids, 3, &written, &skipped) == CXLKV_OK && written == 0 && skipped == 3);
+    CHECK(cxlkv_put_many(store, keys, ids, 2, &written, NULL) == CXLKV_OK);
+    const uint32_t bad[1] = {kEngBlocks};
+    CHECK(cxlkv_put_many(store, keys, bad, 1, &written, &skipped) == CXLKV_INVALID_ARGUMENT);
+    CHECK(strstr(cxlkv_last_error(), "out of range") != NULL);
+  } else {
+    const uint32_t ids[3] = {0, 1, 2}, from[3] = {3, 0, 2};
+    CHECK(cxlkv_exists_prefix(pool, &ns, keys, 3, &prefix) == CXLKV_OK && prefix == 3);
+    CHECK(cxlkv_get_many_into(store, keys, ids, 3, &prefix) == CXLKV_OK && prefix == 3);
+    /* Each (layer, K/V) piece of engine block i is the writer's piece of block from[i]. */
+    static unsigned char want[2 * kEngBlocks * 4 * 16 * 2];
+    const size_t piece = 4 * 16 * 2;
+    for (unsigned l = 0; l < kEngLayers; ++l) {
+      Fill(want, EngineTensorBytes(), 600 + l);
+      for (unsigned part = 0; part < 2; ++part) {
+        for (unsigned i = 0; i < 3; ++i) {
+          const size_t at = (part * kEngBlocks + ids[i]) * piece, was = (part * kEngBlocks + from[i]) * piece;
+          CHECK(memcmp(tensors[l] + at, want + was, piece) == 0);
+        }
+      }
+    }
+    CHECK(cxlkv_get_many_into(store, keys, ids, 2, NULL) == CXLKV_INVALID_ARGUMENT);
+  }
+  cxlkv_kv_store_close(store);
+  cxlkv_layout other = sig;
+  other.head_size = 32;
+  cxlkv_namespace wrong;
+  CHECK(cxlkv_namespace_register(pool, "c-engine-2", &other, "", &wrong) == CXLKV_OK);
+  CHECK(cxlkv_kv_store_register(pool, &wrong, &kEngine, layers, kEngLayers, 1, &store) == CXLKV_INVALID_ARGUMENT);
+  return 0;
+}
+
 static int Run(const char* path, unsigned node, int write) {
   cxlkv_pool* pool = NULL;
   CHECK(cxlkv_pool_open(path, node, 400, &pool) == CXLKV_OK);
@@ -112,6 +175,7 @@ static int Run(const char* path, unsigned node, int write) {
     CHECK(cxlkv_namespace_register(pool, "c-model", &other, "", &bad) == CXLKV_VERSION_MISMATCH);
     CHECK(cxlkv_lookup(NULL, &ns, keys, 1, pins, &hits) == CXLKV_INVALID_ARGUMENT);
   }
+  if (EngineKv(pool, write) != 0) return 1;
   cxlkv_pool_close(pool);
   return 0;
 }

@@ -1,0 +1,105 @@
+// EngineKvStore (include/cxlkv/kv_store.h): the engine-keyed batch API over the cache and the
+// transfer engine.
+#include "cxlkv/kv_store.h"
+
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "transfer/transfer.h"
+
+namespace cxlkv {
+
+class EngineKvStore::Impl {
+ public:
+  Impl(KvCache& cache, const NamespaceHandle& ns, const EngineKvLayout& layout, uint32_t threads)
+      : cache_(cache), ns_(ns), layout_(layout), transfer_(cache, {.threads = threads}) {}
+
+  KvCache& cache_;
+  const NamespaceHandle ns_;
+  const EngineKvLayout layout_;
+  std::mutex mu_;  // one call at a time: the transfer engine's workers are this store's
+  transfer::CpuTransfer transfer_;
+};
+
+namespace {
+
+Status SameLength(const char* what, size_t keys, size_t ids) {
+  if (keys == ids) return Status::Ok();
+  return InvalidArgument(std::string(what) + ": " + std::to_string(keys) + " keys but " + std::to_string(ids) +
+                         " block ids: give one engine block id per key");
+}
+
+// Destinations in range and pairwise distinct (overlapping destinations would race).
+Status DistinctBlockIds(const char* what, std::span<const uint32_t> ids, uint32_t num_blocks) {
+  std::vector<bool> seen(num_blocks, false);
+  for (uint32_t id : ids) {
+    if (id >= num_blocks) {
+      return InvalidArgument(std::string(what) + ": block id " + std::to_string(id) +
+                             " is out of range (the engine has " + std::to_string(num_blocks) + " blocks)");
+    }
+    if (seen[id]) {
+      return InvalidArgument(std::string(what) + ": block id " + std::to_string(id) +
+                             " appears twice: the destinations would overlap");
+    }
+    seen[id] = true;
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<EngineKvStore>> EngineKvStore::Register(KvCache& cache, const NamespaceHandle& ns,
+                                                               const EngineKvLayout& layout, uint32_t copy_threads) {
+  CXLKV_RETURN_IF_ERROR(layout.Validate());
+  if (copy_threads == 0 || copy_threads > 64) {
+    return InvalidArgument("register KV buffers: copy_threads " + std::to_string(copy_threads) +
+                           " is not in 1..64");
+  }
+  const uint64_t block_bytes = layout.PoolBlockBytes();
+  if (ns.block_bytes != block_bytes) {
+    return InvalidArgument("register KV buffers: the namespace's blocks are " + std::to_string(ns.block_bytes) +
+                           " bytes, this engine layout's are " + std::to_string(block_bytes) +
+                           " (layers x K/V x block_size x heads x head_size x dtype): register the namespace "
+                           "with this layout's signature (EngineKvLayout::Signature)");
+  }
+  if (ns.block_size != layout.block_size) {
+    return InvalidArgument("register KV buffers: the namespace has " + std::to_string(ns.block_size) +
+                           " tokens per block, the engine layout " + std::to_string(layout.block_size));
+  }
+  return std::unique_ptr<EngineKvStore>(
+      new EngineKvStore(std::make_unique<Impl>(cache, ns, layout, copy_threads)));
+}
+
+EngineKvStore::EngineKvStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+EngineKvStore::~EngineKvStore() = default;
+
+const EngineKvLayout& EngineKvStore::layout() const { return impl_->layout_; }
+const NamespaceHandle& EngineKvStore::ns() const { return impl_->ns_; }
+
+Result<size_t> EngineKvStore::ExistsPrefix(std::span<const BlockKey> keys) {
+  return impl_->cache_.Exists(impl_->ns_, keys);
+}
+
+Result<PutManyResult> EngineKvStore::PutMany(std::span<const BlockKey> keys, std::span<const uint32_t> block_ids) {
+  CXLKV_RETURN_IF_ERROR(SameLength("put_many", keys.size(), block_ids.size()));
+  if (keys.empty()) return PutManyResult{};
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  CXLKV_ASSIGN_OR_RETURN(auto g, impl_->transfer_.GatherWrite(impl_->ns_, impl_->layout_, block_ids, keys));
+  return PutManyResult{g.written, g.already_cached};
+}
+
+Result<size_t> EngineKvStore::GetManyInto(std::span<const BlockKey> keys, std::span<const uint32_t> block_ids) {
+  CXLKV_RETURN_IF_ERROR(SameLength("get_many_into", keys.size(), block_ids.size()));
+  if (keys.empty()) return size_t{0};
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  // Validated whole before any pin: a bad block id anywhere fails the call with nothing read.
+  CXLKV_RETURN_IF_ERROR(DistinctBlockIds("get_many_into", block_ids, impl_->layout_.num_blocks));
+  CXLKV_ASSIGN_OR_RETURN(LookupResult hit, impl_->cache_.Lookup(impl_->ns_, keys));
+  Status s = impl_->transfer_.ScatterRead(impl_->layout_, block_ids.first(hit.pins.size()), hit.pins);
+  impl_->cache_.Release(hit.pins);
+  CXLKV_RETURN_IF_ERROR(s);
+  return hit.pins.size();
+}
+
+}  // namespace cxlkv

@@ -1,0 +1,153 @@
+// The engine-keyed batch API (include/cxlkv/kv_store.h): byte-identical round trips between two
+// engines' registered tensors for every layout and dtype, exists-prefix against puts, put-many
+// skipping cached keys, engine hashes of two TP ranks kept apart, and bad requests refused whole.
+#include "cxlkv/kv_store.h"
+
+#include <numeric>
+#include <random>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "../transfer/transfer_test_util.h"
+
+namespace cxlkv {
+namespace {
+
+using testing::EngineCache;
+using testing::Fixture;
+using testing::Shape;
+using ::testing::HasSubstr;
+
+// n engine hashes as vLLM makes them (32-byte digests), distinct per `salt`.
+std::vector<std::vector<uint8_t>> EngineHashes(size_t n, uint64_t salt) {
+  std::mt19937_64 rng(salt);
+  std::vector<std::vector<uint8_t>> out(n, std::vector<uint8_t>(32));
+  for (auto& h : out) {
+    for (auto& b : h) b = static_cast<uint8_t>(rng());
+  }
+  return out;
+}
+
+std::vector<BlockKey> Keys(const NamespaceHandle& ns, const std::vector<std::vector<uint8_t>>& hashes) {
+  std::vector<BlockKey> keys;
+  for (const auto& h : hashes) keys.push_back(KvCache::KeyFromEngineHash(ns, h));
+  return keys;
+}
+
+std::unique_ptr<EngineKvStore> Register(Fixture& f, const NamespaceHandle& ns, const EngineKvLayout& l,
+                                        uint32_t threads = 1) {
+  auto s = EngineKvStore::Register(*f.cache, ns, l, threads);
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  return s.ok() ? std::move(*s) : nullptr;
+}
+
+TEST(EngineKvStore, RoundTripsEveryLayoutAndDtypeBetweenTwoEngines) {
+  Fixture f("kvs-all");
+  int n = 0;
+  for (auto kind : {EngineLayoutKind::kFlashAttn, EngineLayoutKind::kFlashInfer, EngineLayoutKind::kMla}) {
+    for (auto dtype : {KvDtype::kFp16, KvDtype::kBf16, KvDtype::kFp8, KvDtype::kFp32}) {
+      SCOPED_TRACE(std::to_string(static_cast<int>(kind)) + "/" + std::to_string(static_cast<int>(dtype)));
+      auto shape = Shape(kind, dtype, 3, 8, 2, 64);
+      EngineCache prefill(shape, 10 + n), decode(shape, 50 + n);
+      auto ns = f.Ns(prefill.layout, "model-" + std::to_string(n));
+      auto src = Register(f, ns, prefill.layout, 2);
+      auto dst = Register(f, ns, decode.layout);
+      ASSERT_TRUE(src && dst);
+      auto keys = Keys(ns, EngineHashes(5, n));
+      const std::vector<uint32_t> from = {6, 1, 3, 0, 7}, into = {2, 5, 4, 7, 0};
+      auto put = src->PutMany(keys, from);
+      ASSERT_TRUE(put.ok()) << put.status().ToString();
+      EXPECT_EQ(put->written, 5u);
+      EXPECT_EQ(put->skipped, 0u);
+      EXPECT_EQ(*dst->ExistsPrefix(keys), 5u);
+      auto got = dst->GetManyInto(keys, into);
+      ASSERT_TRUE(got.ok()) << got.status().ToString();
+      ASSERT_EQ(*got, 5u);
+      for (size_t i = 0; i < keys.size(); ++i) EXPECT_EQ(decode.Block(into[i]), prefill.Block(from[i])) << i;
+      // A second put of the same keys copies nothing.
+      auto again = src->PutMany(keys, from);
+      ASSERT_TRUE(again.ok());
+      EXPECT_EQ(again->written, 0u);
+      EXPECT_EQ(again->skipped, 5u);
+      ++n;
+    }
+  }
+}
+
+TEST(EngineKvStore, ExistsPrefixAndGetManyStopAtTheFirstMissingBlock) {
+  Fixture f("kvs-prefix");
+  auto shape = Shape(EngineLayoutKind::kFlashAttn, KvDtype::kBf16, 2, 16, 2, 32);
+  EngineCache a(shape, 1), b(shape, 2);
+  auto ns = f.Ns(a.layout);
+  auto src = Register(f, ns, a.layout);
+  auto dst = Register(f, ns, b.layout);
+  auto keys = Keys(ns, EngineHashes(8, 3));
+  std::vector<uint32_t> ids(8);
+  std::iota(ids.begin(), ids.end(), 0);
+  EXPECT_EQ(*src->ExistsPrefix(keys), 0u);
+  // Blocks 0..4 and 6 cached; 5 missing: the prefix is 5 and nothing past it is loaded.
+  ASSERT_TRUE(src->PutMany(std::span(keys).first(5), std::span(ids).first(5)).ok());
+  ASSERT_TRUE(src->PutMany(std::span(keys).subspan(6, 1), std::span(ids).subspan(6, 1)).ok());
+  EXPECT_EQ(*src->ExistsPrefix(keys), 5u);
+  const std::vector<uint8_t> untouched = b.Block(6);
+  auto got = dst->GetManyInto(keys, ids);
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(*got, 5u);
+  for (uint32_t i = 0; i < 5; ++i) EXPECT_EQ(b.Block(i), a.Block(i));
+  EXPECT_EQ(b.Block(6), untouched);
+  // Every pin was released: the blocks can all be evicted.
+  EXPECT_EQ(*f.cache->EvictAll(), 6u);
+}
+
+TEST(EngineKvStore, TheSameEngineHashUnderTwoTpRanksNamesTwoBlocks) {
+  Fixture f("kvs-tp");
+  auto r0 = Shape(EngineLayoutKind::kFlashAttn, KvDtype::kFp16, 2, 4, 2, 64, 0, 2);
+  auto r1 = Shape(EngineLayoutKind::kFlashAttn, KvDtype::kFp16, 2, 4, 2, 64, 1, 2);
+  EngineCache e0(r0, 1), e1(r1, 2), back(r1, 3);
+  auto ns0 = f.Ns(e0.layout, "llama"), ns1 = f.Ns(e1.layout, "llama");
+  auto hashes = EngineHashes(3, 9);
+  auto k0 = Keys(ns0, hashes), k1 = Keys(ns1, hashes);
+  for (size_t i = 0; i < k0.size(); ++i) EXPECT_NE(k0[i], k1[i]) << i;
+  auto s0 = Register(f, ns0, e0.layout), s1 = Register(f, ns1, e1.layout), s1b = Register(f, ns1, back.layout);
+  const std::vector<uint32_t> ids = {0, 1, 2};
+  ASSERT_TRUE(s0->PutMany(k0, ids).ok());
+  EXPECT_EQ(*s1->ExistsPrefix(k1), 0u);  // rank 1 sees none of rank 0's blocks
+  ASSERT_TRUE(s1->PutMany(k1, ids).ok());
+  ASSERT_EQ(*s1b->GetManyInto(k1, ids), 3u);
+  for (uint32_t i : ids) EXPECT_EQ(back.Block(i), e1.Block(i));  // rank 1's bytes, not rank 0's
+}
+
+TEST(EngineKvStore, BadRequestsAreRefusedWholeWithTheReason) {
+  Fixture f("kvs-bad");
+  auto shape = Shape(EngineLayoutKind::kFlashInfer, KvDtype::kFp16, 2, 4, 2, 32);
+  EngineCache a(shape, 1), b(shape, 2);
+  auto ns = f.Ns(a.layout);
+  // A namespace of another layout, zero threads.
+  auto other = Shape(EngineLayoutKind::kFlashInfer, KvDtype::kFp32, 2, 4, 2, 32);
+  EngineCache o(other, 3);
+  auto wrong = EngineKvStore::Register(*f.cache, ns, o.layout);
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_THAT(wrong.status().ToString(), HasSubstr("register the namespace with this layout"));
+  EXPECT_EQ(EngineKvStore::Register(*f.cache, ns, a.layout, 0).status().code(), StatusCode::kInvalidArgument);
+  auto s = Register(f, ns, a.layout);
+  auto d = Register(f, ns, b.layout);
+  auto keys = Keys(ns, EngineHashes(3, 4));
+  const std::vector<uint32_t> two = {0, 1}, out_of_range = {0, 1, 4}, twice = {0, 1, 0};
+  auto put = s->PutMany(keys, two);
+  EXPECT_THAT(put.status().ToString(), HasSubstr("3 keys but 2 block ids"));
+  put = s->PutMany(keys, out_of_range);
+  EXPECT_THAT(put.status().ToString(), HasSubstr("out of range"));
+  EXPECT_EQ(*s->ExistsPrefix(keys), 0u);  // nothing published by a refused put
+  ASSERT_TRUE(s->PutMany(keys, std::vector<uint32_t>{0, 1, 2}).ok());
+  const std::vector<uint8_t> before = b.Block(0);
+  auto got = d->GetManyInto(keys, twice);
+  EXPECT_THAT(got.status().ToString(), HasSubstr("appears twice"));
+  got = d->GetManyInto(keys, out_of_range);
+  EXPECT_THAT(got.status().ToString(), HasSubstr("out of range"));
+  EXPECT_EQ(b.Block(0), before);  // the engine untouched
+  EXPECT_EQ(*f.cache->EvictAll(), 3u);  // and no pin left behind
+}
+
+}  // namespace
+}  // namespace cxlkv
