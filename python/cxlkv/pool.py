@@ -1,0 +1,265 @@
+"""Pools, namespaces and registered engine KV tensors (see ``help(cxlkv)``)."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterable, List, NamedTuple, Optional, Sequence, Union
+
+import numpy as np
+
+from . import _buffers, _cxlkv
+
+PathLike = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]]]
+
+# Engine paged-KV layouts (cxlkv::EngineLayoutKind) and the tensor shape each expects per layer.
+LAYOUTS = {
+    "flash_attn": 0,  # vLLM FlashAttention: [2, num_blocks, block_size, num_kv_heads, head_size]
+    "flashinfer": 1,  # FlashInfer NHD:      [num_blocks, 2, block_size, num_kv_heads, head_size]
+    "mla": 2,         # MLA latent:          [num_blocks, block_size, latent_dim]
+}
+
+
+class PutResult(NamedTuple):
+    written: int  #: blocks copied and published by the call
+    skipped: int  #: keys already cached (or being written by another writer): not copied
+
+
+def _paths(path: PathLike) -> List[str]:
+    if isinstance(path, (str, os.PathLike)):
+        return [os.fspath(p) for p in os.fspath(path).split(",") if p]
+    return [os.fspath(p) for p in path]
+
+
+def _keys(keys: Any) -> np.ndarray:
+    arr = np.ascontiguousarray(keys, dtype=np.uint64)
+    if arr.ndim == 1 and arr.shape[0] == 2:
+        arr = arr.reshape(1, 2)
+    if arr.ndim != 2 or arr.shape[1] != 2:
+        raise _cxlkv.InvalidArgumentError(
+            f"keys must be of shape (n, 2) (uint64 lo, hi per key), got {arr.shape}: make them with "
+            f"Namespace.chain_keys or Namespace.keys_from_hashes")
+    return arr
+
+
+def _block_ids(ids: Any, what: str) -> List[int]:
+    arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
+        raise _cxlkv.InvalidArgumentError(f"{what}: block ids must be in 0..2^32-1")
+    return arr.tolist()
+
+
+def _hash_bytes(h: Union[bytes, bytearray, memoryview, str, int]) -> bytes:
+    """An engine's block hash as bytes: vLLM's digests are bytes (older vLLM: Python ints),
+    SGLang's page hashes are hex strings."""
+    if isinstance(h, (bytes, bytearray, memoryview)):
+        return bytes(h)
+    if isinstance(h, str):
+        return h.encode()
+    if isinstance(h, int):
+        return h.to_bytes(max(1, (h.bit_length() + 8) // 8), "little", signed=True)
+    raise _cxlkv.InvalidArgumentError(f"an engine block hash is a {type(h).__name__}: pass bytes, str or int")
+
+
+def create_pool(path: PathLike, size: int, *, max_nodes: int = 16, overwrite: bool = False, checksum: bool = False,
+                index_entries: int = 0, cache_capacity: int = 0) -> None:
+    """Formats a pool of one region per path (a file in /dev/shm, or a CXL DAX device), each of
+    ``size`` bytes, with a prefix KV-cache index. ``checksum`` keeps and verifies a checksum per
+    block. Raises AlreadyExistsError unless ``overwrite``."""
+    _cxlkv.create_pool(_paths(path), size, max_nodes, overwrite, checksum, index_entries, cache_capacity)
+
+
+def stat(path: PathLike, *, watch_ms: int = 0) -> dict:
+    """What ``cxlkv stat --json`` prints: nodes, lock manager, chunks, cache counters. Attaches
+    without joining; ``watch_ms`` > 0 watches heartbeats that long to tell live nodes from silent."""
+    return json.loads(_cxlkv.stat(_paths(path), watch_ms))
+
+
+class Namespace:
+    """A model's KV layout registered in the pool: keys are only meaningful within it.
+
+    Two engines share blocks only when model id, extra key and every layout field (dtype, layers,
+    heads, head size, block size, TP rank and size, PP stage) are equal; so the same engine hash
+    under two TP ranks names two different blocks."""
+
+    def __init__(self, native: Any, model_id: str, extra_key: str, dtype: int, num_layers: int, num_kv_heads: int,
+                 head_size: int, block_size: int, tp_rank: int, tp_size: int, pp_stage: int, kv_parts: int):
+        self._native = native
+        self.model_id = model_id
+        self.extra_key = extra_key
+        self.dtype = _buffers.DTYPE_NAMES[dtype]
+        self.dtype_code = dtype
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.block_size = block_size
+        self.tp_rank, self.tp_size, self.pp_stage = tp_rank, tp_size, pp_stage
+        self.kv_parts = kv_parts
+
+    @property
+    def id(self) -> int:
+        return self._native.id
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block: kv_parts x layers x block_size x heads x head_size x dtype."""
+        return self._native.block_bytes
+
+    def chain_keys(self, tokens: Any) -> np.ndarray:
+        """Keys of every full block of ``tokens`` (cxlkv's chained xxh3-128), shape (n, 2)."""
+        return self._native.chain_keys(np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1))
+
+    def keys_from_hashes(self, hashes: Iterable[Union[bytes, str, int]]) -> np.ndarray:
+        """An engine's own block hashes (vLLM digests, SGLang hex page hashes) folded into this
+        namespace, shape (n, 2)."""
+        return self._native.keys_from_hashes([_hash_bytes(h) for h in hashes])
+
+    def __repr__(self) -> str:
+        return (f"Namespace({self.model_id!r}, id={self.id}, {self.dtype}, layers={self.num_layers}, "
+                f"kv_heads={self.num_kv_heads}, head_size={self.head_size}, block_size={self.block_size}, "
+                f"tp={self.tp_rank}/{self.tp_size}, pp={self.pp_stage})")
+
+
+class KvStore:
+    """An engine's paged KV tensors, registered once; blocks then move by engine block id.
+
+    Keeps the tensors referenced: they must not be reallocated while the store is used."""
+
+    def __init__(self, native: Any, ns: Namespace, layout: str, num_blocks: int, tensors: List[Any]):
+        self._native = native
+        self.namespace = ns
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self._tensors = tensors  # keeps the engine's memory alive while its addresses are registered
+
+    def exists_prefix(self, keys: Any) -> int:
+        """How many leading keys the pool holds, without pinning anything (a scheduler's question)."""
+        return self._native.exists_prefix(_keys(keys))
+
+    def put_many(self, keys: Any, block_ids: Any) -> PutResult:
+        """Engine blocks ``block_ids[i]`` -> the pool under ``keys[i]``; cached keys are skipped."""
+        return PutResult(*self._native.put_many(_keys(keys), _block_ids(block_ids, "put_many")))
+
+    def get_many_into(self, keys: Any, block_ids: Any) -> int:
+        """The longest cached prefix of ``keys`` -> engine blocks ``block_ids[:n]``; returns n.
+        Blocks past n are untouched."""
+        return self._native.get_many_into(_keys(keys), _block_ids(block_ids, "get_many_into"))
+
+
+class Pool:
+    """A cxlkv pool opened by this process as node ``node_id`` (processes of one host share a node
+    id; each host has its own). Use as a context manager or call close()."""
+
+    def __init__(self, path: PathLike, *, node_id: int = 0, lease_ms: int = 2000, recovers: bool = True):
+        self._native = _cxlkv._Pool(_paths(path), node_id, lease_ms, recovers)
+        self.path = ",".join(_paths(path))
+        self.node_id = node_id
+
+    def close(self) -> None:
+        """Leaves the pool; waits for calls in flight. Later calls (and its stores) raise."""
+        self._native.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._native.closed
+
+    def __enter__(self) -> "Pool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def namespace(self, model_id: str, *, dtype: Any, num_layers: int, num_kv_heads: int, head_size: int,
+                  block_size: int = 16, tp_rank: int = 0, tp_size: int = 1, pp_stage: int = 0, mla: bool = False,
+                  extra_key: str = "") -> Namespace:
+        """Registers (or finds) a model's KV layout. For MLA pass ``mla=True`` and the latent dim as
+        ``head_size`` with ``num_kv_heads=1`` (the latent is the same on every TP rank, so the
+        rank is left out of the namespace). Raises VersionMismatchError when the model id is
+        registered with another layout."""
+        code = _buffers.dtype_code(dtype)
+        if mla:
+            num_kv_heads, tp_rank, tp_size = 1, 0, 1
+        kv_parts = 1 if mla else 2
+        sig = _cxlkv._Layout(code, num_layers, num_kv_heads, head_size, block_size, tp_rank, tp_size, pp_stage,
+                             kv_parts)
+        native = self._native.namespace(model_id, extra_key, sig)
+        return Namespace(native, model_id, extra_key, code, num_layers, num_kv_heads, head_size, block_size, tp_rank,
+                         tp_size, pp_stage, kv_parts)
+
+    def exists_prefix(self, ns: Namespace, keys: Any) -> int:
+        """How many leading keys the pool holds, without pinning anything (a scheduler's question)."""
+        return self._native.exists(ns._native, _keys(keys))
+
+    def put(self, ns: Namespace, keys: Any, values: Sequence[Any]) -> PutResult:
+        """Whole blocks: ``values[i]`` (a tensor or buffer of ns.block_bytes bytes) under ``keys[i]``.
+        Keys already cached are skipped. All or nothing: on an error nothing of the call is published."""
+        k = _keys(keys)
+        descs = [_buffers.describe(v, writable=False, what=f"value {i}") for i, v in enumerate(values)]
+        self._check_sizes(ns, descs, "put")
+        return PutResult(*self._native.put_buffers(ns._native, k, [d.address for d in descs], ns.block_bytes))
+
+    def get(self, ns: Namespace, keys: Any, outs: Sequence[Any]) -> int:
+        """The longest cached prefix of ``keys`` read into ``outs[:n]`` (writable tensors or buffers
+        of ns.block_bytes bytes); returns n. Checksums are verified when the pool keeps them."""
+        k = _keys(keys)
+        descs = [_buffers.describe(o, writable=True, what=f"destination {i}") for i, o in enumerate(outs)]
+        self._check_sizes(ns, descs, "get")
+        return self._native.get_buffers(ns._native, k, [d.address for d in descs], ns.block_bytes)
+
+    @staticmethod
+    def _check_sizes(ns: Namespace, descs: List[_buffers.Described], what: str) -> None:
+        for i, d in enumerate(descs):
+            if d.nbytes != ns.block_bytes:
+                raise _cxlkv.InvalidArgumentError(
+                    f"{what}: buffer {i} holds {d.nbytes} bytes, a block of {ns!r} is {ns.block_bytes}")
+
+    def register_kv_caches(self, ns: Namespace, kv_caches: Sequence[Any], *, layout: str = "flash_attn",
+                           copy_threads: int = 1) -> KvStore:
+        """Registers an engine's paged KV tensors, one per layer (vLLM's ``kv_caches``), shaped as
+        ``layout`` says (see LAYOUTS) with this namespace's dtype, heads, head size and block size.
+        Later calls name engine block ids. ``copy_threads`` copy workers (the caller included)."""
+        if layout not in LAYOUTS:
+            raise _cxlkv.InvalidArgumentError(f"layout {layout!r} is not one of {sorted(LAYOUTS)}")
+        kind = LAYOUTS[layout]
+        if (kind == LAYOUTS["mla"]) != (ns.kv_parts == 1):
+            raise _cxlkv.InvalidArgumentError(
+                f"layout {layout!r} does not fit {ns!r}: MLA tensors need a namespace made with mla=True")
+        if len(kv_caches) != ns.num_layers:
+            raise _cxlkv.InvalidArgumentError(
+                f"{len(kv_caches)} layer tensors for a namespace of {ns.num_layers} layers")
+        descs = [_buffers.describe(t, writable=True, what=f"layer {i}'s KV tensor") for i, t in enumerate(kv_caches)]
+        first = descs[0].shape
+        if kind == LAYOUTS["mla"]:
+            expect_tail = (ns.block_size, ns.head_size)
+            num_blocks = first[0] if len(first) == 3 else -1
+            expect = (num_blocks, *expect_tail)
+        else:
+            expect_tail = (ns.block_size, ns.num_kv_heads, ns.head_size)
+            num_blocks = (first[1] if kind == LAYOUTS["flash_attn"] else first[0]) if len(first) == 5 else -1
+            expect = (2, num_blocks, *expect_tail) if kind == LAYOUTS["flash_attn"] else (num_blocks, 2, *expect_tail)
+        for i, d in enumerate(descs):
+            if d.shape != expect or num_blocks <= 0:
+                raise _cxlkv.InvalidArgumentError(
+                    f"layer {i}'s KV tensor is shaped {list(d.shape)}; {layout} for {ns!r} needs "
+                    f"{['num_blocks' if x == num_blocks else x for x in expect]}")
+            if d.dtype != ns.dtype_code and not (d.dtype is None and d.itemsize == _buffers.DTYPE_BYTES[ns.dtype_code]):
+                got = _buffers.DTYPE_NAMES.get(d.dtype, f"{d.itemsize}-byte elements") if d.dtype is not None \
+                    else f"{d.itemsize}-byte elements"
+                raise _cxlkv.InvalidArgumentError(f"layer {i}'s KV tensor holds {got}; the namespace is {ns.dtype}")
+        latent = ns.head_size if kind == LAYOUTS["mla"] else 0
+        heads = 0 if kind == LAYOUTS["mla"] else ns.num_kv_heads
+        head_size = 0 if kind == LAYOUTS["mla"] else ns.head_size
+        native = self._native.register(ns._native, kind, ns.dtype_code, num_blocks, ns.block_size, heads, head_size,
+                                       latent, ns.tp_rank, ns.tp_size, ns.pp_stage, [d.address for d in descs],
+                                       copy_threads)
+        return KvStore(native, ns, layout, num_blocks, [d.keep for d in descs])
+
+    def evict_all(self) -> int:
+        """Evicts every unpinned block of the pool; returns how many."""
+        return self._native.evict_all()
+
+    def stats(self, *, watch_ms: int = 0) -> dict:
+        """The pool's ``cxlkv stat --json`` document (see cxlkv.stat)."""
+        return stat(self.path, watch_ms=watch_ms)
+
+    def __repr__(self) -> str:
+        return f"Pool({self.path!r}, node_id={self.node_id}{', closed' if self.closed else ''})"
