@@ -38,7 +38,13 @@ class Described(NamedTuple):
 def dtype_code(dtype: Any) -> int:
     """cxlkv's code for a torch dtype, a NumPy dtype or a name ("float16", "bf16", "fp8"...)."""
     name = str(dtype)
-    name = name[len("torch."):] if name.startswith("torch.") else name
+    if name.startswith("torch."):
+        name = name[len("torch."):]
+    elif not isinstance(dtype, str):
+        try:
+            name = np.dtype(dtype).name  # np.float16, np.dtype("float32")...
+        except TypeError:
+            pass
     if name in _BY_NAME:
         return _BY_NAME[name]
     raise _cxlkv.InvalidArgumentError(
