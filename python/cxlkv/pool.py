@@ -168,12 +168,14 @@ class Pool:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def namespace(self, model_id: str, *, dtype: Any, num_layers: int, num_kv_heads: int, head_size: int,
+    def namespace(self, model_id: str, *, dtype: Any, num_layers: int = 0, num_kv_heads: int = 0, head_size: int = 0,
                   block_size: int = 16, tp_rank: int = 0, tp_size: int = 1, pp_stage: int = 0, mla: bool = False,
                   extra_key: str = "") -> Namespace:
         """Registers (or finds) a model's KV layout. For MLA pass ``mla=True`` and the latent dim as
         ``head_size`` with ``num_kv_heads=1`` (the latent is the same on every TP rank, so the
-        rank is left out of the namespace). Raises VersionMismatchError when the model id is
+        rank is left out of the namespace). With ``num_layers=0`` the block size is left open:
+        whole blocks of any one size (opaque pages, as SGLang's HiCache stores them). Raises
+        VersionMismatchError when the model id is
         registered with another layout."""
         code = _buffers.dtype_code(dtype)
         if mla:
@@ -190,27 +192,30 @@ class Pool:
         return self._native.exists(ns._native, _keys(keys))
 
     def put(self, ns: Namespace, keys: Any, values: Sequence[Any]) -> PutResult:
-        """Whole blocks: ``values[i]`` (a tensor or buffer of ns.block_bytes bytes) under ``keys[i]``.
-        Keys already cached are skipped. All or nothing: on an error nothing of the call is published."""
+        """Whole blocks: ``values[i]`` (a tensor or buffer of ns.block_bytes bytes; any one size for
+        all when the namespace's layout leaves it open) under ``keys[i]``. Keys already cached are
+        skipped. All or nothing: on an error nothing of the call is published."""
         k = _keys(keys)
         descs = [_buffers.describe(v, writable=False, what=f"value {i}") for i, v in enumerate(values)]
-        self._check_sizes(ns, descs, "put")
-        return PutResult(*self._native.put_buffers(ns._native, k, [d.address for d in descs], ns.block_bytes))
+        size = self._block_size_of(ns, descs, "put")
+        return PutResult(*self._native.put_buffers(ns._native, k, [d.address for d in descs], size))
 
     def get(self, ns: Namespace, keys: Any, outs: Sequence[Any]) -> int:
         """The longest cached prefix of ``keys`` read into ``outs[:n]`` (writable tensors or buffers
-        of ns.block_bytes bytes); returns n. Checksums are verified when the pool keeps them."""
+        of a block's size); returns n. Checksums are verified when the pool keeps them."""
         k = _keys(keys)
         descs = [_buffers.describe(o, writable=True, what=f"destination {i}") for i, o in enumerate(outs)]
-        self._check_sizes(ns, descs, "get")
-        return self._native.get_buffers(ns._native, k, [d.address for d in descs], ns.block_bytes)
+        size = self._block_size_of(ns, descs, "get")
+        return self._native.get_buffers(ns._native, k, [d.address for d in descs], size)
 
     @staticmethod
-    def _check_sizes(ns: Namespace, descs: List[_buffers.Described], what: str) -> None:
+    def _block_size_of(ns: Namespace, descs: List[_buffers.Described], what: str) -> int:
+        size = ns.block_bytes or (descs[0].nbytes if descs else 0)
         for i, d in enumerate(descs):
-            if d.nbytes != ns.block_bytes:
+            if d.nbytes != size or size == 0:
                 raise _cxlkv.InvalidArgumentError(
-                    f"{what}: buffer {i} holds {d.nbytes} bytes, a block of {ns!r} is {ns.block_bytes}")
+                    f"{what}: buffer {i} holds {d.nbytes} bytes, a block of {ns!r} is {size}")
+        return size
 
     def register_kv_caches(self, ns: Namespace, kv_caches: Sequence[Any], *, layout: str = "flash_attn",
                            copy_threads: int = 1) -> KvStore:
