@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   cxlkv::cli::AddServeCommands(app, result);
   cxlkv::cli::AddLongContextCommands(app, result);
   cxlkv::cli::AddDaemonCommands(app, result);
+  cxlkv::cli::AddGenerateCommands(app, result);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
