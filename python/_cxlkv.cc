@@ -157,6 +157,12 @@ class PyPool {
     if (k.empty()) return {0, 0};
     py::gil_scoped_release nogil;
     PoolState::Use use(*state_);
+    if (k.size() == 1) {  // one block: the single-key path (no batch bookkeeping)
+      Status s = use.cache->Put(ns.handle, k[0], reinterpret_cast<const void*>(ptrs[0]), bytes);
+      if (s.ok()) return {1, 0};
+      if (s.code() == StatusCode::kAlreadyExists || s.code() == StatusCode::kBusy) return {0, 1};
+      Raise(s);
+    }
     auto many = Take(use.cache->ReserveMany(ns.handle, k, bytes));
     std::vector<Reservation> open;
     uint64_t skipped = 0;

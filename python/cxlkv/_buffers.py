@@ -52,13 +52,21 @@ def dtype_code(dtype: Any) -> int:
         f"storage) or float32")
 
 
+def _code_or_none(dtype: Any) -> Optional[int]:
+    try:
+        return dtype_code(dtype)
+    except _cxlkv.InvalidArgumentError:
+        return None
+
+
 def _torch_tensor(obj: Any) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
-def describe(obj: Any, *, writable: bool, what: str) -> Described:
-    """Address and size of `obj`'s bytes, or a clear cxlkv error saying what is wrong with it."""
+def describe(obj: Any, *, writable: bool, what: str, with_dtype: bool = False) -> Described:
+    """Address and size of `obj`'s bytes, or a clear cxlkv error saying what is wrong with it.
+    ``with_dtype``: also cxlkv's dtype code of its elements (None where it has none)."""
     if _torch_tensor(obj):
         if obj.device.type != "cpu":
             raise _cxlkv.NotSupportedError(
@@ -66,10 +74,7 @@ def describe(obj: Any, *, writable: bool, what: str) -> Described:
                 f"through pinned host buffers; the CUDA transfer path is the C++ CudaTransfer)")
         if not obj.is_contiguous():
             raise _cxlkv.InvalidArgumentError(f"{what} is not contiguous: pass tensor.contiguous()")
-        try:
-            code: Optional[int] = dtype_code(obj.dtype)
-        except _cxlkv.InvalidArgumentError:
-            code = None
+        code = _code_or_none(obj.dtype) if with_dtype else None
         return Described(obj.data_ptr(), obj.numel() * obj.element_size(), tuple(obj.shape), code,
                          obj.element_size(), obj)
     if isinstance(obj, np.ndarray):
@@ -90,8 +95,5 @@ def describe(obj: Any, *, writable: bool, what: str) -> Described:
         raise _cxlkv.InvalidArgumentError(f"{what} is not C-contiguous: pass np.ascontiguousarray(...)")
     if writable and not arr.flags.writeable:
         raise _cxlkv.InvalidArgumentError(f"{what} is read-only: pass a writable array")
-    try:
-        code = dtype_code(arr.dtype)
-    except _cxlkv.InvalidArgumentError:
-        code = None
-    return Described(arr.ctypes.data, arr.nbytes, tuple(arr.shape), code, arr.itemsize, (obj, arr))
+    code = _code_or_none(arr.dtype) if with_dtype else None
+    return Described(arr.__array_interface__["data"][0], arr.nbytes, tuple(arr.shape), code, arr.itemsize, (obj, arr))

@@ -38,8 +38,9 @@ def _cli() -> str:
     if path:
         return path
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    for found in sorted(glob.glob(os.path.join(repo, "build", "*", "tools", "cxlkv", "cxlkv"))):
-        return found
+    found = glob.glob(os.path.join(repo, "build", "*", "tools", "cxlkv", "cxlkv"))
+    if found:
+        return max(found, key=os.path.getmtime)  # the newest build
     raise SystemExit("cxlkv.bench: the cxlkv CLI is not found: build it (scripts/build) or set CXLKV_CLI")
 
 

@@ -231,7 +231,8 @@ class Pool:
         if len(kv_caches) != ns.num_layers:
             raise _cxlkv.InvalidArgumentError(
                 f"{len(kv_caches)} layer tensors for a namespace of {ns.num_layers} layers")
-        descs = [_buffers.describe(t, writable=True, what=f"layer {i}'s KV tensor") for i, t in enumerate(kv_caches)]
+        descs = [_buffers.describe(t, writable=True, what=f"layer {i}'s KV tensor", with_dtype=True)
+                 for i, t in enumerate(kv_caches)]
         first = descs[0].shape
         if kind == LAYOUTS["mla"]:
             expect_tail = (ns.block_size, ns.head_size)

@@ -27,10 +27,10 @@ def cli():
     path = os.environ.get("CXLKV_CLI")
     if path:
         return path
-    found = sorted(glob.glob(os.path.join(REPO, "build", "*", "tools", "cxlkv", "cxlkv")))
+    found = glob.glob(os.path.join(REPO, "build", "*", "tools", "cxlkv", "cxlkv"))
     if not found:
         pytest.skip("the cxlkv CLI is not built (scripts/build); ctest sets CXLKV_CLI")
-    return found[0]
+    return max(found, key=os.path.getmtime)  # the newest build
 
 
 def reference(prompt, max_new, weights=None, save=None):
