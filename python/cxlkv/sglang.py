@@ -37,8 +37,11 @@ def _config(storage_config: Any, name: str, default: Any) -> Any:
 class CxlKvHiCacheStorage(_Base):  # type: ignore[misc, valid-type]
     """SGLang's L3 KV storage on a cxlkv pool: every host of the rack sees every page."""
 
-    def __init__(self, storage_config: Any = None, *, pool: Optional[Pool] = None, **overrides: Any):
+    def __init__(self, storage_config: Any = None, kwargs: Optional[dict] = None, *, pool: Optional[Pool] = None,
+                 **overrides: Any):
+        # SGLang's dynamic backend factory calls cls(storage_config, kwargs).
         extra = dict(_config(storage_config, "extra_config", None) or {})
+        extra.update(kwargs or {})
         extra.update(overrides)
         if pool is None:
             if "pool_path" not in extra:

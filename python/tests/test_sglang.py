@@ -45,8 +45,11 @@ def pages(n, seed):
 
 def test_batch_calls_store_and_return_pages_across_two_hosts(pool_path):
     cxlkv.create_pool(pool_path, 96 << 20, overwrite=True)
-    writer = CxlKvHiCacheStorage(config(), pool_path=pool_path, node_id=0)
-    reader = CxlKvHiCacheStorage(config(), pool_path=pool_path, node_id=1)
+    # As SGLang's dynamic backend factory makes it: cls(storage_config, kwargs), with the
+    # factory's own keys in extra_config next to ours.
+    dynamic = {"backend_name": "cxlkv", "module_path": "cxlkv.sglang", "class_name": "CxlKvHiCacheStorage"}
+    writer = CxlKvHiCacheStorage(config(pool_path=pool_path, node_id=0, **dynamic), {})
+    reader = CxlKvHiCacheStorage(config(pool_path=pool_path, node_id=1, **dynamic), {})
     try:
         writer.register_mem_pool_host(HostPool())
         reader.register_mem_pool_host(HostPool())
