@@ -94,10 +94,33 @@ struct PyNamespace {
   KvLayoutSignature layout;
 };
 
+struct PyKvLoad;
+struct PyKvSave;
+
 struct PyKvStore {
   std::shared_ptr<PoolState> state;
   std::unique_ptr<EngineKvStore> store;  // reset on close(), under the pool's exclusive lock
+  // Layer-wise operations in flight: close() ends them before their store.
+  std::vector<std::weak_ptr<PyKvLoad>> loads;
+  std::vector<std::weak_ptr<PyKvSave>> saves;
 };
+
+// A layer-wise load or save; `op` is reset when it ends (or its pool closes).
+struct PyKvLoad {
+  std::shared_ptr<PyKvStore> store;
+  std::unique_ptr<EngineKvLoad> op;
+  size_t blocks = 0;
+};
+struct PyKvSave {
+  std::shared_ptr<PyKvStore> store;
+  std::unique_ptr<EngineKvSave> op;
+};
+
+// Drops expired handles so a long-lived store's lists stay short.
+template <class T>
+void Prune(std::vector<std::weak_ptr<T>>& v) {
+  std::erase_if(v, [](const std::weak_ptr<T>& w) { return w.expired(); });
+}
 
 class PyPool {
  public:
@@ -122,7 +145,15 @@ class PyPool {
     py::gil_scoped_release nogil;
     std::unique_lock<std::shared_mutex> lock(state_->mu);
     for (auto& weak : stores_) {
-      if (auto s = weak.lock()) s->store.reset();
+      auto s = weak.lock();
+      if (!s) continue;
+      for (auto& l : s->loads) {
+        if (auto h = l.lock()) h->op.reset();  // waits for the copy, releases the pins
+      }
+      for (auto& v : s->saves) {
+        if (auto h = v.lock()) h->op.reset();  // aborts: nothing published
+      }
+      s->store.reset();
     }
     state_->cache = nullptr;
     state_->pool.reset();
@@ -372,9 +403,69 @@ PYBIND11_MODULE(_cxlkv, m) {
              auto r = WithStore(s, [&](EngineKvStore& st) { return Take(st.PutMany(k, ids)); });
              return std::make_pair(r.written, r.skipped);
            })
-      .def("get_many_into", [](PyKvStore& s, const KeyArray& keys, const std::vector<uint32_t>& ids) {
-        auto k = KeysOf(keys);
-        return WithStore(s, [&](EngineKvStore& st) { return Take(st.GetManyInto(k, ids)); });
+      .def("get_many_into",
+           [](PyKvStore& s, const KeyArray& keys, const std::vector<uint32_t>& ids) {
+             auto k = KeysOf(keys);
+             return WithStore(s, [&](EngineKvStore& st) { return Take(st.GetManyInto(k, ids)); });
+           })
+      .def("start_get_many_into",
+           [](const std::shared_ptr<PyKvStore>& s, const KeyArray& keys, const std::vector<uint32_t>& ids) {
+             auto k = KeysOf(keys);
+             auto h = std::make_shared<PyKvLoad>();
+             h->store = s;
+             h->op = WithStore(*s, [&](EngineKvStore& st) { return Take(st.StartGetManyInto(k, ids)); });
+             h->blocks = h->op->blocks();
+             Prune(s->loads);
+             s->loads.push_back(h);
+             return h;
+           })
+      .def("start_put_many",
+           [](const std::shared_ptr<PyKvStore>& s, const KeyArray& keys, const std::vector<uint32_t>& ids) {
+             auto k = KeysOf(keys);
+             auto h = std::make_shared<PyKvSave>();
+             h->store = s;
+             h->op = WithStore(*s, [&](EngineKvStore& st) { return Take(st.StartPutMany(k, ids)); });
+             Prune(s->saves);
+             s->saves.push_back(h);
+             return h;
+           });
+
+  py::class_<PyKvLoad, std::shared_ptr<PyKvLoad>>(m, "_KvLoad")
+      .def_property_readonly("blocks", [](const PyKvLoad& l) { return l.blocks; })
+      .def("wait_layer",
+           [](PyKvLoad& l, uint32_t layer) {
+             py::gil_scoped_release nogil;
+             PoolState::Use use(*l.store->state);
+             if (l.op) l.op->WaitLayer(layer);
+           })
+      .def("close", [](PyKvLoad& l) {
+        py::gil_scoped_release nogil;
+        std::shared_lock<std::shared_mutex> lock(l.store->state->mu);  // a closed pool ended it already
+        l.op.reset();  // waits for the copy, releases the pins
+      });
+
+  py::class_<PyKvSave, std::shared_ptr<PyKvSave>>(m, "_KvSave")
+      .def("layer_computed",
+           [](PyKvSave& v, uint32_t layer) {
+             py::gil_scoped_release nogil;
+             PoolState::Use use(*v.store->state);
+             if (!v.op) Raise(InvalidArgument("this save has ended (finished, aborted, or its pool closed)"));
+             Check(v.op->LayerComputed(layer));
+           })
+      .def("finish",
+           [](PyKvSave& v) {
+             py::gil_scoped_release nogil;
+             PoolState::Use use(*v.store->state);
+             if (!v.op) Raise(InvalidArgument("this save has ended (finished, aborted, or its pool closed)"));
+             auto r = v.op->Finish();
+             v.op.reset();
+             auto done = Take(std::move(r));
+             return std::make_pair(done.written, done.skipped);
+           })
+      .def("abort", [](PyKvSave& v) {
+        py::gil_scoped_release nogil;
+        std::shared_lock<std::shared_mutex> lock(v.store->state->mu);  // a closed pool ended it already
+        v.op.reset();  // nothing published
       });
 
   py::class_<PyPool>(m, "_Pool")

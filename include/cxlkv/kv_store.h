@@ -12,6 +12,9 @@
 //   (*store)->PutMany(keys, block_ids);                              // skips cached blocks
 //   size_t got = *(*store)->GetManyInto(keys, block_ids);            // the longest prefix
 //
+// StartGetManyInto / StartPutMany do the same layer by layer, so an engine computes layer l
+// while layer l+1 moves (vLLM's wait_for_layer_load / save_kv_layer).
+//
 // Built on the batched index operations (ReserveMany/CommitMany, one stripe lock per stripe
 // touched) and the transfer engine's gather-write / scatter-read.
 //
@@ -33,6 +36,51 @@ namespace cxlkv {
 struct PutManyResult {
   uint64_t written = 0;  // blocks copied and published by this call
   uint64_t skipped = 0;  // READY already, or being written by another writer: not copied
+};
+
+// A layer-wise load in flight (EngineKvStore::StartGetManyInto): the hit's blocks are pinned
+// until it is destroyed, which waits for the copy first (it writes into the engine's tensors).
+class EngineKvLoad {
+ public:
+  class Impl;
+  ~EngineKvLoad();
+  EngineKvLoad(const EngineKvLoad&) = delete;
+  EngineKvLoad& operator=(const EngineKvLoad&) = delete;
+  // Blocks being loaded: the longest cached prefix of the keys when the load started.
+  size_t blocks() const;
+  // Blocks until layer `layer` of every loaded block is in the engine's tensors (layer 0
+  // arrives first, so an engine computes layer l while layer l+1 moves). A layer past the last
+  // returns at once.
+  void WaitLayer(uint32_t layer) const;
+  void Wait() const;
+
+ private:
+  friend class EngineKvStore;
+  explicit EngineKvLoad(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// A layer-wise save in flight (EngineKvStore::StartPutMany): the blocks are reserved (cached
+// keys skipped); each layer is copied as soon as the engine reports it written, and Finish
+// publishes them. Destroyed without Finish, it aborts the reservations: nothing is published.
+class EngineKvSave {
+ public:
+  class Impl;
+  ~EngineKvSave();
+  EngineKvSave(const EngineKvSave&) = delete;
+  EngineKvSave& operator=(const EngineKvSave&) = delete;
+  // The engine has written `layer` of every block: copy it now. Errors: kInvalidArgument
+  // (layer out of range or reported twice).
+  Status LayerComputed(uint32_t layer);
+  // Waits for every layer (all must have been reported) and publishes the blocks. Errors:
+  // kInvalidArgument (a layer never reported: nothing published), the cache's commit errors
+  // (kLeaseExpired: this node was paused past its lease; nothing published).
+  Result<PutManyResult> Finish();
+
+ private:
+  friend class EngineKvStore;
+  explicit EngineKvSave(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
 };
 
 class EngineKvStore {
@@ -66,6 +114,16 @@ class EngineKvStore {
   // untouched): kInvalidArgument (sizes differ, a block id out of range or repeated), a pool
   // block of another size (layout signature mismatch), the cache's lookup errors.
   Result<size_t> GetManyInto(std::span<const BlockKey> keys, std::span<const uint32_t> block_ids);
+
+  // GetManyInto, layer by layer on the store's copy thread: returns once the prefix is pinned
+  // and the copy queued. The engine waits per layer (EngineKvLoad::WaitLayer) before reading it.
+  // Errors: as GetManyInto's, before anything is queued.
+  Result<std::unique_ptr<EngineKvLoad>> StartGetManyInto(std::span<const BlockKey> keys,
+                                                         std::span<const uint32_t> block_ids);
+  // PutMany, layer by layer: reserves now, copies each layer when reported. Errors: as
+  // PutMany's, before anything is reserved.
+  Result<std::unique_ptr<EngineKvSave>> StartPutMany(std::span<const BlockKey> keys,
+                                                     std::span<const uint32_t> block_ids);
 
  private:
   explicit EngineKvStore(std::unique_ptr<Impl> impl);

@@ -28,10 +28,10 @@ TimeoutError the builtin TimeoutError...), with the core's message saying what t
 from ._cxlkv import (AlreadyExistsError, BusyError, CorruptedError, Error, InternalError, InvalidArgumentError,
                      IoError, LeaseExpiredError, NoSpaceError, NotFoundError, NotSupportedError, PermissionDeniedError,
                      TimeoutError, UnavailableError, VersionMismatchError)
-from .pool import LAYOUTS, KvStore, Namespace, Pool, PutResult, create_pool, stat
+from .pool import LAYOUTS, KvLoad, KvSave, KvStore, Namespace, Pool, PutResult, create_pool, stat
 
 __all__ = [
-    "Pool", "Namespace", "KvStore", "PutResult", "LAYOUTS", "create_pool", "stat",
+    "Pool", "Namespace", "KvStore", "KvLoad", "KvSave", "PutResult", "LAYOUTS", "create_pool", "stat",
     "Error", "InvalidArgumentError", "NotFoundError", "AlreadyExistsError", "CorruptedError", "VersionMismatchError",
     "NoSpaceError", "PermissionDeniedError", "IoError", "BusyError", "TimeoutError", "NotSupportedError",
     "InternalError", "LeaseExpiredError", "UnavailableError",

@@ -119,6 +119,59 @@ class Namespace:
                 f"tp={self.tp_rank}/{self.tp_size}, pp={self.pp_stage})")
 
 
+class KvLoad:
+    """A layer-wise load in flight (KvStore.start_get_many_into). The loaded blocks stay pinned
+    until close() (or the end of a ``with`` block), which first waits for the copy."""
+
+    def __init__(self, native: Any, num_layers: int):
+        self._native = native
+        self.num_layers = num_layers
+
+    @property
+    def blocks(self) -> int:
+        """Blocks being loaded: the longest cached prefix of the keys when the load started."""
+        return self._native.blocks
+
+    def wait_layer(self, layer: int) -> None:
+        """Blocks until ``layer`` of every loaded block is in the engine's tensors."""
+        self._native.wait_layer(layer)
+
+    def wait(self) -> None:
+        self._native.wait_layer(self.num_layers - 1)
+
+    def close(self) -> None:
+        self._native.close()
+
+    def __enter__(self) -> "KvLoad":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class KvSave:
+    """A layer-wise save in flight (KvStore.start_put_many): report each layer once the engine
+    wrote it, then finish() publishes. Aborted (nothing published) if never finished."""
+
+    def __init__(self, native: Any):
+        self._native = native
+
+    def layer_computed(self, layer: int) -> None:
+        self._native.layer_computed(layer)
+
+    def finish(self) -> PutResult:
+        return PutResult(*self._native.finish())
+
+    def abort(self) -> None:
+        self._native.abort()
+
+    def __enter__(self) -> "KvSave":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.abort()  # after finish() a no-op
+
+
 class KvStore:
     """An engine's paged KV tensors, registered once; blocks then move by engine block id.
 
@@ -143,6 +196,17 @@ class KvStore:
         """The longest cached prefix of ``keys`` -> engine blocks ``block_ids[:n]``; returns n.
         Blocks past n are untouched."""
         return self._native.get_many_into(_keys(keys), _block_ids(block_ids, "get_many_into"))
+
+    def start_get_many_into(self, keys: Any, block_ids: Any) -> KvLoad:
+        """get_many_into layer by layer on a copy thread: returns once the prefix is pinned; wait
+        per layer (KvLoad.wait_layer) before reading it, so layer l computes while l+1 moves."""
+        native = self._native.start_get_many_into(_keys(keys), _block_ids(block_ids, "get_many_into"))
+        return KvLoad(native, self.namespace.num_layers)
+
+    def start_put_many(self, keys: Any, block_ids: Any) -> KvSave:
+        """put_many layer by layer: reserves now (cached keys skipped), copies each layer as it
+        is reported, publishes at finish()."""
+        return KvSave(self._native.start_put_many(_keys(keys), _block_ids(block_ids, "put_many")))
 
 
 class Pool:

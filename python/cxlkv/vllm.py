@@ -18,9 +18,10 @@ seed: ``PYTHONHASHSEED`` for the builtin hash, fixed for sha256).
 
 vLLM is not imported at module load. Where it is installed the classes derive from its base
 classes; here they are driven by a small engine (``cxlkv.mini_engine``) that makes vLLM's calls
-in vLLM's per-step order. Loads and saves run whole-request at ``start_load_kv`` and
-``wait_for_save`` (synchronous, so ``get_finished`` reports nothing pending); the per-layer hooks
-keep vLLM's contract but do not yet overlap copies with compute.
+in vLLM's per-step order. Loads and saves are layer-wise: ``start_load_kv`` pins the hit and
+queues its copy layer by layer, ``wait_for_layer_load`` waits for one layer, ``save_kv_layer``
+starts the copy of a layer the moment it is written, ``wait_for_save`` publishes; all within the
+step, so ``get_finished`` reports nothing pending.
 
 Configuration: ``kv_transfer_config.kv_connector_extra_config`` keys ``pool_path`` (required),
 ``node_id`` (this host's node, default 0), ``copy_threads`` (default 1), ``layout``
@@ -116,6 +117,9 @@ class CxlKvConnector(_ConnectorBase):  # type: ignore[misc, valid-type]
         # Worker side.
         self._tp_rank = int(extra["tp_rank"]) if "tp_rank" in extra else _worker_tp_rank()
         self._store = None
+        self._layer_index: Dict[str, int] = {}
+        self._loads: List[Any] = []             # this step's layer-wise loads
+        self._saves: List[Tuple[str, Any]] = []  # this step's layer-wise saves
         self._load_errors: Set[int] = set()
         self.loaded_blocks = 0  # counters for tests and logs
         self.saved_blocks = 0
@@ -139,6 +143,10 @@ class CxlKvConnector(_ConnectorBase):  # type: ignore[misc, valid-type]
         self._connector_metadata = None
 
     def shutdown(self) -> None:
+        for load in self._loads:
+            load.close()
+        for _, save in self._saves:
+            save.abort()
         self.pool.close()
 
     # ---- scheduler side ----
@@ -216,38 +224,57 @@ class CxlKvConnector(_ConnectorBase):  # type: ignore[misc, valid-type]
         ns = self._namespace(0 if self._mla else self._tp_rank)
         self._store = self.pool.register_kv_caches(ns, tensors, layout=layout, copy_threads=self._copy_threads)
         self._worker_ns = ns
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Starts this step's loads (layer by layer on the store's copy thread) and reserves its
+        saves; returns at once. Blocks a concurrent eviction took since the scheduler looked are
+        known here and reported by get_block_ids_with_load_errors."""
         meta = self._connector_metadata
-        if meta is None or not meta.loads:
+        if meta is None:
             return
         for t in meta.loads:
             keys = self._worker_ns.keys_from_hashes(t.block_hashes)
             try:
-                got = self._store.get_many_into(keys, t.block_ids)
+                load = self._store.start_get_many_into(keys, t.block_ids)
             except _cxlkv.Error as e:
                 log.warning("cxlkv: loading request %s failed: %s", t.req_id, e)
-                got = 0
-            self.loaded_blocks += got
-            if got < len(t.block_ids):  # evicted since the scheduler looked: vLLM recomputes these
-                self._load_errors.update(t.block_ids[got:])
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv loaded every layer before the forward pass
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # the registered tensors are read at wait_for_save, once every layer is written
-
-    def wait_for_save(self) -> None:
-        meta = self._connector_metadata
-        if meta is None:
-            return
+                self._load_errors.update(t.block_ids)
+                continue
+            self._loads.append(load)
+            self.loaded_blocks += load.blocks
+            if load.blocks < len(t.block_ids):  # evicted since the scheduler looked: vLLM recomputes them
+                self._load_errors.update(t.block_ids[load.blocks:])
         for t in meta.saves:
             keys = self._worker_ns.keys_from_hashes(t.block_hashes)
             try:
-                self.saved_blocks += self._store.put_many(keys, t.block_ids).written
+                self._saves.append((t.req_id, self._store.start_put_many(keys, t.block_ids)))
             except (_cxlkv.NoSpaceError, _cxlkv.BusyError, _cxlkv.LeaseExpiredError) as e:
                 log.warning("cxlkv: saving request %s skipped: %s", t.req_id, e)  # a later miss, no more
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Blocks until this layer of every block loading in this step is in the KV cache."""
+        layer = self._layer_index[layer_name]
+        for load in self._loads:
+            load.wait_layer(layer)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        """The layer's KV is written: its copy into the reserved pool blocks starts now."""
+        layer = self._layer_index[layer_name]
+        for _, save in self._saves:
+            save.layer_computed(layer)
+
+    def wait_for_save(self) -> None:
+        """Publishes this step's saves (every layer copied) and ends its loads (pins released)."""
+        for load in self._loads:
+            load.close()
+        self._loads = []
+        for req_id, save in self._saves:
+            try:
+                self.saved_blocks += save.finish().written
+            except _cxlkv.Error as e:  # a layer never reported, or the lease lost: nothing published
+                log.warning("cxlkv: saving request %s not published: %s", req_id, e)
+        self._saves = []
 
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         return None, None  # loads and saves complete within their step

@@ -229,3 +229,48 @@ def test_stats_count_the_lookups(pool):
     assert cache["totals"]["hit_blocks"] == 2 and cache["totals"]["miss_blocks"] == 1
     assert cache["per_node"]["0"]["pins"] == 0  # every pin released
     assert [n["model"] for n in cache["namespaces"]] == ["stats"]
+
+
+def test_layer_wise_loads_and_saves(pool):
+    ns = pool.namespace("layers", dtype=torch.float16, num_layers=3, num_kv_heads=2, head_size=32, block_size=4)
+    shape = layer_shape("flash_attn", 6, 4, 2, 32)
+    a = [random_tensor(shape, torch.float16, 40 + l) for l in range(3)]
+    b = [torch.zeros(shape, dtype=torch.float16) for _ in range(3)]
+    sa, sb = pool.register_kv_caches(ns, a), pool.register_kv_caches(ns, b)
+    keys = ns.keys_from_hashes([b"p", b"q", b"r"])
+    with sa.start_put_many(keys, [5, 0, 2]) as save:  # dropped unfinished: aborted
+        save.layer_computed(0)
+    assert sa.exists_prefix(keys) == 0
+    save = sa.start_put_many(keys, [5, 0, 2])
+    for layer in range(3):
+        save.layer_computed(layer)
+    with pytest.raises(cxlkv.InvalidArgumentError):
+        save.layer_computed(1)  # twice
+    assert sa.exists_prefix(keys) == 0  # nothing published before finish
+    assert save.finish() == cxlkv.PutResult(3, 0)
+    assert sa.exists_prefix(keys) == 3
+    with sb.start_get_many_into(keys, [1, 3, 4]) as load:
+        assert load.blocks == 3
+        assert pool.evict_all() == 0  # pinned while in flight
+        for layer in range(3):
+            load.wait_layer(layer)
+            assert torch.equal(b[layer][:, [1, 3, 4]], a[layer][:, [5, 0, 2]])
+    assert pool.evict_all() == 3  # released by close
+
+
+def test_closing_the_pool_ends_layer_wise_operations_in_flight(pool):
+    ns = pool.namespace("close", dtype=torch.float16, num_layers=2, num_kv_heads=1, head_size=16, block_size=4)
+    shape = layer_shape("flash_attn", 4, 4, 1, 16)
+    store = pool.register_kv_caches(ns, [random_tensor(shape, torch.float16, l) for l in range(2)])
+    keys = ns.keys_from_hashes([b"x", b"y"])
+    store.put_many(keys[:1], [0])
+    load = store.start_get_many_into(keys, [2, 3])
+    save = store.start_put_many(keys[1:], [1])
+    save.layer_computed(0)
+    pool.close()  # waits for the load, aborts the save
+    with pytest.raises(cxlkv.InvalidArgumentError, match="closed"):
+        save.finish()
+    with pytest.raises(cxlkv.InvalidArgumentError, match="closed"):
+        load.wait_layer(0)
+    load.close()
+    save.abort()

@@ -146,6 +146,9 @@ def one_step(sched, worker, request, num_computed, block_ids):
                          CachedRequestData(), {request.request_id: request.num_tokens - ext}, set())
     worker.bind_connector_metadata(sched.build_connector_meta(so))
     worker.start_load_kv(None)
+    for name in ("l0", "l1"):  # the model's layers, as vLLM's attention calls them
+        worker.wait_for_layer_load(name)
+        worker.save_kv_layer(name, None, None)
     worker.wait_for_save()
     worker.clear_connector_metadata()
     return ext

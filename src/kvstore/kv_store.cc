@@ -2,6 +2,7 @@
 // transfer engine.
 #include "cxlkv/kv_store.h"
 
+#include <algorithm>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -21,6 +22,47 @@ class EngineKvStore::Impl {
   std::mutex mu_;  // one call at a time: the transfer engine's workers are this store's
   transfer::CpuTransfer transfer_;
 };
+
+class EngineKvLoad::Impl {
+ public:
+  Impl(KvCache& cache, LookupResult hit) : cache_(cache), hit_(std::move(hit)) {}
+  ~Impl() {
+    load_.reset();  // waits for the copy: it reads the pinned blocks and writes the engine's tensors
+    cache_.Release(hit_.pins);
+  }
+  KvCache& cache_;
+  LookupResult hit_;
+  std::unique_ptr<transfer::LayerLoad> load_;  // null when nothing hit
+};
+
+EngineKvLoad::EngineKvLoad(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+EngineKvLoad::~EngineKvLoad() = default;
+size_t EngineKvLoad::blocks() const { return impl_->hit_.pins.size(); }
+void EngineKvLoad::WaitLayer(uint32_t layer) const {
+  if (impl_->load_) impl_->load_->WaitLayer(std::min(layer, impl_->load_->num_layers() - 1));
+}
+void EngineKvLoad::Wait() const {
+  if (impl_->load_) impl_->load_->Wait();
+}
+
+class EngineKvSave::Impl {
+ public:
+  std::unique_ptr<transfer::LayerStore> store_;
+  bool finished_ = false;
+};
+
+EngineKvSave::EngineKvSave(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+EngineKvSave::~EngineKvSave() = default;  // the LayerStore aborts what was never finished
+Status EngineKvSave::LayerComputed(uint32_t layer) {
+  if (impl_->finished_) return InvalidArgument("save: layer reported after Finish");
+  return impl_->store_->LayerComputed(layer);
+}
+Result<PutManyResult> EngineKvSave::Finish() {
+  if (impl_->finished_) return InvalidArgument("save: Finish called twice");
+  impl_->finished_ = true;
+  CXLKV_ASSIGN_OR_RETURN(auto g, impl_->store_->Finish());
+  return PutManyResult{g.written, g.already_cached};
+}
 
 namespace {
 
@@ -100,6 +142,34 @@ Result<size_t> EngineKvStore::GetManyInto(std::span<const BlockKey> keys, std::s
   impl_->cache_.Release(hit.pins);
   CXLKV_RETURN_IF_ERROR(s);
   return hit.pins.size();
+}
+
+Result<std::unique_ptr<EngineKvLoad>> EngineKvStore::StartGetManyInto(std::span<const BlockKey> keys,
+                                                                      std::span<const uint32_t> block_ids) {
+  CXLKV_RETURN_IF_ERROR(SameLength("get_many_into", keys.size(), block_ids.size()));
+  CXLKV_RETURN_IF_ERROR(DistinctBlockIds("get_many_into", block_ids, impl_->layout_.num_blocks));
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  LookupResult hit;
+  if (!keys.empty()) {
+    CXLKV_ASSIGN_OR_RETURN(hit, impl_->cache_.Lookup(impl_->ns_, keys));
+  }
+  auto load = std::make_unique<EngineKvLoad::Impl>(impl_->cache_, std::move(hit));
+  if (!load->hit_.pins.empty()) {
+    // On failure `load` releases the pins as it goes.
+    CXLKV_ASSIGN_OR_RETURN(load->load_, impl_->transfer_.StartLoad(impl_->layout_,
+                                                                   block_ids.first(load->hit_.pins.size()),
+                                                                   load->hit_.pins));
+  }
+  return std::unique_ptr<EngineKvLoad>(new EngineKvLoad(std::move(load)));
+}
+
+Result<std::unique_ptr<EngineKvSave>> EngineKvStore::StartPutMany(std::span<const BlockKey> keys,
+                                                                  std::span<const uint32_t> block_ids) {
+  CXLKV_RETURN_IF_ERROR(SameLength("put_many", keys.size(), block_ids.size()));
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  auto save = std::make_unique<EngineKvSave::Impl>();
+  CXLKV_ASSIGN_OR_RETURN(save->store_, impl_->transfer_.StartStore(impl_->ns_, impl_->layout_, block_ids, keys));
+  return std::unique_ptr<EngineKvSave>(new EngineKvSave(std::move(save)));
 }
 
 }  // namespace cxlkv

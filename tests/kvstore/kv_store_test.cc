@@ -3,6 +3,7 @@
 // skipping cached keys, engine hashes of two TP ranks kept apart, and bad requests refused whole.
 #include "cxlkv/kv_store.h"
 
+#include <cstring>
 #include <numeric>
 #include <random>
 
@@ -147,6 +148,72 @@ TEST(EngineKvStore, BadRequestsAreRefusedWholeWithTheReason) {
   EXPECT_THAT(got.status().ToString(), HasSubstr("out of range"));
   EXPECT_EQ(b.Block(0), before);  // the engine untouched
   EXPECT_EQ(*f.cache->EvictAll(), 3u);  // and no pin left behind
+}
+
+TEST(EngineKvStore, LayerWiseLoadsAndSavesMoveTheSameBytes) {
+  Fixture f("kvs-layers");
+  auto shape = Shape(EngineLayoutKind::kFlashAttn, KvDtype::kFp16, 4, 8, 2, 64);
+  EngineCache a(shape, 1), b(shape, 2);
+  auto ns = f.Ns(a.layout);
+  auto src = Register(f, ns, a.layout);
+  auto dst = Register(f, ns, b.layout);
+  auto keys = Keys(ns, EngineHashes(4, 5));
+  const std::vector<uint32_t> from = {3, 0, 6, 1}, into = {7, 2, 4, 5};
+  // A save publishes nothing until every layer is reported and it is finished.
+  auto save = src->StartPutMany(keys, from);
+  ASSERT_TRUE(save.ok()) << save.status().ToString();
+  for (uint32_t l = 0; l < 4; ++l) ASSERT_TRUE((*save)->LayerComputed(l).ok());
+  EXPECT_EQ((*save)->LayerComputed(2).code(), StatusCode::kInvalidArgument);  // twice
+  EXPECT_EQ(*src->ExistsPrefix(keys), 0u);
+  auto done = (*save)->Finish();
+  ASSERT_TRUE(done.ok()) << done.status().ToString();
+  EXPECT_EQ(done->written, 4u);
+  EXPECT_EQ(*src->ExistsPrefix(keys), 4u);
+  // A load pins the prefix, then hands the layers over in order.
+  auto load = dst->StartGetManyInto(keys, into);
+  ASSERT_TRUE(load.ok()) << load.status().ToString();
+  EXPECT_EQ((*load)->blocks(), 4u);
+  EXPECT_EQ(*f.cache->EvictAll(), 0u);  // pinned while in flight
+  for (uint32_t l = 0; l < 4; ++l) {
+    (*load)->WaitLayer(l);
+    for (size_t i = 0; i < from.size(); ++i) {
+      for (uint32_t p = 0; p < 2; ++p) {
+        ASSERT_EQ(0, std::memcmp(b.layout.EnginePiece(l, p, into[i]), a.layout.EnginePiece(l, p, from[i]),
+                                 a.layout.PieceBytes()))
+            << "layer " << l << " block " << i;
+      }
+    }
+  }
+  load->reset();  // releases the pins
+  EXPECT_EQ(*f.cache->EvictAll(), 4u);
+}
+
+TEST(EngineKvStore, ASaveDroppedBeforeFinishPublishesNothingAndAMissLoadsNothing) {
+  Fixture f("kvs-layers-abort");
+  auto shape = Shape(EngineLayoutKind::kFlashInfer, KvDtype::kBf16, 2, 4, 1, 32);
+  EngineCache a(shape, 1), b(shape, 2);
+  auto ns = f.Ns(a.layout);
+  auto s = Register(f, ns, a.layout);
+  auto keys = Keys(ns, EngineHashes(2, 6));
+  {
+    auto save = s->StartPutMany(keys, std::vector<uint32_t>{0, 1});
+    ASSERT_TRUE(save.ok());
+    ASSERT_TRUE((*save)->LayerComputed(0).ok());
+  }  // dropped with layer 1 never reported
+  EXPECT_EQ(*s->ExistsPrefix(keys), 0u);
+  auto save = s->StartPutMany(keys, std::vector<uint32_t>{0, 1});
+  ASSERT_TRUE(save.ok());
+  ASSERT_TRUE((*save)->LayerComputed(0).ok());
+  EXPECT_EQ((*save)->Finish().status().code(), StatusCode::kInvalidArgument);  // layer 1 missing
+  EXPECT_EQ(*s->ExistsPrefix(keys), 0u);
+  auto d = Register(f, ns, b.layout);
+  const std::vector<uint8_t> before = b.Block(0);
+  auto load = d->StartGetManyInto(keys, std::vector<uint32_t>{0, 1});
+  ASSERT_TRUE(load.ok());
+  EXPECT_EQ((*load)->blocks(), 0u);
+  (*load)->Wait();
+  EXPECT_EQ(b.Block(0), before);
+  EXPECT_THAT(d->StartGetManyInto(keys, std::vector<uint32_t>{0, 0}).status().ToString(), HasSubstr("appears twice"));
 }
 
 }  // namespace
