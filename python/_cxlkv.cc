@@ -251,11 +251,19 @@ class PyPool {
     return Take(use.cache->EvictAll());
   }
 
-  std::shared_ptr<PyKvStore> Register(const PyNamespace& ns, const EngineKvLayout& layout, uint32_t threads) {
+  // `cuda_device` < 0: the layers are host memory; otherwise device pointers of that GPU.
+  std::shared_ptr<PyKvStore> Register(const PyNamespace& ns, const EngineKvLayout& layout, uint32_t threads,
+                                      int cuda_device) {
     PoolState::Use use(*state_);
     auto store = std::make_shared<PyKvStore>();
     store->state = state_;
-    store->store = Take(EngineKvStore::Register(*use.cache, ns.handle, layout, threads));
+    if (cuda_device < 0) {
+      store->store = Take(EngineKvStore::Register(*use.cache, ns.handle, layout, threads));
+    } else {
+      py::gil_scoped_release nogil;  // registering the pool's memory with the GPU takes a while
+      store->store = Take(EngineKvStore::RegisterDevice(*state_->pool, ns.handle, layout, cuda_device));
+    }
+    std::erase_if(stores_, [](const std::weak_ptr<PyKvStore>& w) { return w.expired(); });
     stores_.push_back(store);
     return store;
   }
@@ -339,6 +347,9 @@ PYBIND11_MODULE(_cxlkv, m) {
       },
       py::arg("paths"), py::arg("size"), py::arg("max_nodes"), py::arg("overwrite"), py::arg("checksum"),
       py::arg("index_entries"), py::arg("cache_capacity"));
+
+  m.def("cuda_built", &EngineKvStore::DeviceBuilt,
+        "Whether this build has the CUDA transfer path (device tensors can be registered where a GPU is).");
 
   m.def(
       "stat",
@@ -481,7 +492,8 @@ PYBIND11_MODULE(_cxlkv, m) {
       .def("register",
            [](PyPool& p, const PyNamespace& ns, uint32_t kind, uint32_t dtype, uint32_t num_blocks,
               uint32_t block_size, uint32_t heads, uint32_t head_size, uint32_t latent_dim, uint32_t tp_rank,
-              uint32_t tp_size, uint32_t pp_stage, const std::vector<uintptr_t>& layers, uint32_t threads) {
+              uint32_t tp_size, uint32_t pp_stage, const std::vector<uintptr_t>& layers, uint32_t threads,
+              int cuda_device) {
              if (kind > static_cast<uint32_t>(EngineLayoutKind::kMla) || dtype > 3) {
                Raise(InvalidArgument("layout kind or dtype code out of range"));
              }
@@ -497,7 +509,7 @@ PYBIND11_MODULE(_cxlkv, m) {
              l.tp_size = tp_size;
              l.pp_stage = pp_stage;
              for (uintptr_t a : layers) l.layers.push_back(reinterpret_cast<uint8_t*>(a));
-             return p.Register(ns, l, threads);
+             return p.Register(ns, l, threads, cuda_device);
            });
 }
 

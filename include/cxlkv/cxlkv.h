@@ -173,6 +173,12 @@ cxlkv_layout cxlkv_engine_layout_signature(const cxlkv_engine_layout* layout, ui
 cxlkv_status cxlkv_kv_store_register(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_engine_layout* layout,
                                      void* const* layers, uint32_t num_layers, uint32_t copy_threads,
                                      cxlkv_kv_store** out);
+/* The same for tensors in GPU memory: layers are device pointers of CUDA device cuda_device;
+ * copies run through the CUDA transfer path. CXLKV_NOT_SUPPORTED when this build has no CUDA
+ * path or the host no usable CUDA device (the message says which). */
+cxlkv_status cxlkv_kv_store_register_device(cxlkv_pool* pool, const cxlkv_namespace* ns,
+                                            const cxlkv_engine_layout* layout, void* const* layers,
+                                            uint32_t num_layers, int cuda_device, cxlkv_kv_store** out);
 void cxlkv_kv_store_close(cxlkv_kv_store* store);
 /* How many leading keys the pool holds, without pinning (for schedulers). */
 cxlkv_status cxlkv_exists_prefix(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_key* keys, size_t n,

@@ -19,7 +19,8 @@
 // touched) and the transfer engine's gather-write / scatter-read.
 //
 // Thread-safety: one store's calls are serialized (its copy workers are its own); stores of
-// different engines (or ranks) may run concurrently over one cache.
+// different engines (or ranks) may run concurrently over one cache. A store must outlive the
+// loads and saves it started.
 #ifndef CXLKV_KV_STORE_H_
 #define CXLKV_KV_STORE_H_
 
@@ -29,6 +30,7 @@
 
 #include "cxlkv/cache.h"
 #include "cxlkv/layout.h"
+#include "cxlkv/pool.h"
 #include "cxlkv/status.h"
 
 namespace cxlkv {
@@ -93,6 +95,16 @@ class EngineKvStore {
   // namespace registered with another block size, copy_threads == 0 or above 64).
   static Result<std::unique_ptr<EngineKvStore>> Register(KvCache& cache, const NamespaceHandle& ns,
                                                          const EngineKvLayout& layout, uint32_t copy_threads = 1);
+  // The same for tensors in GPU memory (`layout.layers` are device pointers of CUDA device
+  // `cuda_device`): copies run as one kernel per request through the CUDA transfer path, with
+  // the pool's regions registered with the device (hence the Pool). Layer-wise calls complete
+  // whole at start (loads) or at Finish (saves). Errors: kNotSupported (built without CUDA, or
+  // no usable CUDA device: the message says which), Register's kInvalidArgument, kIoError.
+  static Result<std::unique_ptr<EngineKvStore>> RegisterDevice(Pool& pool, const NamespaceHandle& ns,
+                                                               const EngineKvLayout& layout, int cuda_device);
+  // Whether this build has the CUDA transfer path (RegisterDevice may work where a GPU is).
+  static bool DeviceBuilt();
+
   ~EngineKvStore();
   EngineKvStore(const EngineKvStore&) = delete;
   EngineKvStore& operator=(const EngineKvStore&) = delete;

@@ -27,11 +27,11 @@ TimeoutError the builtin TimeoutError...), with the core's message saying what t
 """
 from ._cxlkv import (AlreadyExistsError, BusyError, CorruptedError, Error, InternalError, InvalidArgumentError,
                      IoError, LeaseExpiredError, NoSpaceError, NotFoundError, NotSupportedError, PermissionDeniedError,
-                     TimeoutError, UnavailableError, VersionMismatchError)
+                     TimeoutError, UnavailableError, VersionMismatchError, cuda_built)
 from .pool import LAYOUTS, KvLoad, KvSave, KvStore, Namespace, Pool, PutResult, create_pool, stat
 
 __all__ = [
-    "Pool", "Namespace", "KvStore", "KvLoad", "KvSave", "PutResult", "LAYOUTS", "create_pool", "stat",
+    "Pool", "Namespace", "KvStore", "KvLoad", "KvSave", "PutResult", "LAYOUTS", "create_pool", "stat", "cuda_built",
     "Error", "InvalidArgumentError", "NotFoundError", "AlreadyExistsError", "CorruptedError", "VersionMismatchError",
     "NoSpaceError", "PermissionDeniedError", "IoError", "BusyError", "TimeoutError", "NotSupportedError",
     "InternalError", "LeaseExpiredError", "UnavailableError",

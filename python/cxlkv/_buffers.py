@@ -33,6 +33,7 @@ class Described(NamedTuple):
     dtype: Optional[int]  # cxlkv's code, or None when the element type is not a KV dtype
     itemsize: int
     keep: Any
+    device: Optional[int] = None  # the CUDA device of GPU memory; None: host memory
 
 
 def dtype_code(dtype: Any) -> int:
@@ -64,19 +65,30 @@ def _torch_tensor(obj: Any) -> bool:
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
-def describe(obj: Any, *, writable: bool, what: str, with_dtype: bool = False) -> Described:
+def describe(obj: Any, *, writable: bool, what: str, with_dtype: bool = False, allow_device: bool = False) -> Described:
     """Address and size of `obj`'s bytes, or a clear cxlkv error saying what is wrong with it.
-    ``with_dtype``: also cxlkv's dtype code of its elements (None where it has none)."""
+    ``with_dtype``: also cxlkv's dtype code of its elements (None where it has none).
+    ``allow_device``: GPU memory is accepted (a CUDA torch tensor, or any object with
+    ``__cuda_array_interface__``: CuPy, Numba...), with its device in ``device``."""
     if _torch_tensor(obj):
-        if obj.device.type != "cpu":
+        kind = obj.device.type
+        if kind != "cpu" and not (allow_device and kind == "cuda"):
             raise _cxlkv.NotSupportedError(
-                f"{what} is a {obj.device.type} tensor: this module moves CPU tensors (engines stage GPU KV "
-                f"through pinned host buffers; the CUDA transfer path is the C++ CudaTransfer)")
+                f"{what} is a {kind} tensor: " + ("register GPU tensors with Pool.register_kv_caches (the CUDA "
+                                                  "transfer path); whole-block put/get take host memory"
+                                                  if kind == "cuda" else "cxlkv moves CPU and CUDA tensors"))
         if not obj.is_contiguous():
             raise _cxlkv.InvalidArgumentError(f"{what} is not contiguous: pass tensor.contiguous()")
         code = _code_or_none(obj.dtype) if with_dtype else None
+        device = (obj.device.index or 0) if kind == "cuda" else None
         return Described(obj.data_ptr(), obj.numel() * obj.element_size(), tuple(obj.shape), code,
-                         obj.element_size(), obj)
+                         obj.element_size(), obj, device)
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        if not allow_device:
+            raise _cxlkv.NotSupportedError(f"{what} is GPU memory: register GPU tensors with "
+                                           f"Pool.register_kv_caches; whole-block put/get take host memory")
+        return _describe_cuda_array(obj, cai, writable, what, with_dtype)
     if isinstance(obj, np.ndarray):
         arr = obj
     else:
@@ -97,3 +109,26 @@ def describe(obj: Any, *, writable: bool, what: str, with_dtype: bool = False) -
         raise _cxlkv.InvalidArgumentError(f"{what} is read-only: pass a writable array")
     code = _code_or_none(arr.dtype) if with_dtype else None
     return Described(arr.__array_interface__["data"][0], arr.nbytes, tuple(arr.shape), code, arr.itemsize, (obj, arr))
+
+
+def _describe_cuda_array(obj: Any, cai: dict, writable: bool, what: str, with_dtype: bool) -> Described:
+    """The CUDA array interface (version 2 and later): data (address, read-only), shape, typestr,
+    strides (None: C-contiguous). Its device is the current CUDA device; cxlkv takes device 0
+    unless the object names one in a ``device`` attribute holding an int."""
+    address, readonly = cai["data"]
+    if writable and readonly:
+        raise _cxlkv.InvalidArgumentError(f"{what} is read-only GPU memory")
+    shape = tuple(int(x) for x in cai["shape"])
+    dt = np.dtype(cai["typestr"])
+    strides = cai.get("strides")
+    if strides is not None:
+        expect, step = [], dt.itemsize
+        for dim in reversed(shape):
+            expect.append(step)
+            step *= dim
+        if tuple(strides) != tuple(reversed(expect)):
+            raise _cxlkv.InvalidArgumentError(f"{what} is not C-contiguous GPU memory")
+    nbytes = dt.itemsize * int(np.prod(shape, dtype=np.int64))
+    code = _code_or_none(dt) if with_dtype else None
+    device = getattr(obj, "device", 0)
+    return Described(int(address), nbytes, shape, code, dt.itemsize, obj, device if isinstance(device, int) else 0)

@@ -285,7 +285,9 @@ class Pool:
                            copy_threads: int = 1) -> KvStore:
         """Registers an engine's paged KV tensors, one per layer (vLLM's ``kv_caches``), shaped as
         ``layout`` says (see LAYOUTS) with this namespace's dtype, heads, head size and block size.
-        Later calls name engine block ids. ``copy_threads`` copy workers (the caller included)."""
+        Later calls name engine block ids. ``copy_threads`` copy workers (the caller included).
+        CUDA tensors (or objects with ``__cuda_array_interface__``) go through the CUDA transfer
+        path: NotSupportedError where this build has none (cxlkv.cuda_built()) or no GPU is usable."""
         if layout not in LAYOUTS:
             raise _cxlkv.InvalidArgumentError(f"layout {layout!r} is not one of {sorted(LAYOUTS)}")
         kind = LAYOUTS[layout]
@@ -295,8 +297,14 @@ class Pool:
         if len(kv_caches) != ns.num_layers:
             raise _cxlkv.InvalidArgumentError(
                 f"{len(kv_caches)} layer tensors for a namespace of {ns.num_layers} layers")
-        descs = [_buffers.describe(t, writable=True, what=f"layer {i}'s KV tensor", with_dtype=True)
+        descs = [_buffers.describe(t, writable=True, what=f"layer {i}'s KV tensor", with_dtype=True, allow_device=True)
                  for i, t in enumerate(kv_caches)]
+        devices = {d.device for d in descs}
+        if len(devices) != 1:
+            raise _cxlkv.InvalidArgumentError(
+                f"the layer tensors live on {sorted(devices, key=str)} (None: host memory): register one engine's "
+                f"tensors, all on one device")
+        device = devices.pop()
         first = descs[0].shape
         if kind == LAYOUTS["mla"]:
             expect_tail = (ns.block_size, ns.head_size)
@@ -320,7 +328,7 @@ class Pool:
         head_size = 0 if kind == LAYOUTS["mla"] else ns.head_size
         native = self._native.register(ns._native, kind, ns.dtype_code, num_blocks, ns.block_size, heads, head_size,
                                        latent, ns.tp_rank, ns.tp_size, ns.pp_stage, [d.address for d in descs],
-                                       copy_threads)
+                                       copy_threads, -1 if device is None else device)
         return KvStore(native, ns, layout, num_blocks, [d.keep for d in descs])
 
     def evict_all(self) -> int:

@@ -318,6 +318,22 @@ cxlkv_status cxlkv_kv_store_register(cxlkv_pool* pool, const cxlkv_namespace* ns
   return Report(cxlkv::Status::Ok());
 }
 
+cxlkv_status cxlkv_kv_store_register_device(cxlkv_pool* pool, const cxlkv_namespace* ns,
+                                            const cxlkv_engine_layout* layout, void* const* layers,
+                                            uint32_t num_layers, int cuda_device, cxlkv_kv_store** out) {
+  CXLKV_C_REQUIRE(pool && ns && layout && layers && out, "pool, namespace, layout, layers or out");
+  if (layout->kind > static_cast<uint32_t>(cxlkv::EngineLayoutKind::kMla) || layout->dtype > 3) {
+    return Report(cxlkv::InvalidArgument("register KV buffers: layout kind " + std::to_string(layout->kind) +
+                                         " / dtype " + std::to_string(layout->dtype) +
+                                         " unknown (kind 0..2, dtype 0..3)"));
+  }
+  auto r = cxlkv::EngineKvStore::RegisterDevice(*pool->pool, Handle(ns), EngineLayout(*layout, layers, num_layers),
+                                                cuda_device);
+  if (!r.ok()) return Report(r.status());
+  *out = new cxlkv_kv_store{std::move(*r)};
+  return Report(cxlkv::Status::Ok());
+}
+
 void cxlkv_kv_store_close(cxlkv_kv_store* store) { delete store; }
 
 cxlkv_status cxlkv_exists_prefix(cxlkv_pool* pool, const cxlkv_namespace* ns, const cxlkv_key* keys, size_t n,

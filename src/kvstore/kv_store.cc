@@ -3,10 +3,12 @@
 #include "cxlkv/kv_store.h"
 
 #include <algorithm>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "transfer/cuda_transfer.h"
 #include "transfer/transfer.h"
 
 namespace cxlkv {
@@ -21,6 +23,18 @@ class EngineKvStore::Impl {
   const EngineKvLayout layout_;
   std::mutex mu_;  // one call at a time: the transfer engine's workers are this store's
   transfer::CpuTransfer transfer_;
+  std::unique_ptr<transfer::CudaTransfer> cuda_;  // set: the tensors are in GPU memory
+
+  // The hit's pins → engine blocks, complete on return. REQUIRES: mu_ held, ids validated.
+  Status ScatterNow(std::span<const uint32_t> ids, std::span<const BlockPin> pins) {
+    if (!cuda_) return transfer_.ScatterRead(layout_, ids, pins);
+    CXLKV_RETURN_IF_ERROR(cuda_->ScatterRead(layout_, ids, pins, nullptr));
+    return cuda_->Synchronize(nullptr);  // the pins may be released only after the kernel read them
+  }
+  Result<transfer::GatherResult> GatherNow(std::span<const uint32_t> ids, std::span<const BlockKey> keys) {
+    if (!cuda_) return transfer_.GatherWrite(ns_, layout_, ids, keys);
+    return cuda_->GatherWrite(ns_, layout_, ids, keys, nullptr);  // waits for the kernel before commit
+  }
 };
 
 class EngineKvLoad::Impl {
@@ -47,7 +61,10 @@ void EngineKvLoad::Wait() const {
 
 class EngineKvSave::Impl {
  public:
-  std::unique_ptr<transfer::LayerStore> store_;
+  std::unique_ptr<transfer::LayerStore> store_;  // a host store: copies each layer as reported
+  // A device store: the whole request at Finish, once every layer was reported.
+  std::function<Result<PutManyResult>()> finish_whole_;
+  std::vector<bool> reported_;
   bool finished_ = false;
 };
 
@@ -55,11 +72,26 @@ EngineKvSave::EngineKvSave(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) 
 EngineKvSave::~EngineKvSave() = default;  // the LayerStore aborts what was never finished
 Status EngineKvSave::LayerComputed(uint32_t layer) {
   if (impl_->finished_) return InvalidArgument("save: layer reported after Finish");
-  return impl_->store_->LayerComputed(layer);
+  if (impl_->store_) return impl_->store_->LayerComputed(layer);
+  auto& seen = impl_->reported_;
+  if (layer >= seen.size() || seen[layer]) {
+    return InvalidArgument("save: layer " + std::to_string(layer) + " is out of range (" +
+                           std::to_string(seen.size()) + " layers) or reported twice");
+  }
+  seen[layer] = true;
+  return Status::Ok();
 }
 Result<PutManyResult> EngineKvSave::Finish() {
   if (impl_->finished_) return InvalidArgument("save: Finish called twice");
   impl_->finished_ = true;
+  if (!impl_->store_) {
+    for (size_t l = 0; l < impl_->reported_.size(); ++l) {
+      if (!impl_->reported_[l]) {
+        return InvalidArgument("save: layer " + std::to_string(l) + " was never reported computed: nothing published");
+      }
+    }
+    return impl_->finish_whole_();
+  }
   CXLKV_ASSIGN_OR_RETURN(auto g, impl_->store_->Finish());
   return PutManyResult{g.written, g.already_cached};
 }
@@ -113,6 +145,17 @@ Result<std::unique_ptr<EngineKvStore>> EngineKvStore::Register(KvCache& cache, c
       new EngineKvStore(std::make_unique<Impl>(cache, ns, layout, copy_threads)));
 }
 
+Result<std::unique_ptr<EngineKvStore>> EngineKvStore::RegisterDevice(Pool& pool, const NamespaceHandle& ns,
+                                                                     const EngineKvLayout& layout, int cuda_device) {
+  CXLKV_ASSIGN_OR_RETURN(KvCache * cache, pool.Cache());
+  CXLKV_ASSIGN_OR_RETURN(auto store, Register(*cache, ns, layout));
+  CXLKV_ASSIGN_OR_RETURN(store->impl_->cuda_,
+                         transfer::CudaTransfer::Create(*cache, pool.MappedRanges(), {.device = cuda_device}));
+  return store;
+}
+
+bool EngineKvStore::DeviceBuilt() { return transfer::CudaTransfer::Built(); }
+
 EngineKvStore::EngineKvStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 EngineKvStore::~EngineKvStore() = default;
 
@@ -127,7 +170,7 @@ Result<PutManyResult> EngineKvStore::PutMany(std::span<const BlockKey> keys, std
   CXLKV_RETURN_IF_ERROR(SameLength("put_many", keys.size(), block_ids.size()));
   if (keys.empty()) return PutManyResult{};
   std::lock_guard<std::mutex> lock(impl_->mu_);
-  CXLKV_ASSIGN_OR_RETURN(auto g, impl_->transfer_.GatherWrite(impl_->ns_, impl_->layout_, block_ids, keys));
+  CXLKV_ASSIGN_OR_RETURN(auto g, impl_->GatherNow(block_ids, keys));
   return PutManyResult{g.written, g.already_cached};
 }
 
@@ -138,7 +181,7 @@ Result<size_t> EngineKvStore::GetManyInto(std::span<const BlockKey> keys, std::s
   // Validated whole before any pin: a bad block id anywhere fails the call with nothing read.
   CXLKV_RETURN_IF_ERROR(DistinctBlockIds("get_many_into", block_ids, impl_->layout_.num_blocks));
   CXLKV_ASSIGN_OR_RETURN(LookupResult hit, impl_->cache_.Lookup(impl_->ns_, keys));
-  Status s = impl_->transfer_.ScatterRead(impl_->layout_, block_ids.first(hit.pins.size()), hit.pins);
+  Status s = impl_->ScatterNow(block_ids.first(hit.pins.size()), hit.pins);
   impl_->cache_.Release(hit.pins);
   CXLKV_RETURN_IF_ERROR(s);
   return hit.pins.size();
@@ -154,7 +197,9 @@ Result<std::unique_ptr<EngineKvLoad>> EngineKvStore::StartGetManyInto(std::span<
     CXLKV_ASSIGN_OR_RETURN(hit, impl_->cache_.Lookup(impl_->ns_, keys));
   }
   auto load = std::make_unique<EngineKvLoad::Impl>(impl_->cache_, std::move(hit));
-  if (!load->hit_.pins.empty()) {
+  if (impl_->cuda_ && !load->hit_.pins.empty()) {  // one kernel for the request, complete now
+    CXLKV_RETURN_IF_ERROR(impl_->ScatterNow(block_ids.first(load->hit_.pins.size()), load->hit_.pins));
+  } else if (!load->hit_.pins.empty()) {
     // On failure `load` releases the pins as it goes.
     CXLKV_ASSIGN_OR_RETURN(load->load_, impl_->transfer_.StartLoad(impl_->layout_,
                                                                    block_ids.first(load->hit_.pins.size()),
@@ -168,6 +213,15 @@ Result<std::unique_ptr<EngineKvSave>> EngineKvStore::StartPutMany(std::span<cons
   CXLKV_RETURN_IF_ERROR(SameLength("put_many", keys.size(), block_ids.size()));
   std::lock_guard<std::mutex> lock(impl_->mu_);
   auto save = std::make_unique<EngineKvSave::Impl>();
+  if (impl_->cuda_) {
+    CXLKV_RETURN_IF_ERROR(transfer::ValidateGather("put_many", impl_->ns_, impl_->layout_, block_ids, keys));
+    save->reported_.assign(impl_->layout_.num_layers(), false);
+    save->finish_whole_ = [this, keys = std::vector<BlockKey>(keys.begin(), keys.end()),
+                           ids = std::vector<uint32_t>(block_ids.begin(), block_ids.end())]() {
+      return PutMany(keys, ids);
+    };
+    return std::unique_ptr<EngineKvSave>(new EngineKvSave(std::move(save)));
+  }
   CXLKV_ASSIGN_OR_RETURN(save->store_, impl_->transfer_.StartStore(impl_->ns_, impl_->layout_, block_ids, keys));
   return std::unique_ptr<EngineKvSave>(new EngineKvSave(std::move(save)));
 }

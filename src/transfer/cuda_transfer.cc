@@ -159,6 +159,11 @@ Result<std::unique_ptr<CudaTransfer>> CudaTransfer::Create(KvCache& cache, std::
 CudaTransfer::CudaTransfer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudaTransfer::~CudaTransfer() = default;
 
+Status CudaTransfer::Synchronize(CUstream_st* stream) {
+  if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess) return CudaError("waiting for the stream", e);
+  return Status::Ok();
+}
+
 Status CudaTransfer::ScatterRead(const EngineKvLayout& layout, std::span<const uint32_t> block_ids,
                                  std::span<const BlockPin> pins, CUstream_st* stream) {
   CXLKV_RETURN_IF_ERROR(ValidateScatter("cuda scatter-read", layout, block_ids, pins));

@@ -52,6 +52,10 @@ class CudaTransfer {
                                    std::span<const uint32_t> block_ids, std::span<const BlockKey> keys,
                                    CUstream_st* stream);
 
+  // Waits until `stream` has passed every copy enqueued on it (so pins read by a ScatterRead
+  // may be released). Errors: kIoError (the CUDA error is in the message).
+  Status Synchronize(CUstream_st* stream);
+
   struct Impl;
 
  private:

@@ -27,4 +27,6 @@ Result<GatherResult> CudaTransfer::GatherWrite(const NamespaceHandle&, const Eng
   return Status(StatusCode::kNotSupported, "built without CUDA");
 }
 
+Status CudaTransfer::Synchronize(CUstream_st*) { return Status(StatusCode::kNotSupported, "built without CUDA"); }
+
 }  // namespace cxlkv::transfer

@@ -79,6 +79,13 @@ static int EngineKv(cxlkv_pool* pool, int write) {
     CHECK(cxlkv_get_many_into(store, keys, ids, 2, NULL) == CXLKV_INVALID_ARGUMENT);
   }
   cxlkv_kv_store_close(store);
+  /* Host memory is not a device tensor; here (no GPU, or no CUDA build) the refusal says why. */
+  cxlkv_status dev = cxlkv_kv_store_register_device(pool, &ns, &kEngine, layers, kEngLayers, 0, &store);
+  if (dev == CXLKV_OK) {
+    cxlkv_kv_store_close(store);
+  } else {
+    CHECK(dev == CXLKV_NOT_SUPPORTED && strstr(cxlkv_last_error(), "CUDA") != NULL);
+  }
   cxlkv_layout other = sig;
   other.head_size = 32;
   cxlkv_namespace wrong;

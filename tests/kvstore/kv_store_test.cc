@@ -12,6 +12,10 @@
 
 #include "../transfer/transfer_test_util.h"
 
+#if CXLKV_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
 namespace cxlkv {
 namespace {
 
@@ -214,6 +218,56 @@ TEST(EngineKvStore, ASaveDroppedBeforeFinishPublishesNothingAndAMissLoadsNothing
   (*load)->Wait();
   EXPECT_EQ(b.Block(0), before);
   EXPECT_THAT(d->StartGetManyInto(keys, std::vector<uint32_t>{0, 0}).status().ToString(), HasSubstr("appears twice"));
+}
+
+TEST(EngineKvStore, DeviceTensorsRoundTripOrACleanRefusal) {
+  Fixture f("kvs-device");
+  auto shape = Shape(EngineLayoutKind::kFlashAttn, KvDtype::kFp16, 2, 8, 2, 64);
+  EngineCache a(shape, 1), b(shape, 2);
+  auto ns = f.Ns(a.layout);
+  auto store = EngineKvStore::RegisterDevice(*f.pool, ns, a.layout, 0);
+  if (!store.ok()) {
+    EXPECT_EQ(store.status().code(), StatusCode::kNotSupported) << store.status().ToString();
+    EXPECT_THAT(store.status().message(), HasSubstr(EngineKvStore::DeviceBuilt() ? "CUDA device" : "without CUDA"));
+    GTEST_SKIP() << "no GPU path here: " << store.status().message();
+  }
+#if CXLKV_HAVE_CUDA
+  auto to_device = [](EngineCache& host) {
+    EngineKvLayout d = host.layout;
+    for (uint32_t l = 0; l < d.num_layers(); ++l) {
+      void* p = nullptr;
+      EXPECT_EQ(cudaMalloc(&p, d.LayerTensorBytes()), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(p, host.layout.layers[l], d.LayerTensorBytes(), cudaMemcpyHostToDevice), cudaSuccess);
+      d.layers[l] = static_cast<uint8_t*>(p);
+    }
+    return d;
+  };
+  EngineKvLayout da = to_device(a), db = to_device(b);
+  auto src = EngineKvStore::RegisterDevice(*f.pool, ns, da, 0);
+  auto dst = EngineKvStore::RegisterDevice(*f.pool, ns, db, 0);
+  ASSERT_TRUE(src.ok() && dst.ok());
+  auto keys = Keys(ns, EngineHashes(4, 8));
+  const std::vector<uint32_t> from = {6, 1, 3, 0}, into = {2, 5, 4, 7};
+  auto put = (*src)->PutMany(std::span(keys).first(2), std::span(from).first(2));
+  ASSERT_TRUE(put.ok()) << put.status().ToString();
+  auto save = (*src)->StartPutMany(std::span(keys).subspan(2), std::span(from).subspan(2));
+  ASSERT_TRUE(save.ok());
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE((*save)->LayerComputed(l).ok());
+  ASSERT_EQ((*save)->Finish()->written, 2u);
+  ASSERT_EQ(*(*dst)->GetManyInto(std::span(keys).first(2), std::span(into).first(2)), 2u);
+  auto load = (*dst)->StartGetManyInto(std::span(keys).subspan(2), std::span(into).subspan(2));
+  ASSERT_TRUE(load.ok());
+  (*load)->Wait();
+  load->reset();
+  for (uint32_t l = 0; l < 2; ++l) {
+    ASSERT_EQ(cudaMemcpy(b.layout.layers[l], db.layers[l], b.layout.LayerTensorBytes(), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+  }
+  for (size_t i = 0; i < from.size(); ++i) EXPECT_EQ(b.Block(into[i]), a.Block(from[i])) << i;
+  for (auto* d : {&da, &db}) {
+    for (auto* p : d->layers) cudaFree(p);
+  }
+#endif
 }
 
 }  // namespace
