@@ -20,8 +20,15 @@ Quick start::
         store.get_many_into(keys[:n], other_block_ids) # pool -> engine blocks
 
 Objects: Pool (an opened pool), Namespace (a model's KV layout; keys live in one), KvStore
-(an engine's registered paged tensors). Whole-block put/get for per-page host tensors (SGLang's
-HiCache) are Pool.put and Pool.get. Failures raise cxlkv.Error subclasses named after the
+(an engine's registered paged tensors; CUDA tensors go through the CUDA transfer path where the
+build has one, see cuda_built()), KvLoad and KvSave (layer-wise transfers in flight:
+KvStore.start_get_many_into / start_put_many). Whole-block put/get for per-page host tensors
+(SGLang's HiCache) are Pool.put and Pool.get.
+
+Adapters: cxlkv.vllm.CxlKvConnector (vLLM's KVConnectorBase_V1), cxlkv.sglang.CxlKvHiCacheStorage
+(SGLang's HiCache storage backend); cxlkv.mini_engine drives them in vLLM's call order;
+``python -m cxlkv.bench`` measures this module against the C++ core. docs/integrations.md has
+the details. Failures raise cxlkv.Error subclasses named after the
 core's status codes (InvalidArgumentError is also a ValueError, NotFoundError a LookupError,
 TimeoutError the builtin TimeoutError...), with the core's message saying what to do.
 """
