@@ -91,6 +91,16 @@ cxlkv_status Finish(cxlkv::KvCache& cache, cxlkv::Status (cxlkv::KvCache::*op)(c
     if (!(cond)) return Report(cxlkv::InvalidArgument(std::string(what) + " is null")); \
   } while (0)
 
+// The enum codes of a C engine layout, checked before they are cast to the C++ enums.
+cxlkv::Status CheckLayoutCodes(const cxlkv_engine_layout& c) {
+  if (c.kind > static_cast<uint32_t>(cxlkv::EngineLayoutKind::kMla) ||
+      c.dtype > static_cast<uint32_t>(cxlkv::KvDtype::kFp32)) {
+    return cxlkv::InvalidArgument("register KV buffers: layout kind " + std::to_string(c.kind) + " / dtype " +
+                                  std::to_string(c.dtype) + " unknown (kind 0..2, dtype 0..3)");
+  }
+  return cxlkv::Status::Ok();
+}
+
 // The C struct's fields onto the C++ layout; `layers` null pointers when none are given.
 cxlkv::EngineKvLayout EngineLayout(const cxlkv_engine_layout& c, void* const* layers, uint32_t num_layers) {
   cxlkv::EngineKvLayout l;
@@ -306,11 +316,7 @@ cxlkv_status cxlkv_kv_store_register(cxlkv_pool* pool, const cxlkv_namespace* ns
                                      void* const* layers, uint32_t num_layers, uint32_t copy_threads,
                                      cxlkv_kv_store** out) {
   CXLKV_C_REQUIRE(pool && ns && layout && layers && out, "pool, namespace, layout, layers or out");
-  if (layout->kind > static_cast<uint32_t>(cxlkv::EngineLayoutKind::kMla) || layout->dtype > 3) {
-    return Report(cxlkv::InvalidArgument("register KV buffers: layout kind " + std::to_string(layout->kind) +
-                                         " / dtype " + std::to_string(layout->dtype) +
-                                         " unknown (kind 0..2, dtype 0..3)"));
-  }
+  if (cxlkv::Status s = CheckLayoutCodes(*layout); !s.ok()) return Report(s);
   auto r = cxlkv::EngineKvStore::Register(*pool->cache, Handle(ns), EngineLayout(*layout, layers, num_layers),
                                           copy_threads ? copy_threads : 1);
   if (!r.ok()) return Report(r.status());
@@ -322,11 +328,7 @@ cxlkv_status cxlkv_kv_store_register_device(cxlkv_pool* pool, const cxlkv_namesp
                                             const cxlkv_engine_layout* layout, void* const* layers,
                                             uint32_t num_layers, int cuda_device, cxlkv_kv_store** out) {
   CXLKV_C_REQUIRE(pool && ns && layout && layers && out, "pool, namespace, layout, layers or out");
-  if (layout->kind > static_cast<uint32_t>(cxlkv::EngineLayoutKind::kMla) || layout->dtype > 3) {
-    return Report(cxlkv::InvalidArgument("register KV buffers: layout kind " + std::to_string(layout->kind) +
-                                         " / dtype " + std::to_string(layout->dtype) +
-                                         " unknown (kind 0..2, dtype 0..3)"));
-  }
+  if (cxlkv::Status s = CheckLayoutCodes(*layout); !s.ok()) return Report(s);
   auto r = cxlkv::EngineKvStore::RegisterDevice(*pool->pool, Handle(ns), EngineLayout(*layout, layers, num_layers),
                                                 cuda_device);
   if (!r.ok()) return Report(r.status());

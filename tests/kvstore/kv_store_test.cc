@@ -12,10 +12,6 @@
 
 #include "../transfer/transfer_test_util.h"
 
-#if CXLKV_HAVE_CUDA
-#include <cuda_runtime.h>
-#endif
-
 namespace cxlkv {
 namespace {
 
@@ -232,17 +228,7 @@ TEST(EngineKvStore, DeviceTensorsRoundTripOrACleanRefusal) {
     GTEST_SKIP() << "no GPU path here: " << store.status().message();
   }
 #if CXLKV_HAVE_CUDA
-  auto to_device = [](EngineCache& host) {
-    EngineKvLayout d = host.layout;
-    for (uint32_t l = 0; l < d.num_layers(); ++l) {
-      void* p = nullptr;
-      EXPECT_EQ(cudaMalloc(&p, d.LayerTensorBytes()), cudaSuccess);
-      EXPECT_EQ(cudaMemcpy(p, host.layout.layers[l], d.LayerTensorBytes(), cudaMemcpyHostToDevice), cudaSuccess);
-      d.layers[l] = static_cast<uint8_t*>(p);
-    }
-    return d;
-  };
-  EngineKvLayout da = to_device(a), db = to_device(b);
+  EngineKvLayout da = testing::ToDevice(a), db = testing::ToDevice(b);
   auto src = EngineKvStore::RegisterDevice(*f.pool, ns, da, 0);
   auto dst = EngineKvStore::RegisterDevice(*f.pool, ns, db, 0);
   ASSERT_TRUE(src.ok() && dst.ok());
@@ -264,9 +250,8 @@ TEST(EngineKvStore, DeviceTensorsRoundTripOrACleanRefusal) {
               cudaSuccess);
   }
   for (size_t i = 0; i < from.size(); ++i) EXPECT_EQ(b.Block(into[i]), a.Block(from[i])) << i;
-  for (auto* d : {&da, &db}) {
-    for (auto* p : d->layers) cudaFree(p);
-  }
+  testing::FreeOnDevice(da);
+  testing::FreeOnDevice(db);
 #endif
 }
 

@@ -8,10 +8,6 @@
 #include "transfer/cuda_transfer.h"
 #include "transfer_test_util.h"
 
-#if CXLKV_HAVE_CUDA
-#include <cuda_runtime.h>
-#endif
-
 namespace cxlkv {
 namespace {
 
@@ -31,18 +27,7 @@ TEST(CudaTransfer, RoundTripThroughDeviceTensorsOrACleanSkip) {
 #if CXLKV_HAVE_CUDA
   auto shape = Shape(EngineLayoutKind::kFlashAttn, KvDtype::kFp16, 8, 8, 4, 128);
   EngineCache src(shape, 21), back(shape, 22);
-  // Device copies of the engine's per-layer tensors.
-  auto to_device = [&](EngineCache& host) {
-    EngineKvLayout d = host.layout;
-    for (uint32_t l = 0; l < d.num_layers(); ++l) {
-      void* p = nullptr;
-      EXPECT_EQ(cudaMalloc(&p, d.LayerTensorBytes()), cudaSuccess);
-      EXPECT_EQ(cudaMemcpy(p, host.layout.layers[l], d.LayerTensorBytes(), cudaMemcpyHostToDevice), cudaSuccess);
-      d.layers[l] = static_cast<uint8_t*>(p);
-    }
-    return d;
-  };
-  EngineKvLayout dsrc = to_device(src), dback = to_device(back);
+  EngineKvLayout dsrc = testing::ToDevice(src), dback = testing::ToDevice(back);
   auto ns = f.Ns(shape, "cuda");
   std::vector<uint32_t> ids = {5, 1, 7, 2};
   auto keys = KvCache::ChainKeys(ns, testing::Tokens(31, 16 * ids.size(), 0, 0));

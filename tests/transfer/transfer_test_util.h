@@ -9,6 +9,10 @@
 #include "../cache/cache_test_util.h"
 #include "transfer/transfer.h"
 
+#if CXLKV_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
 namespace cxlkv::testing {
 
 // An engine cache: one allocation per layer, filled from a seed.
@@ -38,6 +42,24 @@ struct EngineCache {
     return out;
   }
 };
+
+#if CXLKV_HAVE_CUDA
+// A device copy of an engine cache's per-layer tensors (the layout's pointers are then device
+// pointers); FreeOnDevice releases them.
+inline EngineKvLayout ToDevice(const EngineCache& host) {
+  EngineKvLayout d = host.layout;
+  for (uint32_t l = 0; l < d.num_layers(); ++l) {
+    void* p = nullptr;
+    EXPECT_EQ(cudaMalloc(&p, d.LayerTensorBytes()), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(p, host.layout.layers[l], d.LayerTensorBytes(), cudaMemcpyHostToDevice), cudaSuccess);
+    d.layers[l] = static_cast<uint8_t*>(p);
+  }
+  return d;
+}
+inline void FreeOnDevice(EngineKvLayout& d) {
+  for (auto* p : d.layers) cudaFree(p);
+}
+#endif
 
 inline EngineKvLayout Shape(EngineLayoutKind kind, KvDtype dtype, uint32_t layers, uint32_t blocks, uint32_t heads,
                      uint32_t head_size, uint32_t tp_rank = 0, uint32_t tp_size = 1) {
