@@ -88,6 +88,7 @@ struct BlockPin {
   uint32_t tier = 0;              // 0: the shared region (a pin is always on tier 0: blocks on
                                   // capacity tiers are brought in before they are pinned)
   uint64_t checksum = 0;          // xxh3-64 of the payload, 0 when checksums are off
+  uint64_t pin_word = 0;          // where the pin is held (opaque: Release finds it faster with it)
 };
 
 struct LookupResult {

@@ -65,6 +65,7 @@ typedef struct {
 typedef struct {
   uint32_t slot, tier;
   uint64_t generation, offset, bytes, checksum;
+  uint64_t pin_word; /* opaque: where the pin is held; pass pins back unchanged */
 } cxlkv_pin;
 
 typedef struct {

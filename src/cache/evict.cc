@@ -9,7 +9,7 @@
 namespace cxlkv::cache {
 
 namespace {
-// Entries and pin words are scanned in batches: one invalidate + read per batch.
+// Entries and access stamps are scanned in batches: one invalidate + read per batch.
 constexpr uint64_t kScanBatch = 1024;
 }  // namespace
 
@@ -26,14 +26,14 @@ void Index::ScanEntries(Fn fn) {
 }
 
 template <typename Fn>
-void Index::ScanPinRow(uint32_t node, Fn fn) {
+void Index::ScanStampRow(uint32_t node, Fn fn) {
   const uint64_t entries = layout_.entries();
-  std::vector<uint64_t> pins(kScanBatch);
+  std::vector<uint64_t> stamps(kScanBatch);
   for (uint64_t first = 0; first < entries; first += kScanBatch) {
     uint64_t n = std::min(kScanBatch, entries - first);
-    if (!CacheIsTable()) meta_.Invalidate(layout_.pin(node, first), n * 8);
-    meta_.Read(layout_.pin(node, first), pins.data(), n * 8);
-    for (uint64_t i = 0; i < n; ++i) fn(first + i, pins[i]);
+    if (!CacheIsTable()) meta_.Invalidate(layout_.stamp(node, first), n * 8);
+    meta_.Read(layout_.stamp(node, first), stamps.data(), n * 8);
+    for (uint64_t i = 0; i < n; ++i) fn(first + i, stamps[i]);
   }
 }
 
@@ -54,24 +54,55 @@ void Index::TombstoneLocked(uint64_t slot, uint64_t gen) {
   }
 }
 
-bool Index::AnyPins(uint64_t slot) {
-  for (uint32_t node = 0; node < layout_.h.max_nodes; ++node) {
-    if (PinCount(FetchTableWord(layout_.pin(node, slot))) != 0) return true;  // P2: node wrote it
-  }
-  return false;
-}
-
 bool Index::TryEvictLocked(uint64_t slot, uint64_t gen, uint64_t* payload, uint64_t* bytes) {
+  *payload = 0;
+  *bytes = 0;
   const uint64_t off = layout_.entry(slot);
-  if (FetchTableWord(off) != StateWord(gen, kReady)) return false;
+  const Entry e = ReadEntry(slot);
+  if (e.state != StateWord(gen, kReady)) return false;
   meta_.Publish(off, StateWord(gen, kEvicting));
   MaybeCrash(CrashPoint::kEvictAfterMark);
   // EVICTING is flushed; a pinner whose pin we do not see now will see EVICTING and back off.
-  if (AnyPins(slot)) {
+  if (AnyPins(e.key_lo, e.key_hi)) {
     meta_.Publish(off, StateWord(gen, kReady));
     return false;
   }
-  Entry e = ReadEntry(slot);
+  FinishEvictLocked(slot, gen, e, payload, bytes);
+  return true;
+}
+
+uint64_t Index::TryEvictManyLocked(std::span<const std::pair<uint64_t, uint64_t>> slot_gens, uint64_t* evicted) {
+  // Mark all, then read the pin tables once: the argument of TryEvictLocked holds for each.
+  struct Marked {
+    uint64_t slot, gen;
+    Entry e;
+  };
+  std::vector<Marked> marked;
+  marked.reserve(slot_gens.size());
+  for (auto [slot, gen] : slot_gens) {
+    const Entry e = ReadEntry(slot);
+    if (e.state != StateWord(gen, kReady)) continue;
+    meta_.Publish(layout_.entry(slot), StateWord(gen, kEvicting));
+    marked.push_back({slot, gen, e});
+  }
+  if (marked.empty()) return 0;
+  MaybeCrash(CrashPoint::kEvictAfterMark);
+  const std::vector<uint64_t> pinned = PinnedFingerprints();
+  uint64_t freed = 0;
+  for (const Marked& m : marked) {
+    if (Pinned(pinned, m.e.key_lo, m.e.key_hi)) {
+      meta_.Publish(layout_.entry(m.slot), StateWord(m.gen, kReady));
+      continue;
+    }
+    uint64_t payload, bytes;
+    FinishEvictLocked(m.slot, m.gen, m.e, &payload, &bytes);
+    freed += bytes;
+    if (evicted != nullptr) ++*evicted;
+  }
+  return freed;
+}
+
+void Index::FinishEvictLocked(uint64_t slot, uint64_t gen, const Entry& e, uint64_t* payload, uint64_t* bytes) {
   if (e.tier != kTierRegion) {
     // A capacity entry holds no region space: it goes, and its device slot is the owner's to
     // reclaim (the owner's cxlkvd reconciles its slots with the entries that name them).
@@ -80,7 +111,7 @@ bool Index::TryEvictLocked(uint64_t slot, uint64_t gen, uint64_t* payload, uint6
     Add(kTierDrops, 1);
     *payload = 0;
     *bytes = 0;
-    return true;
+    return;
   }
   // Free while the entry still names the payload (EVICTING counts as reachable for the
   // allocator's recovery, so that recovery cannot free it too), then tombstone. A crash in
@@ -93,7 +124,6 @@ bool Index::TryEvictLocked(uint64_t slot, uint64_t gen, uint64_t* payload, uint6
   Add(kBytesReleased, e.bytes);
   *payload = e.payload;
   *bytes = e.bytes;
-  return true;
 }
 
 uint64_t Index::RepairStripeLocked(uint32_t stripe, const DeadWriter* dead, std::vector<uint64_t>* dead_payloads) {
@@ -155,20 +185,20 @@ std::vector<Index::TierBlock> Index::LruReady(const std::function<bool(const Ent
                      e.stamp_us});
   });
   if (cands.empty()) return cands;
-  // Last access = the latest stamp any node left in its pin word (pin or release time).
-  std::vector<bool> pinned(cands.size(), false);
+  // Last access = the latest stamp any node left (release time), or the commit's.
   for (uint32_t node = 0; node < layout_.h.max_nodes; ++node) {
-    ScanPinRow(node, [&](uint64_t slot, uint64_t word) {
-      if (word == 0 || slot_to_cand[slot] == UINT64_MAX) return;
-      const uint64_t c = slot_to_cand[slot];
-      cands[c].stamp = std::max(cands[c].stamp, PinStamp(word));
-      if (PinCount(word) != 0) pinned[c] = true;
+    ScanStampRow(node, [&](uint64_t slot, uint64_t stamp) {
+      if (stamp == 0 || slot_to_cand[slot] == UINT64_MAX) return;
+      TierBlock& c = cands[slot_to_cand[slot]];
+      c.stamp = std::max(c.stamp, stamp);
     });
   }
+  // Pinned ones are left out of the choice; the evictor checks again after marking.
+  const std::vector<uint64_t> pinned = skip_pinned ? PinnedFingerprints() : std::vector<uint64_t>{};
   std::vector<TierBlock> out;
   out.reserve(cands.size());
-  for (size_t i = 0; i < cands.size(); ++i) {
-    if (!pinned[i] || !skip_pinned) out.push_back(cands[i]);
+  for (const TierBlock& c : cands) {
+    if (!skip_pinned || !Pinned(pinned, c.key.lo, c.key.hi)) out.push_back(c);
   }
   std::stable_sort(out.begin(), out.end(), [](const TierBlock& a, const TierBlock& b) { return a.stamp < b.stamp; });
   return out;
@@ -189,10 +219,10 @@ uint64_t Index::EvictLru(uint64_t target) {
   uint64_t freed = 0;
   for (auto& [stripe, list] : by_stripe) {
     if (!LockStripe(stripe).ok()) continue;
-    for (const TierBlock* c : list) {
-      uint64_t payload, bytes;
-      if (TryEvictLocked(c->slot, c->gen, &payload, &bytes)) freed += bytes;
-    }
+    std::vector<std::pair<uint64_t, uint64_t>> victims;
+    victims.reserve(list.size());
+    for (const TierBlock* c : list) victims.push_back({c->slot, c->gen});
+    freed += TryEvictManyLocked(victims);
     UnlockStripe(stripe);
   }
   return freed;
@@ -219,12 +249,13 @@ Result<uint64_t> Index::EvictAll() {
   uint64_t evicted = 0;
   for (uint32_t stripe = 0; stripe < layout_.h.stripes; ++stripe) {
     CXLKV_RETURN_IF_ERROR(LockStripe(stripe));
+    std::vector<std::pair<uint64_t, uint64_t>> victims;
     for (uint32_t i = 0; i < layout_.h.slots_per_stripe; ++i) {
       const uint64_t slot = SlotAt(stripe, i);
       uint64_t w = FetchTableWord(layout_.entry(slot));
-      uint64_t payload, bytes;
-      if (StateOf(w) == kReady && TryEvictLocked(slot, GenOf(w), &payload, &bytes)) ++evicted;
+      if (StateOf(w) == kReady) victims.push_back({slot, GenOf(w)});
     }
+    TryEvictManyLocked(victims, &evicted);
     UnlockStripe(stripe);
   }
   return evicted;
@@ -283,10 +314,9 @@ void Index::Recover(uint32_t node, uint64_t inc) {
     std::fprintf(stderr, "cxlkv: cache: recovering node %u's life %llu: %zu stripe(s) stayed locked; their entries "
                  "of that life are reclaimed when met\n", node, static_cast<unsigned long long>(inc), unrepaired.size());
   }
-  // The dead node's pins: it writes its row no more; recovery takes the row over (P5).
-  ScanPinRow(node, [&](uint64_t slot, uint64_t word) {
-    if (PinCount(word) != 0) meta_.Publish(layout_.pin(node, slot), PinWord(PinStamp(word), 0));
-  });
+  // The dead life's pins: it writes its pages no more; recovery takes them over (P5). Only
+  // that life's: a next life of the node may pin in the row already.
+  DropPinPages(node, &dead);
   PublishCounters();
 }
 
@@ -317,6 +347,8 @@ bool Index::RecoverProcess(uint32_t slot, uint64_t inc, bool stop_at_first_miss)
     RepairStripeLocked(stripe, &dead, &payloads);
     UnlockStripe(stripe);
   }
+  // Its pins: the process holds them no more.
+  DropPinPages(node_.id(), &dead);
   // The payloads are this node's own objects: no one else frees them while the node lives.
   for (uint64_t p : payloads) FreePayload(p, 0);
   if (!payloads.empty()) PublishCounters();
@@ -343,18 +375,13 @@ void Index::BecomeCentralWriter(std::function<Status()> fence) {
     // The lines this process cached before the role (as a client, or in an earlier role) may
     // predate the last writer's: drop them all once, then the cache is the table (CacheIsTable).
     meta_.Invalidate(layout_.entry(0), layout_.entries() * sizeof(Entry));
-    meta_.Invalidate(layout_.pin(0, 0), uint64_t{layout_.h.max_nodes} * layout_.entries() * 8);
+    meta_.Invalidate(layout_.stamp(0, 0), uint64_t{layout_.h.max_nodes} * layout_.entries() * 8);
+    meta_.Invalidate(layout_.pin_dir(0), IndexAreaBytes(layout_.h) - layout_.pin_dir(0));
     RefreshOtherRows();
   }
   central_fence_ = std::move(fence);
   pinned_life_.assign(layout_.h.max_nodes, kUnknownLife);
   central_writer_.store(static_cast<bool>(central_fence_), std::memory_order_release);
-}
-
-void Index::DropPinRow(uint32_t node) {
-  ScanPinRow(node, [&](uint64_t slot, uint64_t word) {
-    if (PinCount(word) != 0) meta_.Publish(layout_.pin(node, slot), PinWord(PinStamp(word), 0));
-  });
 }
 
 Status Index::ActFor(uint32_t node, uint64_t writer) {
@@ -389,6 +416,7 @@ uint64_t Index::ReclaimWriter(uint32_t node, uint64_t inc, int64_t slot) {
     n += RepairStripeLocked(stripe, &dead, &payloads);
     UnlockStripe(stripe);
   }
+  DropPinPages(node, &dead);
   for (uint64_t p : payloads) FreePayload(p, 0);
   if (n != 0) PublishCounters();
   return n;

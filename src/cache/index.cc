@@ -56,13 +56,25 @@ IndexHeader PlanIndex(const IndexOptions& o, uint64_t data_bytes, uint32_t max_n
   const uint64_t all = uint64_t{h.stripes} * h.slots_per_stripe;
   h.namespaces_offset = kIndexHeaderBytes;
   h.entries_offset = h.namespaces_offset + kMaxNamespaces * sizeof(NamespaceSlot);
-  h.pins_offset = h.entries_offset + all * sizeof(Entry);
-  h.counters_offset = h.pins_offset + uint64_t{max_nodes} * all * 8;
+  h.stamps_offset = h.entries_offset + all * sizeof(Entry);
+  h.counters_offset = h.stamps_offset + uint64_t{max_nodes} * all * 8;
+  h.pin_pages = PinPagesFor(all);
+  IndexLayout l;
+  l.h = h;
+  // Whole lines from here: each node's directory and pages are its own lines (P5).
+  h.pin_dirs_offset = (h.counters_offset + uint64_t{max_nodes} * kCounterRowBytes + 63) / 64 * 64;
+  h.pin_pages_offset = h.pin_dirs_offset + uint64_t{max_nodes} * l.pin_dir_words() * 8;
   return h;
 }
 
+uint32_t PinPagesFor(uint64_t entries) {
+  // Room for every entry pinned once by one node, within [kMinPinPages, kMaxPinPages].
+  const uint64_t pages = std::clamp<uint64_t>((entries + kPinsPerPage - 1) / kPinsPerPage, kMinPinPages, kMaxPinPages);
+  return static_cast<uint32_t>((pages + 63) / 64 * 64);
+}
+
 uint64_t IndexAreaBytes(const IndexHeader& h) {
-  return h.counters_offset + uint64_t{h.max_nodes} * kCounterRowBytes;
+  return h.pin_pages_offset + uint64_t{h.max_nodes} * h.pin_pages * kPinPageBytes;
 }
 
 Result<IndexLayout> ReadLayout(Region& region) {
@@ -111,13 +123,20 @@ Result<IndexLayout> ReadLayout(Region& region) {
   const uint64_t all = l.entries();
   const uint64_t ns = area->offset + kIndexHeaderBytes;
   const uint64_t entries = ns + kMaxNamespaces * sizeof(NamespaceSlot);
-  const uint64_t pins = entries + all * sizeof(Entry);
-  const uint64_t counters = pins + uint64_t{l.h.max_nodes} * all * 8;
+  const uint64_t stamps = entries + all * sizeof(Entry);
+  const uint64_t counters = stamps + uint64_t{l.h.max_nodes} * all * 8;
+  const uint64_t pin_dirs = (counters + uint64_t{l.h.max_nodes} * kCounterRowBytes + 63) / 64 * 64;
   if (l.h.namespaces_offset != ns) return bad("namespaces_offset", l.h.namespaces_offset, std::to_string(ns));
   if (l.h.entries_offset != entries) return bad("entries_offset", l.h.entries_offset, std::to_string(entries));
-  if (l.h.pins_offset != pins) return bad("pins_offset", l.h.pins_offset, std::to_string(pins));
+  if (l.h.stamps_offset != stamps) return bad("stamps_offset", l.h.stamps_offset, std::to_string(stamps));
   if (l.h.counters_offset != counters) return bad("counters_offset", l.h.counters_offset, std::to_string(counters));
-  if (counters + uint64_t{l.h.max_nodes} * kCounterRowBytes > area->offset + area->size) {
+  if (l.h.pin_pages != PinPagesFor(all)) return bad("pin_pages", l.h.pin_pages, std::to_string(PinPagesFor(all)));
+  if (l.h.pin_dirs_offset != pin_dirs) return bad("pin_dirs_offset", l.h.pin_dirs_offset, std::to_string(pin_dirs));
+  const uint64_t pin_pages = pin_dirs + uint64_t{l.h.max_nodes} * l.pin_dir_words() * 8;
+  if (l.h.pin_pages_offset != pin_pages) {
+    return bad("pin_pages_offset", l.h.pin_pages_offset, std::to_string(pin_pages));
+  }
+  if (pin_pages + uint64_t{l.h.max_nodes} * l.h.pin_pages * kPinPageBytes > area->offset + area->size) {
     return bad("slots_per_stripe", l.h.slots_per_stripe,
                "an index that fits its area of " + std::to_string(area->size) + " bytes");
   }
@@ -127,7 +146,9 @@ Result<IndexLayout> ReadLayout(Region& region) {
 Index::Index(Region& region, IndexLayout layout, sync::Node& node, alloc::Allocator& allocator)
     : region_(region), meta_(region.impl().meta()), layout_(layout), node_(node), allocator_(allocator),
       capacity_(layout.h.capacity_bytes ? std::min(layout.h.capacity_bytes, allocator.data_bytes())
-                                        : allocator.data_bytes()) {}
+                                        : allocator.data_bytes()) {
+  InvalidateOwnPinRow();
+}
 
 void Index::PublishCounters() { meta_.Flush(layout_.counter(node_.id(), kLookups), kCounterRowBytes); }
 
@@ -171,18 +192,6 @@ Index::Probe Index::Find(const BlockKey& key) {
 
 // ---- lookup and pins ----
 
-bool Index::PinAddLocal(uint64_t slot, int64_t delta, uint64_t stamp) {
-  const uint64_t off = layout_.pin(PinRow(), slot);
-  uint64_t old = meta_.Load(off);
-  for (;;) {
-    uint64_t count = PinCount(old);
-    if (delta < 0 && count == 0) return false;  // nothing to release (recovery dropped it)
-    if (delta > 0 && count == kPinCountMask) return false;  // saturated: 65535 pins of one node
-    uint64_t next = PinWord(std::max(PinStamp(old), stamp), delta < 0 ? count - 1 : count + 1);
-    if (meta_.LocalCompareExchange(off, old, next)) return true;
-  }
-}
-
 Result<LookupResult> Index::Lookup(const NamespaceHandle& ns, std::span<const BlockKey> keys, bool pin) {
   return LookupImpl(ns, keys, pin, /*count=*/true);
 }
@@ -191,17 +200,34 @@ Result<LookupResult> Index::LookupImpl(const NamespaceHandle& ns, std::span<cons
                                        bool count) {
   CXLKV_RETURN_IF_ERROR(CheckHandle(ns));
   LookupResult out;
-  // 1. Every key's home slot at once: one batch of invalidations, so the misses overlap.
+  // 1. Pin first: the fingerprints of every key go into consecutive words of this node's pin
+  //    table, published (clflush: P1) before any entry is read. An evictor publishes EVICTING
+  //    and then reads the pin tables, so for each key either it sees our pin and backs off, or
+  //    our read below sees EVICTING (or the slot's next life) and the hit ends there. Keys past
+  //    the hit are unpinned at the end.
+  std::vector<uint64_t> pin_words;
+  const uint64_t owner = pin ? MyWriterWord() : 0;
+  const uint32_t row = PinRow();
+  if (pin && !keys.empty()) {
+    std::vector<uint64_t> lines;
+    pin_words = WritePinWords(row, owner, keys, &lines);
+    if (pin_words.empty()) {
+      return NoSpace("node " + std::to_string(row) + "'s pin table is full (" + std::to_string(layout_.h.pin_pages) +
+                     " pages of " + std::to_string(kPinsPerPage) + " pins): release pins (a reader that never "
+                     "releases holds them), or re-create the pool with more index entries");
+    }
+    keys = keys.first(pin_words.size());  // a full table pins a shorter prefix
+    if (!test_skip_pin_flush_.load(std::memory_order_relaxed)) [[likely]] meta_.FlushEach(lines, 64);
+  }
+  // 2. Every key's home slot at once: one batch of invalidations, so the misses overlap.
   //    A key that is not at home (a collision) is probed one slot at a time.
   std::vector<uint64_t> offs(keys.size());
   for (size_t i = 0; i < keys.size(); ++i) {
     offs[i] = layout_.entry(SlotAt(StripeOf(keys[i]), keys[i].hi % layout_.h.slots_per_stripe));
   }
   if (!CacheIsTable()) meta_.InvalidateEach(offs, sizeof(Entry));
-  std::vector<uint64_t> slots, states;
-  slots.reserve(keys.size());
-  states.reserve(keys.size());
   out.pins.reserve(keys.size());
+  Status bad = Status::Ok();
   for (size_t i = 0; i < keys.size(); ++i) {
     const BlockKey& key = keys[i];
     Entry e = meta_.ReadStruct<Entry>(offs[i]);
@@ -215,9 +241,10 @@ Result<LookupResult> Index::LookupImpl(const NamespaceHandle& ns, std::span<cons
       e = p.entry;
     }
     if (e.ns != ns.id) {
-      return InvalidArgument("a key was made in namespace " + std::to_string(e.ns) + ", not " +
-                             std::to_string(ns.id) + ": keys are namespace-specific; make them with "
-                             "ChainKeys/KeyFromEngineHash of the namespace you look up in");
+      bad = InvalidArgument("a key was made in namespace " + std::to_string(e.ns) + ", not " +
+                            std::to_string(ns.id) + ": keys are namespace-specific; make them with "
+                            "ChainKeys/KeyFromEngineHash of the namespace you look up in");
+      break;
     }
     if (StateOf(e.state) != kReady) break;
     // A block on a capacity tier ends the pinned hit; the READY run from it on is reported so
@@ -229,42 +256,27 @@ Result<LookupResult> Index::LookupImpl(const NamespaceHandle& ns, std::span<cons
     // Untrusted (issue 12): a READY entry's payload is handed out as a pointer; it must lie in
     // a data area of this pool, or the region is damaged.
     if (e.bytes == 0 || !allocator_.Contains(alloc::ObjectOffset(e.payload), e.bytes)) [[unlikely]] {
-      return Corrupted("index slot " + std::to_string(slot) + " names payload " + std::to_string(e.payload) +
-                       " of " + std::to_string(e.bytes) + " bytes outside the pool's data areas: the "
-                       "region is damaged; run 'cxlkv check'");
+      bad = Corrupted("index slot " + std::to_string(slot) + " names payload " + std::to_string(e.payload) +
+                      " of " + std::to_string(e.bytes) + " bytes outside the pool's data areas: the "
+                      "region is damaged; run 'cxlkv check'");
+      break;
     }
-    slots.push_back(slot);
-    states.push_back(e.state);
-    out.pins.push_back(BlockPin{static_cast<uint32_t>(slot), GenOf(e.state), e.payload, e.bytes, e.tier, e.checksum});
+    out.pins.push_back(BlockPin{static_cast<uint32_t>(slot), GenOf(e.state), e.payload, e.bytes, e.tier, e.checksum,
+                                pin ? pin_words[i] : 0});
   }
-  if (pin && !slots.empty()) {
-    // 2. Pin them all, publish the pins (clflush: P1), then 3. re-fetch every state word. An
-    //    evictor that missed our pin published EVICTING (or reused the slot) before the pin
-    //    landed, and we see that now; the hit ends at the first entry that changed.
-    const uint64_t stamp = NowStamp();
-    std::vector<uint64_t> pin_offs;
-    pin_offs.reserve(slots.size());
-    size_t pinned = 0;
-    for (; pinned < slots.size() && PinAddLocal(slots[pinned], +1, stamp); ++pinned) {
-      pin_offs.push_back(layout_.pin(PinRow(), slots[pinned]));
+  if (!bad.ok()) out.pins.clear();
+  if (pin && !pin_words.empty()) {
+    // 3. The words of keys past the pinned hit go back (a capacity run is not pinned: its
+    //    owners bring it in, and LookupMore pins it then).
+    const size_t kept = out.pins.size();
+    if (kept < pin_words.size()) {
+      std::vector<uint64_t> lines;
+      ClearPinWords(row, owner, std::span<const uint64_t>(pin_words).subspan(kept), &lines);
+      meta_.FlushEach(lines, 64);
     }
-    if (!test_skip_pin_flush_.load(std::memory_order_relaxed)) [[likely]] meta_.FlushEach(pin_offs, 8);
-    for (size_t i = 0; i < pinned; ++i) offs[i] = layout_.entry(slots[i]);
-    offs.resize(pinned);
-    if (!CacheIsTable()) meta_.InvalidateEach(offs, 8);
-    size_t valid = 0;
-    while (valid < pinned && meta_.Load(offs[valid]) == states[valid]) ++valid;
-    if (valid < pinned) {
-      pin_offs.clear();
-      for (size_t i = valid; i < pinned; ++i) {
-        PinAddLocal(slots[i], -1, 0);
-        pin_offs.push_back(layout_.pin(PinRow(), slots[i]));
-      }
-      meta_.FlushEach(pin_offs, 8);
-      out.capacity_run = 0;  // the hit ended before the capacity run
-    }
-    out.pins.resize(valid);
+    if (central_writer() && kept != 0) RememberPins(owner, out.pins);
   }
+  if (!bad.ok()) return bad;
   out.hit_blocks = out.pins.size();
   // A central writer answers for a client, which counts its lookup on its own node's row.
   if (pin && count && !central_writer()) CountLookup(ns, keys.size(), out.hit_blocks);
@@ -305,15 +317,7 @@ void Index::CountLookup(const NamespaceHandle& ns, size_t asked, size_t hit) {
   if (hit == 0) Add(kZeroHitLookups, 1);
 }
 
-void Index::Release(std::span<const BlockPin> pins) {
-  const uint64_t stamp = NowStamp();  // the last access ends now: LRU by release time
-  std::vector<uint64_t> pin_offs;
-  pin_offs.reserve(pins.size());
-  for (const BlockPin& p : pins) {
-    if (p.slot < layout_.entries() && PinAddLocal(p.slot, -1, stamp)) pin_offs.push_back(layout_.pin(PinRow(), p.slot));
-  }
-  meta_.FlushEach(pin_offs, 8);  // P1: evictors read these
-}
+void Index::Release(std::span<const BlockPin> pins) { ReleasePins(pins); }
 
 // ---- insert ----
 

@@ -3,14 +3,14 @@
 // two-tier lock of the key's stripe (lock striping: unrelated keys do not contend).
 //
 // Protocol (docs/protocol.md, "prefix index"):
-//   lookup   invalidate + read the entry; if READY: add a pin in this node's pin word, flush
-//            it, re-fetch the state word; unchanged → pinned; changed → unpin, miss.
+//   lookup   write the chain's key fingerprints into this node's pin table and flush them,
+//            then invalidate + read the entries; the READY prefix is pinned, the rest unpinned.
 //   reserve  allocate the payload, then under the stripe lock claim a slot: WRITING with this
 //            life's writer word, flushed by the release.
 //   commit   under the stripe lock, fenced: still WRITING by this life → flush checksum/stamp,
 //            then publish READY (a writer paused past its lease commits nothing).
-//   evict    under the stripe lock: publish EVICTING, fetch every node's pin word for the
-//            slot; any pin → publish READY again; none → free the payload, publish TOMBSTONE.
+//   evict    under the stripe lock: publish EVICTING, read every node's pin table; the key
+//            pinned → publish READY again; not → free the payload, publish TOMBSTONE.
 // A pinner writes its pin then reads the state; an evictor writes the state then reads the
 // pins: with both flushed before the read, at least one of them sees the other.
 //
@@ -22,7 +22,9 @@
 #include <atomic>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <mutex>
+#include <unordered_map>
 #include <span>
 #include <string>
 #include <vector>
@@ -39,6 +41,11 @@ namespace cxlkv::cache {
 // Reads the index header of `region` (the pool's first). kNotFound when the pool has none;
 // kCorrupted / kVersionMismatch when it is damaged or from another build.
 Result<IndexLayout> ReadLayout(Region& region);
+
+// Calls fn(word offset, key fingerprint) for every pin `node`'s pin table holds (the pages its
+// directory lists). `invalidate`: drop this host's copies first (P2).
+void ReadPinTable(region::MetaAccess& meta, const IndexLayout& l, uint32_t node, bool invalidate,
+                  const std::function<void(uint64_t word, uint64_t fingerprint)>& fn);
 
 class Index final : public IndexApi {
  public:
@@ -116,6 +123,8 @@ class Index final : public IndexApi {
   bool RecoverProcess(uint32_t slot, uint64_t inc, bool stop_at_first_miss = false);
   // At close: what this process reserved and never committed or aborted goes, as if it died.
   void AbandonOpenReservations();
+  // At close: frees this process's pin pages (its open page, and pins a reader never released).
+  void ReleaseProcessPins();
   // Reachability for the allocator's recovery: payloads of READY and EVICTING entries.
   void AppendReachable(std::vector<uint64_t>& out);
   // Publishes this node's counters (the membership thread calls it every beat).
@@ -134,15 +143,15 @@ class Index final : public IndexApi {
   // replaces the stripe lock's check before every commit. An empty `fence` ends the role.
   void BecomeCentralWriter(std::function<Status()> fence);
   bool central_writer() const { return central_writer_.load(std::memory_order_acquire); }
-  // Rule P2 (invalidate before reading what others write) for entries and pin words. A central
+  // Rule P2 (invalidate before reading what others write) for entries and pin tables. A central
   // writer is their only writer: BecomeCentralWriter invalidates them all once, and from then on
   // the lines in its cache are the table, so its reads skip the invalidate (Beluga's service
   // keeps the index in its own cache). Everyone else invalidates every read.
   bool CacheIsTable() const { return central_writer(); }
-  // One word of an entry or a pin row, read under rule P2 (see CacheIsTable).
+  // One word of an entry or a pin table, read under rule P2 (see CacheIsTable).
   uint64_t FetchTableWord(uint64_t off) { return CacheIsTable() ? meta_.Load(off) : meta_.Fetch(off); }
   // The client the central writer acts for in the next operations (the service's thread only):
-  // its writer word goes on reservations, its node's row of pin words takes its pins.
+  // its writer word goes on reservations, its node's pin table takes its pins.
   // Refused (kLeaseExpired) when that life is over in this process's view: a paused client's
   // late request must not touch the row its node's next life pins in. A first request of a
   // node's new life drops the pins its previous life left.
@@ -263,7 +272,7 @@ class Index final : public IndexApi {
   uint64_t MyWriterWord() const {
     return central_writer() ? actor_writer_ : WriterWord(node_.id(), node_.incarnation(), node_.process_slot());
   }
-  // The row of pin words this operation writes: this node's, or the client's a central writer
+  // The pin table this operation writes: this node's, or the client's a central writer
   // acts for (the service is then every row's one writer).
   uint32_t PinRow() const { return central_writer() ? actor_node_ : node_.id(); }
   // REQUIRES: stripe lock held. Publishes TOMBSTONE (and turns a tombstone run that ends at an
@@ -272,9 +281,15 @@ class Index final : public IndexApi {
   // REQUIRES: stripe lock held. Tries to evict `slot` at generation `gen`; returns the payload
   // (offset, bytes) to free after the lock is released, or bytes = 0 when pinned or changed.
   bool TryEvictLocked(uint64_t slot, uint64_t gen, uint64_t* payload, uint64_t* bytes);
-  bool AnyPins(uint64_t slot);
+  // REQUIRES: stripe lock held; `e` READY at `gen` was published EVICTING and no pin was seen
+  // after that. Frees the payload and tombstones.
+  void FinishEvictLocked(uint64_t slot, uint64_t gen, const Entry& e, uint64_t* payload, uint64_t* bytes);
+  // REQUIRES: the stripe lock of each. Evicts those still READY at their generation and
+  // unpinned, reading the pin tables once for all. Returns the bytes freed; adds the count to
+  // `*evicted` when given.
+  uint64_t TryEvictManyLocked(std::span<const std::pair<uint64_t, uint64_t>> slot_gens, uint64_t* evicted = nullptr);
   // READY entries (and EVICTING ones when `with_evicting`) that `want` accepts, with their last
-  // access (the latest of the entry's stamp and every node's pin-word stamp), least recently used
+  // access (the latest of the entry's stamp and every node's access stamp), least recently used
   // first; pinned ones left out when `skip_pinned`.
   std::vector<TierBlock> LruReady(const std::function<bool(const Entry&)>& want, bool skip_pinned = true,
                                   bool with_evicting = false);
@@ -282,11 +297,39 @@ class Index final : public IndexApi {
   bool MoveLocked(const TierMove& m);
   // REQUIRES: stripe lock taken. True while this process surely still holds it (the lease fence).
   bool HoldsStripeFenced(uint32_t stripe);
-  // Every entry / every pin word of `node`'s row, read in batches (one invalidate + read each).
+  // Every entry / every access stamp of `node`'s row, read in batches (one invalidate + read each).
   template <typename Fn>
   void ScanEntries(Fn fn);  // fn(slot, const Entry&)
   template <typename Fn>
-  void ScanPinRow(uint32_t node, Fn fn);  // fn(slot, word)
+  void ScanStampRow(uint32_t node, Fn fn);  // fn(slot, stamp)
+
+  // ---- pin tables (pins.cc; docs/protocol.md, "Pins") ----
+  // Writes the fingerprints of `keys` into consecutive pin words of `owner` (a WriterWord) in
+  // `row`, claiming pages as needed, and appends the lines to publish. Returns one word per
+  // key pinned: fewer than keys.size() when the node's table is full.
+  std::vector<uint64_t> WritePinWords(uint32_t row, uint64_t owner, std::span<const BlockKey> keys,
+                                      std::vector<uint64_t>* lines);
+  // Zeroes these words of `owner`'s pages and frees pages left empty; appends the lines.
+  void ClearPinWords(uint32_t row, uint64_t owner, std::span<const uint64_t> words, std::vector<uint64_t>* lines);
+  void ClearPinWordsLocked(uint32_t row, uint64_t owner, std::span<const uint64_t> words,
+                           std::vector<uint64_t>* lines);
+  // A central writer remembers which word holds each client's pin (the RPC carries the slot).
+  void RememberPins(uint64_t owner, std::span<const BlockPin> pins);
+  uint64_t FindPinWordLocked(uint32_t row, uint64_t owner, const BlockPin& pin);
+  bool OwnPinWord(uint32_t row, uint64_t owner, uint64_t word);
+  void ReleasePins(std::span<const BlockPin> pins);
+  uint64_t ClaimPinPage(uint32_t row, uint64_t owner, std::vector<uint64_t>* lines);
+  void FreePinPage(uint32_t row, uint64_t page, uint64_t owner, std::vector<uint64_t>* lines);
+  void SetPinDirBit(uint32_t row, uint32_t page, bool set, std::vector<uint64_t>* lines);
+  bool PinPageEmpty(uint64_t page);
+  uint64_t PinPageOf(uint64_t word) const;
+  void InvalidateOwnPinRow();
+  // Every key fingerprint pinned now, sorted (an evictor reads this after publishing EVICTING).
+  std::vector<uint64_t> PinnedFingerprints();
+  static bool Pinned(const std::vector<uint64_t>& fingerprints, uint64_t key_lo, uint64_t key_hi);
+  bool AnyPins(uint64_t key_lo, uint64_t key_hi) { return Pinned(PinnedFingerprints(), key_lo, key_hi); }
+  // Frees `row`'s pages held by `dead`'s processes (every page when null), pins and all.
+  void DropPinPages(uint32_t row, const DeadWriter* dead);
   // True when the life that wrote `writer` (a WriterWord) is live in this process's view.
   bool WriterLive(uint64_t writer);
   // Frees a payload no entry names any more (central mode: through the reachability-checked
@@ -297,9 +340,6 @@ class Index final : public IndexApi {
   void FreePayloadNow(uint64_t payload);
 
   void Add(Counter c, uint64_t delta) { meta_.LocalFetchAdd(layout_.counter(node_.id(), c), delta); }
-  // Adds to this node's pin word for `slot` (a local atomic; the caller flushes). False when
-  // nothing changed (releasing a pin recovery already dropped, or a saturated count).
-  bool PinAddLocal(uint64_t slot, int64_t delta, uint64_t stamp);
   Status CheckHandle(const NamespaceHandle& ns);
   Result<alloc::ObjectOffset> AllocatePayload(uint64_t bytes);
 
@@ -329,7 +369,17 @@ class Index final : public IndexApi {
   // Per node, the life whose pins its row holds (kUnknownLife until a sweep or request says).
   static constexpr uint64_t kUnknownLife = ~0ull;
   std::vector<uint64_t> pinned_life_;
-  void DropPinRow(uint32_t node);
+  void DropPinRow(uint32_t node) { DropPinPages(node, nullptr); }
+  // Pin tables, this process's side: the page each owner fills next, and (central writer) the
+  // words of each client's pins.
+  struct OpenPinPage {
+    uint64_t page = 0;
+    uint32_t next = 1;
+  };
+  std::mutex pins_mu_;
+  std::unordered_map<uint64_t, OpenPinPage> open_pin_pages_;                   // by owner
+  std::map<std::pair<uint64_t, uint64_t>, std::vector<uint64_t>> held_pins_;  // (owner, slot)
+  uint32_t pin_page_hint_ = 0;
   void MaybeCrash(CrashPoint p);
   // Frees about `bytes` of region space: spilled by the room maker when there is one, else
   // evicted. Returns the bytes freed.

@@ -4,8 +4,10 @@
 //   namespace table         kMaxNamespaces × 256 B, under the namespace lock
 //   entries                 stripes × slots_per_stripe × 64 B; a stripe is an independent
 //                           linear-probing table guarded by its own two-tier lock
-//   pin words               max_nodes × entries × 8 B: row n written only by node n
+//   access stamps           max_nodes × entries × 8 B: row n written only by node n
 //   node counters           max_nodes × 256 B: row n written only by node n
+//   pin directories         max_nodes × (pin_pages / 8) B, whole lines: row n written by node n
+//   pin pages               max_nodes × pin_pages × 512 B: row n written by node n
 //
 // An entry's first word is its state: generation << 8 | state. Every reuse of a slot bumps the
 // generation, so a reader that saw (gen, READY), pinned, and sees the same word again knows the
@@ -21,7 +23,9 @@
 namespace cxlkv::cache {
 
 inline constexpr uint64_t kIndexMagic = 0x5844494b564c5843ull;  // "CXLKVIDX"
-inline constexpr uint32_t kIndexVersion = 3;  // 2: writer words name the process slot; 3: capacity tiers
+// 2: writer words name the process slot; 3: capacity tiers; 4: pin tables (a lookup pins its
+// whole chain in one contiguous record instead of one pin word per slot)
+inline constexpr uint32_t kIndexVersion = 4;
 inline constexpr uint32_t kMaxNamespaces = 64;
 inline constexpr uint64_t kIndexHeaderBytes = 4096;
 inline constexpr uint64_t kMaxBlockBytes = 0xffffffffull;
@@ -53,9 +57,13 @@ struct IndexHeader {
   uint64_t epoch_us;          // origin of access stamps (realtime µs at init)
   uint64_t namespaces_offset; // region offsets of the parts
   uint64_t entries_offset;
-  uint64_t pins_offset;
+  uint64_t stamps_offset;
   uint64_t counters_offset;
-  uint64_t reserved[5];
+  uint64_t pin_dirs_offset;
+  uint64_t pin_pages_offset;
+  uint32_t pin_pages;         // per node
+  uint32_t reserved32;
+  uint64_t reserved[2];
 };
 static_assert(sizeof(IndexHeader) == 128);
 inline constexpr uint32_t kFlagChecksum = 1;
@@ -114,12 +122,24 @@ inline uint32_t WriterNode(uint64_t w) { return static_cast<uint32_t>(w >> 48); 
 inline uint32_t WriterSlot(uint64_t w) { return static_cast<uint32_t>((w >> 32) & 0xffff); }
 inline uint64_t WriterInc(uint64_t w) { return w & 0xffffffffull; }
 
-// A pin word: pins held by one node on one slot (low 16 bits) and that node's last access
-// stamp in µs since the epoch (high 48 bits).
-inline constexpr uint64_t kPinCountMask = 0xffff;
-inline uint64_t PinCount(uint64_t w) { return w & kPinCountMask; }
-inline uint64_t PinStamp(uint64_t w) { return w >> 16; }
-inline uint64_t PinWord(uint64_t stamp, uint64_t count) { return (stamp << 16) | count; }
+// Pin tables (docs/protocol.md, "Pins"). Each node has `pin_pages` pages of 64 words: word 0
+// names the owning process (its WriterWord; 0 = free), words 1..63 each hold the fingerprint
+// of one pinned key (0 = none). A lookup writes the fingerprints of its whole chain into
+// consecutive words *before* it probes, so a chain of n keys publishes n/8 lines instead of n
+// scattered ones. The node's directory has one bit per page that may hold pins: evictors read
+// the directory, then only those pages. Access stamps (µs since the epoch, for LRU) are kept
+// per node and slot apart from the pins: they are hints and are written back lazily.
+inline constexpr uint32_t kPinPageWords = 64;
+inline constexpr uint32_t kPinsPerPage = kPinPageWords - 1;
+inline constexpr uint64_t kPinPageBytes = kPinPageWords * 8;
+inline constexpr uint32_t kMinPinPages = 64;
+inline constexpr uint32_t kMaxPinPages = 8192;  // 516 K keys pinned at once per node
+// A key's fingerprint in a pin word: never 0. Two keys with one fingerprint only make an
+// evictor keep a block it could have dropped.
+inline uint64_t PinFingerprint(uint64_t key_lo, uint64_t key_hi) {
+  uint64_t f = key_lo ^ (key_hi * 0x9e3779b97f4a7c15ull) ^ (key_hi >> 29);
+  return f != 0 ? f : 1;
+}
 
 // One node's counters (single writer: that node's processes, with local atomics).
 enum Counter : uint32_t {
@@ -165,8 +185,14 @@ struct IndexLayout {
   uint64_t entries() const { return uint64_t{h.stripes} * h.slots_per_stripe; }
   uint64_t ns_slot(uint32_t i) const { return h.namespaces_offset + uint64_t{i} * sizeof(NamespaceSlot); }
   uint64_t entry(uint64_t slot) const { return h.entries_offset + slot * sizeof(Entry); }
-  uint64_t pin(uint32_t node, uint64_t slot) const {
-    return h.pins_offset + (uint64_t{node} * entries() + slot) * 8;
+  uint64_t stamp(uint32_t node, uint64_t slot) const {
+    return h.stamps_offset + (uint64_t{node} * entries() + slot) * 8;
+  }
+  // Words of one node's pin directory: one bit per page, padded to whole lines.
+  uint64_t pin_dir_words() const { return (uint64_t{h.pin_pages} + 511) / 512 * 8; }
+  uint64_t pin_dir(uint32_t node) const { return h.pin_dirs_offset + uint64_t{node} * pin_dir_words() * 8; }
+  uint64_t pin_page(uint32_t node, uint32_t page) const {
+    return h.pin_pages_offset + (uint64_t{node} * h.pin_pages + page) * kPinPageBytes;
   }
   uint64_t counter(uint32_t node, Counter c) const {
     return h.counters_offset + uint64_t{node} * kCounterRowBytes + uint64_t{c} * 8;
@@ -189,6 +215,8 @@ struct IndexOptions {
 // Sizes the index for a pool whose regions hold `data_bytes` of data in all.
 IndexHeader PlanIndex(const IndexOptions& options, uint64_t data_bytes, uint32_t max_nodes,
                       uint32_t lock_base);
+// Pin pages per node for an index of `entries` (every entry pinnable once, within bounds).
+uint32_t PinPagesFor(uint64_t entries);
 // Bytes of the area for a planned header (offsets inside are relative to the area).
 uint64_t IndexAreaBytes(const IndexHeader& planned);
 // Locks the index needs (stripes + the namespace lock).

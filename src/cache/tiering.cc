@@ -30,7 +30,7 @@ std::vector<Index::TierBlock> Index::SpillCandidates(uint64_t bytes, size_t max,
 }
 
 std::vector<Index::TierBlock> Index::CapacityEntriesOf(uint32_t node, bool with_evicting) {
-  // Pinned ones too: a capacity entry is never pinned by a lookup, and a stale pin word must
+  // Pinned ones too: a capacity entry is never pinned by a lookup, and a stale pin must
   // not hide a slot from its owner.
   return LruReady([node](const Entry& e) { return IsCapacityTier(e.tier) && WriterNode(e.writer) == node; },
                   /*skip_pinned=*/false, with_evicting);
@@ -77,7 +77,7 @@ bool Index::MoveLocked(const TierMove& m) {
   MaybeCrash(CrashPoint::kMoveAfterMark);
   MaybeCrash(CrashPoint::kMovePauseAfterMark);
   // EVICTING is flushed: a pinner whose pin we do not see now sees EVICTING and backs off.
-  if (AnyPins(m.from.slot)) {
+  if (AnyPins(m.from.key.lo, m.from.key.hi)) {
     meta_.Publish(off, StateWord(m.from.gen, kReady));
     return false;
   }

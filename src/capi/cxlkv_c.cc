@@ -52,9 +52,11 @@ cxlkv::NamespaceHandle Handle(const cxlkv_namespace* ns) {
 cxlkv::BlockKey Key(const cxlkv_key& k) { return {k.lo, k.hi}; }
 cxlkv_key CKey(const cxlkv::BlockKey& k) { return {k.lo, k.hi}; }
 cxlkv::BlockPin Pin(const cxlkv_pin& p) {
-  return cxlkv::BlockPin{p.slot, p.generation, p.offset, p.bytes, p.tier, p.checksum};
+  return cxlkv::BlockPin{p.slot, p.generation, p.offset, p.bytes, p.tier, p.checksum, p.pin_word};
 }
-cxlkv_pin CPin(const cxlkv::BlockPin& p) { return {p.slot, p.tier, p.generation, p.offset, p.bytes, p.checksum}; }
+cxlkv_pin CPin(const cxlkv::BlockPin& p) {
+  return {p.slot, p.tier, p.generation, p.offset, p.bytes, p.checksum, p.pin_word};
+}
 cxlkv::Reservation Res(const cxlkv_reservation* r) {
   return cxlkv::Reservation{r->slot, r->generation, r->offset, r->bytes, r->open != 0};
 }

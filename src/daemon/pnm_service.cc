@@ -475,8 +475,8 @@ Result<size_t> NearMemoryService::Close(const rpc::Request& req, std::span<uint8
 
 void NearMemoryService::Drop(std::map<uint64_t, std::unique_ptr<Context>>::iterator it) {
   Context& c = *it->second;
-  // Pins of a life whose lease lapsed are recovery's to drop (recovery of that life resets the
-  // node's pin row): releasing them now could take away pins this node's next life took since.
+  // Pins of a life whose lease lapsed are recovery's to drop (recovery of that life gives back
+  // its pin pages): releasing them now could take away pins this node's next life took since.
   if (pool_.impl().node->Fence("releasing a near-memory context's pins", c.pin_life).ok()) cache_->Release(c.pins);
   pages_pinned_.fetch_sub(c.pins.size());
   bytes_pinned_.fetch_sub(c.pins.size() * c.block_bytes);

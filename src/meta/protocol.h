@@ -48,7 +48,7 @@ inline rpc::RpcGeometry MetaGeometry() {
 // Fixed per-item sizes of the encoding (the client sizes its batches with them).
 inline constexpr size_t kKeyBytes = 16;
 inline constexpr size_t kPinBytes = 40;          // slot, tier, generation, offset, bytes, checksum
-inline constexpr size_t kReleaseBytes = 4;       // a pin's slot: all a release needs (the pin row is the caller's)
+inline constexpr size_t kReleaseBytes = 4;       // a pin's slot: all a release needs (the pin table is the caller's)
 inline constexpr size_t kReservationBytes = 32;  // slot, pad, generation, offset, bytes
 inline constexpr size_t kOutcomeBytes = 48;      // outcome, code, message, pad, writer node, reservation, writer life
 inline constexpr size_t kPeekBytes = 16;         // state, live, pad, writer node, writer life

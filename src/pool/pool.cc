@@ -17,8 +17,10 @@ void WriteIndexHeader(Region& region, cache::IndexHeader h, uint32_t total_locks
   const uint64_t base = impl.area(region::AreaKind::kIndex).offset;
   h.namespaces_offset += base;
   h.entries_offset += base;
-  h.pins_offset += base;
+  h.stamps_offset += base;
   h.counters_offset += base;
+  h.pin_dirs_offset += base;
+  h.pin_pages_offset += base;
   meta.WriteStruct(base, h);
   meta.Flush(base, sizeof h);
   const auto& locks = impl.area(region::AreaKind::kLockArray);
@@ -245,6 +247,7 @@ Pool::~Pool() {
   }
   if (impl_->index) {
     impl_->index->AbandonOpenReservations();  // the slot goes free: no entry may name it after
+    impl_->index->ReleaseProcessPins();       // ... and no pin page either
     impl_->index->PublishCounters();
   }
   impl_->allocator->ReturnLease();

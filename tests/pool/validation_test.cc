@@ -125,7 +125,9 @@ TEST(AreaValidation, CorruptIndexHeaderIsRefusedByName) {
       {"slots_per_stripe", offsetof(cache::IndexHeader, slots_per_stripe), 0xffffffff, 4},
       {"lock_base", offsetof(cache::IndexHeader, lock_base), 60000, 4},
       {"entries_offset", offsetof(cache::IndexHeader, entries_offset), 1ull << 40, 8},
-      {"pins_offset", offsetof(cache::IndexHeader, pins_offset), 8, 8},
+      {"stamps_offset", offsetof(cache::IndexHeader, stamps_offset), 8, 8},
+      {"pin_pages", offsetof(cache::IndexHeader, pin_pages), 3, 4},
+      {"pin_pages_offset", offsetof(cache::IndexHeader, pin_pages_offset), 1ull << 40, 8},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.field);

@@ -1,0 +1,192 @@
+// Pin tables (docs/protocol.md, "Pins"): a lookup pins its chain in consecutive words of its
+// node's table before it probes; what it pins, what it gives back, what a full table does, and
+// what a dead process of a live node leaves (nothing).
+#include <signal.h>
+
+#include <thread>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "cache_test_util.h"
+#include "child.h"
+
+namespace cxlkv {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::Child;
+using testing::OpenCache;
+
+uint64_t PinsOf(Pool& pool, uint32_t node) {
+  auto stat = cache::Stat(*pool.impl().regions[0], std::vector<cache::NodeStatus>(8, cache::NodeStatus::kLive));
+  const auto& row = stat["per_node"][std::to_string(node)];
+  return row.is_null() ? 0 : row["pins"].get<uint64_t>();
+}
+
+Status PutChain(KvCache& cache, const NamespaceHandle& ns, std::span<const BlockKey> keys, uint64_t bytes) {
+  std::vector<uint8_t> data(bytes);
+  for (const BlockKey& k : keys) {
+    testing::FillForKey(k, data.data(), bytes);
+    CXLKV_RETURN_IF_ERROR(cache.Put(ns, k, data.data(), bytes));
+  }
+  return Status::Ok();
+}
+
+// Exactly the hit is pinned: the keys past the first miss are written before the probe and
+// given back after it, so a block put there later is evictable; release leaves no pin.
+TEST(PinTable, ExactlyTheHitStaysPinnedAndReleaseLeavesNone) {
+  testing::TempRegionPath path("pins-hit");
+  ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
+  auto o = OpenCache(path.path(), 0);
+  ASSERT_TRUE(o.cache);
+  auto keys = o.cache->ChainKeys(o.ns, testing::Tokens(5, 16 * 100, 0, 0));
+  ASSERT_EQ(keys.size(), 100u);
+  ASSERT_TRUE(PutChain(*o.cache, o.ns, std::span(keys).first(70), 1024).ok());
+  auto hit = o.cache->Lookup(o.ns, keys);
+  ASSERT_TRUE(hit.ok()) << hit.status().ToString();
+  ASSERT_EQ(hit->hit_blocks, 70u);
+  EXPECT_EQ(PinsOf(*o.pool, 0), 70u);
+  // Past the hit: put now, and evictable at once (no word of the lookup holds it).
+  ASSERT_TRUE(PutChain(*o.cache, o.ns, std::span(keys).subspan(70, 1), 1024).ok());
+  auto evicted = o.cache->Evict(o.ns, std::span(keys).subspan(70, 1));
+  ASSERT_TRUE(evicted.ok());
+  EXPECT_EQ(*evicted, 1u) << "a key past the hit stayed pinned";
+  // In the hit: none goes while pinned.
+  evicted = o.cache->Evict(o.ns, std::span(keys).first(70));
+  ASSERT_TRUE(evicted.ok());
+  EXPECT_EQ(*evicted, 0u) << "a pinned block was evicted";
+  for (size_t i = 0; i < 70; ++i) {
+    std::vector<uint8_t> back(1024);
+    ASSERT_TRUE(o.cache->Read(hit->pins[i], 0, back.data(), back.size()).ok());
+    ASSERT_TRUE(testing::MatchesKey(keys[i], back.data(), back.size())) << i;
+  }
+  // Release in two parts, out of order: each pin goes exactly once.
+  std::vector<BlockPin> first(hit->pins.begin() + 30, hit->pins.end());
+  o.cache->Release(first);
+  EXPECT_EQ(PinsOf(*o.pool, 0), 30u);
+  o.cache->Release(std::span(hit->pins).first(30));
+  EXPECT_EQ(PinsOf(*o.pool, 0), 0u);
+  evicted = o.cache->Evict(o.ns, std::span(keys).first(70));
+  ASSERT_TRUE(evicted.ok());
+  EXPECT_EQ(*evicted, 70u);
+}
+
+// Two lookups of one chain hold two pins each; the block goes only when both are released.
+TEST(PinTable, EveryLookupHoldsItsOwnPin) {
+  testing::TempRegionPath path("pins-twice");
+  ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
+  auto o = OpenCache(path.path(), 0);
+  ASSERT_TRUE(o.cache);
+  auto keys = o.cache->ChainKeys(o.ns, testing::Tokens(6, 16 * 4, 0, 0));
+  ASSERT_TRUE(PutChain(*o.cache, o.ns, keys, 2048).ok());
+  auto a = o.cache->Lookup(o.ns, keys);
+  auto b = o.cache->Lookup(o.ns, keys);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(PinsOf(*o.pool, 0), 8u);
+  o.cache->Release(a->pins);
+  auto evicted = o.cache->Evict(o.ns, keys);
+  ASSERT_TRUE(evicted.ok());
+  EXPECT_EQ(*evicted, 0u) << "released once, pinned twice: still pinned";
+  o.cache->Release(b->pins);
+  evicted = o.cache->Evict(o.ns, keys);
+  ASSERT_TRUE(evicted.ok());
+  EXPECT_EQ(*evicted, 4u);
+}
+
+// A node's table holds pin_pages × 63 pins. A lookup that finds it nearly full pins a shorter
+// prefix; one that finds it full is refused by name; released pins make room again.
+TEST(PinTable, AFullTablePinsAShorterPrefixThenRefusesByName) {
+  testing::TempRegionPath path("pins-full");
+  ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
+  auto o = OpenCache(path.path(), 0);
+  ASSERT_TRUE(o.cache);
+  auto keys = o.cache->ChainKeys(o.ns, testing::Tokens(7, 16 * 100, 0, 0));
+  ASSERT_TRUE(PutChain(*o.cache, o.ns, keys, 512).ok());
+  const uint64_t capacity = uint64_t{cache::PinPagesFor(1024)} * cache::kPinsPerPage;
+  ASSERT_EQ(capacity, 64u * 63u);
+  std::vector<LookupResult> held;
+  for (uint64_t i = 0; i < capacity / 100; ++i) {
+    auto hit = o.cache->Lookup(o.ns, keys);
+    ASSERT_TRUE(hit.ok()) << i << ": " << hit.status().ToString();
+    ASSERT_EQ(hit->hit_blocks, 100u) << i;
+    held.push_back(std::move(*hit));
+  }
+  auto shorter = o.cache->Lookup(o.ns, keys);
+  ASSERT_TRUE(shorter.ok()) << shorter.status().ToString();
+  EXPECT_EQ(shorter->hit_blocks, capacity % 100) << "the rest of the table, and no more";
+  auto refused = o.cache->Lookup(o.ns, keys);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kNoSpace);
+  EXPECT_THAT(refused.status().message(), HasSubstr("pin table is full"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("release pins"));
+  // Exists pins nothing, so it still answers.
+  auto exists = o.cache->Exists(o.ns, keys);
+  ASSERT_TRUE(exists.ok());
+  EXPECT_EQ(*exists, 100u);
+  o.cache->Release(shorter->pins);
+  for (auto& h : held) o.cache->Release(h.pins);
+  EXPECT_EQ(PinsOf(*o.pool, 0), 0u);
+  auto again = o.cache->Lookup(o.ns, keys);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(again->hit_blocks, 100u);
+  o.cache->Release(again->pins);
+}
+
+// A process of a live node killed (-9) while it holds pins leaves none: the node's surviving
+// process reclaims its slot, pin pages included, and another node can evict the blocks.
+TEST(PinTable, ADeadProcessOfALiveNodeLeavesNoPins) {
+  CXLKV_DECENTRALIZED_ONLY("a central service holds the pins of its clients; the service's reclaim is tested in meta");
+  testing::TempRegionPath path("pins-dead");
+  ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
+  const auto tokens = testing::Tokens(8, 16 * 40, 0, 0);
+  Child keeper = Child::Fork([&](int in, int out) {  // node 1's survivor
+    auto o = OpenCache(path.path(), 1);
+    if (!o.cache || !testing::Put(out, 1)) return 1;
+    uint64_t done;
+    (void)testing::Get(in, &done);
+    return 0;
+  });
+  Child pinner = Child::Fork([&](int in, int out) {  // a second process of node 1
+    uint64_t go;
+    if (!testing::Get(in, &go)) return 1;  // the chain is in the pool
+    auto p = OpenCache(path.path(), 1);
+    if (!p.cache) return 2;
+    auto hit = p.cache->Lookup(p.ns, p.cache->ChainKeys(p.ns, tokens));
+    if (!hit.ok() || hit->hit_blocks != 40) return 3;
+    (void)testing::Put(out, 1);
+    for (;;) ::pause();  // holds the pins until killed
+  });
+  uint64_t ready;
+  ASSERT_TRUE(keeper.Receive(&ready));
+  auto o = OpenCache(path.path(), 0);  // threads only after every fork
+  ASSERT_TRUE(o.cache);
+  auto keys = o.cache->ChainKeys(o.ns, tokens);
+  ASSERT_TRUE(PutChain(*o.cache, o.ns, keys, 1024).ok());
+  ASSERT_TRUE(pinner.Send(1));
+  ASSERT_TRUE(pinner.Receive(&ready));
+  EXPECT_EQ(PinsOf(*o.pool, 1), 40u);
+  auto evicted = o.cache->Evict(o.ns, keys);
+  ASSERT_TRUE(evicted.ok());
+  EXPECT_EQ(*evicted, 0u) << "another node's pins did not hold";
+  ::kill(pinner.pid, SIGKILL);
+  EXPECT_EQ(pinner.Wait(), 128 + SIGKILL);
+  uint64_t pins = 40;
+  for (int i = 0; i < 40 && pins != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(testing::kTestLeaseMs / 2));
+    pins = PinsOf(*o.pool, 1);
+  }
+  EXPECT_EQ(pins, 0u) << "the dead process's pins outlived it";
+  evicted = o.cache->Evict(o.ns, keys);
+  ASSERT_TRUE(evicted.ok());
+  EXPECT_EQ(*evicted, 40u);
+  ASSERT_TRUE(keeper.Send(1));
+  EXPECT_EQ(keeper.Wait(), 0);
+  o.pool.reset();
+  auto regions = pool::AttachAll({path.path()});
+  ASSERT_TRUE(regions.ok());
+  for (const auto& p : pool::Check(*regions)) ADD_FAILURE() << p;
+}
+
+}  // namespace
+}  // namespace cxlkv
