@@ -262,9 +262,17 @@ Result<LookupResult> Index::LookupImpl(const NamespaceHandle& ns, std::span<cons
       break;
     }
     out.pins.push_back(BlockPin{static_cast<uint32_t>(slot), GenOf(e.state), e.payload, e.bytes, e.tier, e.checksum,
-                                pin ? pin_words[i] : 0});
+                                pin ? PinRef(pin_words[i], WriterInc(owner)) : 0});
   }
   if (!bad.ok()) out.pins.clear();
+  // A pinner paused past its lease between its pin and its probe may have had its pages
+  // recovered under it: what it pinned is not pinned. Checked after the probe, as a commit is.
+  if (pin && !central_writer() && bad.ok()) {
+    if (Status fenced = node_.Fence("a pinning lookup", WriterInc(owner)); !fenced.ok()) {
+      bad = fenced;
+      out.pins.clear();
+    }
+  }
   if (pin && !pin_words.empty()) {
     // 3. The words of keys past the pinned hit go back (a capacity run is not pinned: its
     //    owners bring it in, and LookupMore pins it then).

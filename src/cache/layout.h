@@ -140,6 +140,13 @@ inline uint64_t PinFingerprint(uint64_t key_lo, uint64_t key_hi) {
   uint64_t f = key_lo ^ (key_hi * 0x9e3779b97f4a7c15ull) ^ (key_hi >> 29);
   return f != 0 ? f : 1;
 }
+// BlockPin::pin_word: the pin's word (a region offset, < 2^44) and the low 20 bits of the life
+// that took it, so that a release by a later life of the process (paused past its lease, its
+// pages recovered and maybe claimed again) touches nothing.
+inline constexpr uint64_t kPinRefWordBits = 44;
+inline uint64_t PinRef(uint64_t word, uint64_t life) { return ((life & 0xfffff) << kPinRefWordBits) | word; }
+inline uint64_t PinRefWord(uint64_t ref) { return ref & ((uint64_t{1} << kPinRefWordBits) - 1); }
+inline uint64_t PinRefLife(uint64_t ref) { return ref >> kPinRefWordBits; }
 
 // One node's counters (single writer: that node's processes, with local atomics).
 enum Counter : uint32_t {

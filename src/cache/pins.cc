@@ -142,7 +142,7 @@ void Index::ClearPinWordsLocked(uint32_t row, uint64_t owner, std::span<const ui
 
 void Index::RememberPins(uint64_t owner, std::span<const BlockPin> pins) {
   std::lock_guard<std::mutex> g(pins_mu_);
-  for (const BlockPin& p : pins) held_pins_[{owner, p.slot}].push_back(p.pin_word);
+  for (const BlockPin& p : pins) held_pins_[{owner, p.slot}].push_back(PinRefWord(p.pin_word));
 }
 
 bool Index::OwnPinWord(uint32_t row, uint64_t owner, uint64_t word) {
@@ -153,8 +153,13 @@ bool Index::OwnPinWord(uint32_t row, uint64_t owner, uint64_t word) {
 }
 
 uint64_t Index::FindPinWordLocked(uint32_t row, uint64_t owner, const BlockPin& pin) {
-  // The pin names its word (taken by this process): the common case.
-  if (pin.pin_word != 0 && OwnPinWord(row, owner, pin.pin_word)) return pin.pin_word;
+  // The pin names its word (taken by this process): the common case. Taken by an earlier life
+  // of this process (paused past its lease): recovery gave that life's pages back; nothing to do.
+  if (pin.pin_word != 0) {
+    const uint64_t word = PinRefWord(pin.pin_word);
+    const bool mine = PinRefLife(pin.pin_word) == (WriterInc(owner) & 0xfffff) && OwnPinWord(row, owner, word);
+    return mine ? word : 0;
+  }
   const uint64_t slot = pin.slot;
   auto it = held_pins_.find({owner, slot});
   if (it != held_pins_.end()) {
@@ -164,8 +169,9 @@ uint64_t Index::FindPinWordLocked(uint32_t row, uint64_t owner, const BlockPin& 
     return word;
   }
   // A pin that crossed the metadata RPC (a central service remembers the words it took), or one
-  // this process did not take (a service that took over for this client): find a word of the owner's pages that holds the pinned entry's key. A pinned
-  // entry cannot change, so its key is still in the slot.
+  // this process did not take (a service that took over for this client): find a word of the
+  // owner's pages that holds the pinned entry's key. A pinned entry cannot change, so its key
+  // is still in the slot.
   if (slot >= layout_.entries()) return 0;
   const Entry e = ReadEntry(slot);
   const uint64_t fp = PinFingerprint(e.key_lo, e.key_hi);

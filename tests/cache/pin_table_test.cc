@@ -188,5 +188,78 @@ TEST(PinTable, ADeadProcessOfALiveNodeLeavesNoPins) {
   for (const auto& p : pool::Check(*regions)) ADD_FAILURE() << p;
 }
 
+// A pinner paused (SIGSTOP) past its lease: its node is declared dead and recovery gives its
+// pin pages back, so its blocks can go. Resumed, it runs as a new life: its new pins hold, and
+// releasing the pins of its old life touches none of them.
+TEST(PinTable, APinnerPausedPastItsLeaseLosesItsPinsAndItsOldReleaseTouchesNothing) {
+  CXLKV_DECENTRALIZED_ONLY("a paused client's requests are refused by the service (meta tests)");
+  testing::TempRegionPath path("pins-paused");
+  ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
+  const auto tokens = testing::Tokens(9, 16 * 40, 0, 0);
+  Child pinner = Child::Fork([&](int in, int out) {  // node 1, alone
+    uint64_t cmd;
+    if (!testing::Get(in, &cmd)) return 1;
+    auto p = OpenCache(path.path(), 1);
+    if (!p.cache) return 2;
+    auto keys = p.cache->ChainKeys(p.ns, tokens);
+    auto old = p.cache->Lookup(p.ns, keys);
+    if (!old.ok() || old->hit_blocks != 40) return 3;
+    (void)testing::Put(out, 1);
+    if (!testing::Get(in, &cmd)) return 4;  // resumed
+    Result<LookupResult> fresh = Busy("not yet");
+    for (int i = 0; i < 200; ++i) {  // until the heartbeat has rejoined as a new life
+      fresh = p.cache->Lookup(p.ns, keys);
+      if (fresh.ok()) break;
+      if (fresh.status().code() != StatusCode::kLeaseExpired) return 5;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    if (!fresh.ok()) return 6;
+    p.cache->Release(old->pins);  // the old life's: must touch nothing
+    (void)testing::Put(out, fresh->hit_blocks);
+    if (!testing::Get(in, &cmd)) return 7;
+    p.cache->Release(fresh->pins);
+    (void)testing::Put(out, 1);
+    (void)testing::Get(in, &cmd);
+    return 0;
+  });
+  auto o = OpenCache(path.path(), 0);  // node 0 manages and recovers node 1
+  ASSERT_TRUE(o.cache);
+  auto keys = o.cache->ChainKeys(o.ns, tokens);
+  ASSERT_TRUE(PutChain(*o.cache, o.ns, keys, 1024).ok());
+  uint64_t reply;
+  ASSERT_TRUE(pinner.Send(1));
+  ASSERT_TRUE(pinner.Receive(&reply));
+  EXPECT_EQ(PinsOf(*o.pool, 1), 40u);
+  ::kill(pinner.pid, SIGSTOP);
+  uint64_t pins = 40;
+  for (int i = 0; i < 60 && pins != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(testing::kTestLeaseMs / 2));
+    pins = PinsOf(*o.pool, 1);
+  }
+  EXPECT_EQ(pins, 0u) << "the paused life's pins outlived its lease";
+  auto evicted = o.cache->Evict(o.ns, std::span(keys).subspan(30));
+  ASSERT_TRUE(evicted.ok());
+  EXPECT_EQ(*evicted, 10u);
+  ::kill(pinner.pid, SIGCONT);
+  ASSERT_TRUE(pinner.Send(1));
+  ASSERT_TRUE(pinner.Receive(&reply));
+  EXPECT_EQ(reply, 30u);
+  EXPECT_EQ(PinsOf(*o.pool, 1), 30u) << "releasing the old life's pins took the new life's";
+  evicted = o.cache->Evict(o.ns, std::span(keys).first(30));
+  ASSERT_TRUE(evicted.ok());
+  EXPECT_EQ(*evicted, 0u) << "the new life's pins did not hold";
+  ASSERT_TRUE(pinner.Send(1));
+  ASSERT_TRUE(pinner.Receive(&reply));
+  evicted = o.cache->Evict(o.ns, std::span(keys).first(30));
+  ASSERT_TRUE(evicted.ok());
+  EXPECT_EQ(*evicted, 30u);
+  ASSERT_TRUE(pinner.Send(1));
+  EXPECT_EQ(pinner.Wait(), 0);
+  o.pool.reset();
+  auto regions = pool::AttachAll({path.path()});
+  ASSERT_TRUE(regions.ok());
+  for (const auto& p : pool::Check(*regions)) ADD_FAILURE() << p;
+}
+
 }  // namespace
 }  // namespace cxlkv
