@@ -33,76 +33,79 @@ Status PutChain(KvCache& cache, const NamespaceHandle& ns, std::span<const Block
   return Status::Ok();
 }
 
+// A pool whose node 0 this process opens, with a chain of `blocks` blocks put in it.
+struct ChainPool {
+  ChainPool(const char* tag, uint32_t seed, size_t blocks, uint64_t bytes) : path(tag) {
+    EXPECT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
+    o = OpenCache(path.path(), 0);
+    EXPECT_TRUE(o.cache);
+    if (!o.cache) return;
+    keys = o.cache->ChainKeys(o.ns, testing::Tokens(seed, 16 * blocks, 0, 0));
+    EXPECT_EQ(keys.size(), blocks);
+    EXPECT_TRUE(PutChain(*o.cache, o.ns, keys, bytes).ok());
+  }
+  // How many of `some` an eviction takes (only unpinned blocks go).
+  uint64_t Evict(std::span<const BlockKey> some) {
+    auto n = o.cache->Evict(o.ns, some);
+    EXPECT_TRUE(n.ok()) << n.status().ToString();
+    return n.ok() ? *n : ~uint64_t{0};
+  }
+  testing::TempRegionPath path;
+  testing::Opened o;
+  std::vector<BlockKey> keys;
+};
+
 // Exactly the hit is pinned: the keys past the first miss are written before the probe and
 // given back after it, so a block put there later is evictable; release leaves no pin.
 TEST(PinTable, ExactlyTheHitStaysPinnedAndReleaseLeavesNone) {
-  testing::TempRegionPath path("pins-hit");
-  ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
-  auto o = OpenCache(path.path(), 0);
-  ASSERT_TRUE(o.cache);
-  auto keys = o.cache->ChainKeys(o.ns, testing::Tokens(5, 16 * 100, 0, 0));
-  ASSERT_EQ(keys.size(), 100u);
-  ASSERT_TRUE(PutChain(*o.cache, o.ns, std::span(keys).first(70), 1024).ok());
-  auto hit = o.cache->Lookup(o.ns, keys);
+  ChainPool f("pins-hit", 5, 100, 1024);
+  ASSERT_TRUE(f.o.cache);
+  // Only the first 70 are in the pool: the 30 after them were put, then evicted.
+  ASSERT_EQ(f.Evict(std::span(f.keys).subspan(70)), 30u);
+  auto hit = f.o.cache->Lookup(f.o.ns, f.keys);
   ASSERT_TRUE(hit.ok()) << hit.status().ToString();
   ASSERT_EQ(hit->hit_blocks, 70u);
-  EXPECT_EQ(PinsOf(*o.pool, 0), 70u);
+  EXPECT_EQ(PinsOf(*f.o.pool, 0), 70u);
   // Past the hit: put now, and evictable at once (no word of the lookup holds it).
-  ASSERT_TRUE(PutChain(*o.cache, o.ns, std::span(keys).subspan(70, 1), 1024).ok());
-  auto evicted = o.cache->Evict(o.ns, std::span(keys).subspan(70, 1));
-  ASSERT_TRUE(evicted.ok());
-  EXPECT_EQ(*evicted, 1u) << "a key past the hit stayed pinned";
+  ASSERT_TRUE(PutChain(*f.o.cache, f.o.ns, std::span(f.keys).subspan(70, 1), 1024).ok());
+  EXPECT_EQ(f.Evict(std::span(f.keys).subspan(70, 1)), 1u) << "a key past the hit stayed pinned";
   // In the hit: none goes while pinned.
-  evicted = o.cache->Evict(o.ns, std::span(keys).first(70));
-  ASSERT_TRUE(evicted.ok());
-  EXPECT_EQ(*evicted, 0u) << "a pinned block was evicted";
+  EXPECT_EQ(f.Evict(std::span(f.keys).first(70)), 0u) << "a pinned block was evicted";
   for (size_t i = 0; i < 70; ++i) {
     std::vector<uint8_t> back(1024);
-    ASSERT_TRUE(o.cache->Read(hit->pins[i], 0, back.data(), back.size()).ok());
-    ASSERT_TRUE(testing::MatchesKey(keys[i], back.data(), back.size())) << i;
+    ASSERT_TRUE(f.o.cache->Read(hit->pins[i], 0, back.data(), back.size()).ok());
+    ASSERT_TRUE(testing::MatchesKey(f.keys[i], back.data(), back.size())) << i;
   }
   // Release in two parts, out of order: each pin goes exactly once.
-  std::vector<BlockPin> first(hit->pins.begin() + 30, hit->pins.end());
-  o.cache->Release(first);
-  EXPECT_EQ(PinsOf(*o.pool, 0), 30u);
-  o.cache->Release(std::span(hit->pins).first(30));
-  EXPECT_EQ(PinsOf(*o.pool, 0), 0u);
-  evicted = o.cache->Evict(o.ns, std::span(keys).first(70));
-  ASSERT_TRUE(evicted.ok());
-  EXPECT_EQ(*evicted, 70u);
+  std::vector<BlockPin> last(hit->pins.begin() + 30, hit->pins.end());
+  f.o.cache->Release(last);
+  EXPECT_EQ(PinsOf(*f.o.pool, 0), 30u);
+  f.o.cache->Release(std::span(hit->pins).first(30));
+  EXPECT_EQ(PinsOf(*f.o.pool, 0), 0u);
+  EXPECT_EQ(f.Evict(std::span(f.keys).first(70)), 70u);
 }
 
 // Two lookups of one chain hold two pins each; the block goes only when both are released.
 TEST(PinTable, EveryLookupHoldsItsOwnPin) {
-  testing::TempRegionPath path("pins-twice");
-  ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
-  auto o = OpenCache(path.path(), 0);
-  ASSERT_TRUE(o.cache);
-  auto keys = o.cache->ChainKeys(o.ns, testing::Tokens(6, 16 * 4, 0, 0));
-  ASSERT_TRUE(PutChain(*o.cache, o.ns, keys, 2048).ok());
-  auto a = o.cache->Lookup(o.ns, keys);
-  auto b = o.cache->Lookup(o.ns, keys);
+  ChainPool f("pins-twice", 6, 4, 2048);
+  ASSERT_TRUE(f.o.cache);
+  auto a = f.o.cache->Lookup(f.o.ns, f.keys);
+  auto b = f.o.cache->Lookup(f.o.ns, f.keys);
   ASSERT_TRUE(a.ok() && b.ok());
-  EXPECT_EQ(PinsOf(*o.pool, 0), 8u);
-  o.cache->Release(a->pins);
-  auto evicted = o.cache->Evict(o.ns, keys);
-  ASSERT_TRUE(evicted.ok());
-  EXPECT_EQ(*evicted, 0u) << "released once, pinned twice: still pinned";
-  o.cache->Release(b->pins);
-  evicted = o.cache->Evict(o.ns, keys);
-  ASSERT_TRUE(evicted.ok());
-  EXPECT_EQ(*evicted, 4u);
+  EXPECT_EQ(PinsOf(*f.o.pool, 0), 8u);
+  f.o.cache->Release(a->pins);
+  EXPECT_EQ(f.Evict(f.keys), 0u) << "released once, pinned twice: still pinned";
+  f.o.cache->Release(b->pins);
+  EXPECT_EQ(f.Evict(f.keys), 4u);
 }
 
 // A node's table holds pin_pages × 63 pins. A lookup that finds it nearly full pins a shorter
 // prefix; one that finds it full is refused by name; released pins make room again.
 TEST(PinTable, AFullTablePinsAShorterPrefixThenRefusesByName) {
-  testing::TempRegionPath path("pins-full");
-  ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
-  auto o = OpenCache(path.path(), 0);
-  ASSERT_TRUE(o.cache);
-  auto keys = o.cache->ChainKeys(o.ns, testing::Tokens(7, 16 * 100, 0, 0));
-  ASSERT_TRUE(PutChain(*o.cache, o.ns, keys, 512).ok());
+  ChainPool f("pins-full", 7, 100, 512);
+  ASSERT_TRUE(f.o.cache);
+  auto& o = f.o;
+  const auto& keys = f.keys;
   const uint64_t capacity = uint64_t{cache::PinPagesFor(1024)} * cache::kPinsPerPage;
   ASSERT_EQ(capacity, 64u * 63u);
   std::vector<LookupResult> held;
