@@ -206,6 +206,7 @@ Result<LookupResult> Index::LookupImpl(const NamespaceHandle& ns, std::span<cons
   //    our read below sees EVICTING (or the slot's next life) and the hit ends there. Keys past
   //    the hit are unpinned at the end.
   std::vector<uint64_t> pin_words;
+  const size_t asked = keys.size();
   const uint64_t owner = pin ? MyWriterWord() : 0;
   const uint32_t row = PinRow();
   if (pin && !keys.empty()) {
@@ -287,7 +288,7 @@ Result<LookupResult> Index::LookupImpl(const NamespaceHandle& ns, std::span<cons
   if (!bad.ok()) return bad;
   out.hit_blocks = out.pins.size();
   // A central writer answers for a client, which counts its lookup on its own node's row.
-  if (pin && count && !central_writer()) CountLookup(ns, keys.size(), out.hit_blocks);
+  if (pin && count && !central_writer()) CountLookup(ns, asked, out.hit_blocks);
   return out;
 }
 

@@ -118,6 +118,13 @@ TEST(PinTable, AFullTablePinsAShorterPrefixThenRefusesByName) {
   auto shorter = o.cache->Lookup(o.ns, keys);
   ASSERT_TRUE(shorter.ok()) << shorter.status().ToString();
   EXPECT_EQ(shorter->hit_blocks, capacity % 100) << "the rest of the table, and no more";
+  {
+    // Counted as asked: the keys the table had no room for count as missed, not as unasked.
+    auto stat = cache::Stat(*o.pool->impl().regions[0], std::vector<cache::NodeStatus>(8, cache::NodeStatus::kLive));
+    const uint64_t lookups = held.size() + 1;
+    EXPECT_EQ(stat["totals"]["lookup_blocks"].get<uint64_t>(), 100 * lookups);
+    EXPECT_EQ(stat["totals"]["miss_blocks"].get<uint64_t>(), 100 - capacity % 100);
+  }
   auto refused = o.cache->Lookup(o.ns, keys);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), StatusCode::kNoSpace);
