@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include "cache_test_util.h"
+#include "child.h"
 
 namespace cxlkv {
 namespace {
@@ -442,6 +443,90 @@ TEST(CacheProcesses, SimulatorCatchesAPinThatIsNotFlushed) {
     EXPECT_EQ(WEXITSTATUS(es), skip_flush ? 1 : 0)
         << (skip_flush ? "the simulator did not expose the missing pin flush"
                        : "a pinned block was evicted with the protocol intact");
+  }
+}
+
+// The evictor's side of the pin protocol (P2): it reads every node's pin table once (evicting
+// another block), so its simulated cache holds the reader's table with no pin in it; the reader
+// then pins and the evictor tries to evict that block. Only the invalidates before its second
+// read show it the pin: of the directory when the reader had no page yet (`warm_page` false),
+// of the page when it had one, listed and emptied by a release (true). The reader joins first
+// and manages the pool, so the evictor runs no manager scans, which would churn its cache and
+// drop the stale lines by luck.
+void EvictorRereadsPinTable(bool warm_page) {
+  testing::TempRegionPath path("sim-stale-pins");
+  ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20).ok());
+  const auto tokens = testing::Tokens(78, 32, 0, 0);
+  auto put = testing::RunForked(1, [&](int) {
+    auto o = OpenCache(path.path(), 2);
+    CHILD_CHECK(o.cache, "open");
+    for (const BlockKey& k : o.cache->ChainKeys(o.ns, tokens)) {
+      std::vector<uint8_t> data(4096);
+      FillForKey(k, data.data(), data.size());
+      CHILD_CHECK(o.cache->Put(o.ns, k, data.data(), data.size()).ok(), "put");
+    }
+    return 0;
+  });
+  ASSERT_EQ(put[0], 0);
+  testing::Child reader = testing::Child::Fork([&](int in, int out) {
+    auto o = OpenCache(path.path(), 1, /*sim_seed=*/7);
+    if (!o.cache) return 10;
+    // A pin taken and given back leaves its page this process's open page, listed in the
+    // directory with no pin in it: the evictor's first read caches it empty.
+    if (warm_page) {
+      auto warm = o.cache->ChainKeys(o.ns, tokens)[1];
+      auto first = o.cache->Lookup(o.ns, {&warm, 1});
+      if (!first.ok() || first->hit_blocks != 1) return 14;
+      o.cache->Release(first->pins);
+    }
+    if (!testing::Put(out, 1)) return 15;
+    uint64_t cmd;
+    if (!testing::Get(in, &cmd)) return 11;
+    auto k = o.cache->ChainKeys(o.ns, tokens)[0];
+    auto hit = o.cache->Lookup(o.ns, {&k, 1});
+    if (!hit.ok() || hit->hit_blocks != 1) return 12;
+    if (!testing::Put(out, 1) || !testing::Get(in, &cmd)) return 13;
+    o.cache->Release(hit->pins);
+    return 0;
+  });
+  uint64_t reply;
+  ASSERT_TRUE(reader.Receive(&reply));
+  std::this_thread::sleep_for(std::chrono::milliseconds(testing::kTestLeaseMs));  // node 1 manages by now
+  testing::Child evictor = testing::Child::Fork([&](int in, int out) {
+    auto o = OpenCache(path.path(), 3, /*sim_seed=*/8);
+    if (!o.cache) return 20;
+    o.pool->impl().regions[0]->impl().meta().simulator()->SetChaos(false);
+    auto other = o.cache->ChainKeys(o.ns, tokens)[1];
+    auto first = o.cache->Evict(o.ns, {&other, 1});  // reads every node's pin table: cached now
+    if (!first.ok() || *first != 1) return 21;
+    uint64_t cmd;
+    if (!testing::Put(out, 1) || !testing::Get(in, &cmd)) return 22;
+    // The pinned key alone: a whole sweep would fill the cache past its capacity with entry
+    // lines and drop the stale table by chance.
+    auto pinned = o.cache->ChainKeys(o.ns, tokens)[0];
+    auto n = o.cache->Evict(o.ns, {&pinned, 1});
+    (void)testing::Put(out, n.ok() ? *n : 99);
+    (void)testing::Get(in, &cmd);
+    return 0;
+  });
+  ASSERT_TRUE(evictor.Receive(&reply));
+  ASSERT_TRUE(reader.Send(1));  // pin
+  ASSERT_TRUE(reader.Receive(&reply));
+  ASSERT_TRUE(evictor.Send(1));  // evict the pinned block
+  uint64_t evicted = 99;
+  ASSERT_TRUE(evictor.Receive(&evicted));
+  EXPECT_EQ(evicted, 0u) << "the evictor read its stale copy of the reader's pin table and evicted a pinned block";
+  ASSERT_TRUE(reader.Send(1));
+  ASSERT_TRUE(evictor.Send(1));
+  EXPECT_EQ(reader.Wait(), 0);
+  EXPECT_EQ(evictor.Wait(), 0);
+}
+
+TEST(CacheProcesses, SimulatorEvictorRereadsAPinTableItReadBefore) {
+  CXLKV_DECENTRALIZED_ONLY("a central service's cache is the table: it reads no other writer's lines");
+  for (bool warm_page : {false, true}) {
+    SCOPED_TRACE(warm_page ? "the reader's page was listed before" : "the reader had no page before");
+    EvictorRereadsPinTable(warm_page);
   }
 }
 
