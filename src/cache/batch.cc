@@ -105,8 +105,7 @@ bool Index::ClaimLocked(const NamespaceHandle& ns, const BlockKey& key, uint64_t
     }
     std::sort(ready.begin(), ready.end());
     for (auto [stamp, slot] : ready) {
-      uint64_t off, n;
-      if (TryEvictLocked(slot, GenOf(FetchTableWord(layout_.entry(slot))), &off, &n)) break;
+      if (TryEvictLocked(slot, GenOf(FetchTableWord(layout_.entry(slot))))) break;
     }
     p = Find(key);
   }

@@ -54,25 +54,16 @@ void Index::TombstoneLocked(uint64_t slot, uint64_t gen) {
   }
 }
 
-bool Index::TryEvictLocked(uint64_t slot, uint64_t gen, uint64_t* payload, uint64_t* bytes) {
-  *payload = 0;
-  *bytes = 0;
-  const uint64_t off = layout_.entry(slot);
-  const Entry e = ReadEntry(slot);
-  if (e.state != StateWord(gen, kReady)) return false;
-  meta_.Publish(off, StateWord(gen, kEvicting));
-  MaybeCrash(CrashPoint::kEvictAfterMark);
-  // EVICTING is flushed; a pinner whose pin we do not see now will see EVICTING and back off.
-  if (AnyPins(e.key_lo, e.key_hi)) {
-    meta_.Publish(off, StateWord(gen, kReady));
-    return false;
-  }
-  FinishEvictLocked(slot, gen, e, payload, bytes);
-  return true;
+bool Index::TryEvictLocked(uint64_t slot, uint64_t gen) {
+  const std::pair<uint64_t, uint64_t> one[] = {{slot, gen}};
+  uint64_t evicted = 0;
+  TryEvictManyLocked(one, &evicted);
+  return evicted == 1;
 }
 
 uint64_t Index::TryEvictManyLocked(std::span<const std::pair<uint64_t, uint64_t>> slot_gens, uint64_t* evicted) {
-  // Mark all, then read the pin tables once: the argument of TryEvictLocked holds for each.
+  // Mark all, then read the pin tables once. EVICTING is flushed before the read: a pinner whose
+  // pin we do not see then sees EVICTING and backs off (docs/protocol.md, "Pins").
   struct Marked {
     uint64_t slot, gen;
     Entry e;
@@ -94,24 +85,20 @@ uint64_t Index::TryEvictManyLocked(std::span<const std::pair<uint64_t, uint64_t>
       meta_.Publish(layout_.entry(m.slot), StateWord(m.gen, kReady));
       continue;
     }
-    uint64_t payload, bytes;
-    FinishEvictLocked(m.slot, m.gen, m.e, &payload, &bytes);
-    freed += bytes;
+    freed += FinishEvictLocked(m.slot, m.gen, m.e);
     if (evicted != nullptr) ++*evicted;
   }
   return freed;
 }
 
-void Index::FinishEvictLocked(uint64_t slot, uint64_t gen, const Entry& e, uint64_t* payload, uint64_t* bytes) {
+uint64_t Index::FinishEvictLocked(uint64_t slot, uint64_t gen, const Entry& e) {
   if (e.tier != kTierRegion) {
     // A capacity entry holds no region space: it goes, and its device slot is the owner's to
     // reclaim (the owner's cxlkvd reconciles its slots with the entries that name them).
     TombstoneLocked(slot, gen);
     Add(kEvictions, 1);
     Add(kTierDrops, 1);
-    *payload = 0;
-    *bytes = 0;
-    return;
+    return 0;
   }
   // Free while the entry still names the payload (EVICTING counts as reachable for the
   // allocator's recovery, so that recovery cannot free it too), then tombstone. A crash in
@@ -122,8 +109,7 @@ void Index::FinishEvictLocked(uint64_t slot, uint64_t gen, const Entry& e, uint6
   Add(kEvictions, 1);
   Add(kEvictedBytes, e.bytes);
   Add(kBytesReleased, e.bytes);
-  *payload = e.payload;
-  *bytes = e.bytes;
+  return e.bytes;
 }
 
 uint64_t Index::RepairStripeLocked(uint32_t stripe, const DeadWriter* dead, std::vector<uint64_t>* dead_payloads) {
@@ -235,9 +221,7 @@ Result<uint64_t> Index::EvictKeys(const NamespaceHandle& ns, std::span<const Blo
     const uint32_t stripe = static_cast<uint32_t>(StripeOf(key));
     CXLKV_RETURN_IF_ERROR(LockStripe(stripe));
     Probe p = Find(key);
-    uint64_t payload, bytes;
-    if (p.found >= 0 && p.entry.ns == ns.id &&
-        TryEvictLocked(static_cast<uint64_t>(p.found), GenOf(p.entry.state), &payload, &bytes)) {
+    if (p.found >= 0 && p.entry.ns == ns.id && TryEvictLocked(static_cast<uint64_t>(p.found), GenOf(p.entry.state))) {
       ++evicted;
     }
     UnlockStripe(stripe);

@@ -278,12 +278,12 @@ class Index final : public IndexApi {
   // REQUIRES: stripe lock held. Publishes TOMBSTONE (and turns a tombstone run that ends at an
   // EMPTY slot back to EMPTY so probe sequences stay short).
   void TombstoneLocked(uint64_t slot, uint64_t gen);
-  // REQUIRES: stripe lock held. Tries to evict `slot` at generation `gen`; returns the payload
-  // (offset, bytes) to free after the lock is released, or bytes = 0 when pinned or changed.
-  bool TryEvictLocked(uint64_t slot, uint64_t gen, uint64_t* payload, uint64_t* bytes);
+  // REQUIRES: stripe lock held. Evicts `slot` if still READY at generation `gen` and unpinned
+  // (TryEvictManyLocked of one); false when pinned or changed.
+  bool TryEvictLocked(uint64_t slot, uint64_t gen);
   // REQUIRES: stripe lock held; `e` READY at `gen` was published EVICTING and no pin was seen
-  // after that. Frees the payload and tombstones.
-  void FinishEvictLocked(uint64_t slot, uint64_t gen, const Entry& e, uint64_t* payload, uint64_t* bytes);
+  // after that. Frees the payload and tombstones; returns the region bytes freed.
+  uint64_t FinishEvictLocked(uint64_t slot, uint64_t gen, const Entry& e);
   // REQUIRES: the stripe lock of each. Evicts those still READY at their generation and
   // unpinned, reading the pin tables once for all. Returns the bytes freed; adds the count to
   // `*evicted` when given.
