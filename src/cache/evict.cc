@@ -168,7 +168,7 @@ std::vector<Index::TierBlock> Index::LruReady(const std::function<bool(const Ent
     if ((st != kReady && !(with_evicting && st == kEvicting)) || !want(e)) return;
     slot_to_cand[slot] = cands.size();
     cands.push_back({slot, GenOf(e.state), BlockKey{e.key_lo, e.key_hi}, e.ns, e.tier, e.payload, e.bytes, e.writer,
-                     e.stamp_us});
+                     e.stamp_us, e.checksum});
   });
   if (cands.empty()) return cands;
   // Last access = the latest stamp any node left (release time), or the commit's.

@@ -420,7 +420,7 @@ uint64_t Index::MakeRoom(uint64_t bytes) {
 
 void Index::MaybeCrash(CrashPoint p) {
   if (crash_at_.load(std::memory_order_relaxed) == p) [[unlikely]] {
-    if (p == CrashPoint::kMovePauseAfterMark) {  // once: stopped here until a SIGCONT
+    if (p == CrashPoint::kMovePauseAfterMark || p == CrashPoint::kInsertPauseBeforeFence) {  // once: until SIGCONT
       crash_at_.store(CrashPoint::kNone);
       ::raise(SIGSTOP);
       return;

@@ -57,6 +57,15 @@ class Index final : public IndexApi {
   bool checksums() const override { return layout_.h.flags & kFlagChecksum; }
 
   Result<NamespaceHandle> RegisterNamespace(const KeyNamespace& ns) override;
+  // The namespace registered at `id`: its description and seed, checked against each other (a
+  // slot that does not hash to its seed is kCorrupted). kNotFound for a free slot.
+  struct RegisteredNamespace {
+    KeyNamespace desc;
+    BlockKey seed;
+  };
+  Result<RegisteredNamespace> NamespaceAt(uint32_t id);
+  // The seed (h_0 of every chain) a namespace has in every pool: a hash of its description.
+  static BlockKey SeedFor(const KeyNamespace& ns);
 
   Result<LookupResult> Lookup(const NamespaceHandle& ns, std::span<const BlockKey> keys, bool pin) override;
   Result<LookupResult> LookupImpl(const NamespaceHandle& ns, std::span<const BlockKey> keys, bool pin, bool count);
@@ -176,6 +185,7 @@ class Index final : public IndexApi {
     uint32_t bytes = 0;
     uint64_t writer = 0;       // on a capacity tier: the owning cxlkvd process
     uint64_t stamp = 0;        // last access, µs since the epoch (commit, pin or release)
+    uint64_t checksum = 0;     // the entry's xxh3 of the payload (0: unknown or checksums off)
   };
   // The least recently used unpinned READY region entries, oldest first, covering `bytes` (at
   // most `max` of them). A hint: MoveMany checks each again under its stripe lock.
@@ -192,6 +202,8 @@ class Index final : public IndexApi {
     TierBlock from;            // as read: slot, gen, tier and location must still hold
     uint16_t to_tier = 0;
     uint64_t to_location = 0;
+    bool set_checksum = false; // into the region: the entry's checksum becomes `checksum`
+    uint64_t checksum = 0;
     bool moved = false;        // out
   };
   // Makes each entry name its new place, under its stripe lock (one lock per stripe touched):
@@ -201,6 +213,24 @@ class Index final : public IndexApi {
   // (frees the device slot it wrote, or the region copy it made). Fenced by the stripe lock.
   // REQUIRES: the payload at the new place is complete (written and flushed or on the device).
   void MoveMany(std::span<TierMove> moves);
+  // A capacity block to name in the index again (a warm restart into a re-created region: the
+  // device still holds it, no entry names it). Inserted READY at `gen` — the generation its slot
+  // was sealed with — owned by this process, only where the key is absent, its stripe has a free
+  // slot and that slot's generation is below `gen`. Fenced by the stripe lock.
+  struct CapacityInsert {
+    uint32_t ns = 0;           // namespace slot in this pool
+    BlockKey key;
+    uint16_t tier = 0;         // a capacity EntryTier
+    uint64_t location = 0;     // TierLocation
+    uint32_t bytes = 0;
+    uint64_t gen = 0;
+    // out: named; or not, because the key is present or its stripe full (kTaken: the device's
+    // copy is not needed), or the stripe lock was not granted or its lease lapsed (kLocked: try
+    // again later).
+    enum class Outcome : uint8_t { kLocked, kTaken, kInserted };
+    Outcome outcome = Outcome::kLocked;
+  };
+  void InsertCapacity(std::span<CapacityInsert> inserts);
   // Tombstones capacity entries still READY at their generation and location (the owner freed
   // or lost their slots). Returns how many; `dropped` (when given) says which: only their slots
   // are surely named by nothing now.
@@ -218,8 +248,9 @@ class Index final : public IndexApi {
   // Test hook: the process kills itself (SIGKILL) at this point of the protocol, to prove the
   // recovery paths. Never set outside tests.
   // kMovePauseAfterMark stops the process (SIGSTOP) once instead, for pause-past-the-lease tests.
+  // kInsertPauseBeforeFence stops (SIGSTOP) once inside InsertCapacity, right before its fence.
   enum class CrashPoint { kNone, kReserveHoldingLock, kEvictAfterMark, kMoveAfterMark, kMoveAfterFields,
-                          kMovePauseAfterMark };
+                          kMovePauseAfterMark, kInsertAfterFields, kInsertPauseBeforeFence };
   void TestCrashAt(CrashPoint p) { crash_at_.store(p); }
   // Stripe-lock acquisitions by this process (tests count lock round trips per batch).
   uint64_t stripe_locks_taken() const { return stripe_locks_taken_.load(std::memory_order_relaxed); }

@@ -129,6 +129,29 @@ Result<NamespaceHandle> Index::RegisterNamespace(const KeyNamespace& ns) {
   return NamespaceHandle{static_cast<uint32_t>(free_slot), ns.layout.block_size, s.block_bytes, seed};
 }
 
+BlockKey Index::SeedFor(const KeyNamespace& ns) { return SeedOf(ns); }
+
+Result<Index::RegisteredNamespace> Index::NamespaceAt(uint32_t id) {
+  if (id >= kMaxNamespaces) return InvalidArgument("namespace " + std::to_string(id) + " is out of range");
+  const uint64_t off = layout_.ns_slot(id);
+  meta_.Invalidate(off, sizeof(NamespaceSlot));  // P2: registered by another node
+  const auto s = meta_.ReadStruct<NamespaceSlot>(off);
+  if (s.state != 2) return NotFound("namespace " + std::to_string(id) + " is not registered in this pool");
+  // Untrusted like everything read from the region: strings end inside their fields, and the
+  // description must hash to the seed it was registered under.
+  const auto text = [](const char* field, size_t size) { return std::string(field, strnlen(field, size)); };
+  RegisteredNamespace out;
+  out.desc.model_id = text(s.model_id, sizeof s.model_id);
+  out.desc.extra_key = text(s.extra_key, sizeof s.extra_key);
+  out.desc.layout = s.layout;
+  out.seed = BlockKey{s.seed_lo, s.seed_hi};
+  if (!ValidateNamespace(out.desc).ok() || !(SeedOf(out.desc) == out.seed)) {
+    return Corrupted("namespace slot " + std::to_string(id) + " of this pool does not match its seed: the "
+                     "region is damaged (run 'cxlkv check')");
+  }
+  return out;
+}
+
 Status Index::CheckHandle(const NamespaceHandle& ns) {
   if (ns.id >= kMaxNamespaces) return InvalidArgument("namespace handle " + std::to_string(ns.id) + " is out of range");
   // A live namespace slot never changes: once verified, a handle is checked locally.

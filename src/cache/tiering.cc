@@ -54,7 +54,7 @@ std::vector<Index::TierBlock> Index::FindCapacity(std::span<const BlockKey> keys
     if (meta_.Load(off) != before || e.state != before || e.key_lo != keys[i].lo || e.key_hi != keys[i].hi) continue;
     if (StateOf(e.state) != kReady || !IsCapacityTier(e.tier)) continue;
     out.push_back({static_cast<uint64_t>(p.found), GenOf(e.state), keys[i], e.ns, e.tier, e.payload, e.bytes, e.writer,
-                   e.stamp_us});
+                   e.stamp_us, e.checksum});
   }
   return out;
 }
@@ -97,6 +97,7 @@ bool Index::MoveLocked(const TierMove& m) {
     Add(kPromotes, 1);
     Add(kPromotedBytes, e.bytes);
     e.stamp_us = NowStamp();  // brought in for a reader: recently used
+    if (m.set_checksum) e.checksum = m.checksum;
   }
   e.tier = m.to_tier;
   e.payload = m.to_location;
@@ -121,6 +122,51 @@ void Index::MoveMany(std::span<TierMove> moves) {
     for (TierMove* m : list) {
       m->moved = MoveLocked(*m);
       any |= m->moved;
+    }
+    UnlockStripe(stripe);
+  }
+  if (any) PublishCounters();
+}
+
+void Index::InsertCapacity(std::span<CapacityInsert> inserts) {
+  std::map<uint32_t, std::vector<CapacityInsert*>> by_stripe;
+  using Outcome = CapacityInsert::Outcome;
+  for (CapacityInsert& c : inserts) {
+    c.outcome = Outcome::kLocked;
+    if (IsCapacityTier(c.tier) && c.ns < kMaxNamespaces && c.gen != 0) by_stripe[StripeOf(c.key)].push_back(&c);
+  }
+  bool any = false;
+  for (auto& [stripe, list] : by_stripe) {
+    if (!LockStripe(stripe).ok()) continue;
+    for (CapacityInsert* c : list) {
+      const Probe p = Find(c->key);
+      c->outcome = Outcome::kTaken;  // present in some state, or no room: not inserted
+      if (p.found >= 0 || p.free_slot < 0) continue;
+      const uint64_t off = layout_.entry(static_cast<uint64_t>(p.free_slot));
+      const uint64_t word = meta_.Load(off);
+      // The entry takes the generation its device slot was sealed with, so the slot validates
+      // as is; a generation must only grow, so a slot that has been further is passed over.
+      if (GenOf(word) >= c->gen) continue;
+      c->outcome = Outcome::kLocked;
+      MaybeCrash(CrashPoint::kInsertPauseBeforeFence);
+      if (!HoldsStripeFenced(stripe)) break;  // P5: paused past the lease, write nothing more
+      Entry e{};
+      e.state = word;  // still free (EMPTY or TOMBSTONE) while the fields go in
+      e.key_lo = c->key.lo;
+      e.key_hi = c->key.hi;
+      e.payload = c->location;
+      e.bytes = c->bytes;
+      e.tier = c->tier;
+      e.ns = static_cast<uint16_t>(c->ns);
+      e.writer = MyWriterWord();
+      e.checksum = 0;  // unknown: a promote computes it where the pool keeps checksums
+      e.stamp_us = NowStamp();
+      meta_.WriteStruct(off, e);
+      meta_.Flush(off, sizeof(Entry));  // P1: the fields reach memory before READY does
+      MaybeCrash(CrashPoint::kInsertAfterFields);  // killed here: still free, its fields ignored
+      meta_.Publish(off, StateWord(c->gen, kReady));
+      c->outcome = Outcome::kInserted;
+      any = true;
     }
     UnlockStripe(stripe);
   }

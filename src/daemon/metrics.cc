@@ -190,6 +190,9 @@ std::string Daemon::RenderMetrics() {
         {"dropped_full", "Blocks dropped to make room on a full device."},
         {"dropped_lost", "Entries dropped because their bytes were gone (invalid slot, an ended process's DRAM)."},
         {"freed_orphan_slots", "Device slots freed because no entry named them any more."},
+        {"adopted", "SSD blocks the index named at start and the catalog proved current."},
+        {"restored", "SSD blocks no entry named at start (e.g. a re-created region) named again."},
+        {"restore_skipped", "SSD blocks no entry named at start that could not be named again (freed)."},
     };
     for (const auto& [key, help] : store_counters) {
       const std::string name = std::string("cxlkv_tier_") + key + "_total";

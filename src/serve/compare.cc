@@ -4,22 +4,18 @@
 
 #include "cxlkv/pool.h"
 #include "pool/pool_internal.h"
-#include "tier/catalog.h"
 #include "tier/tier_store.h"
 
 namespace cxlkv::serve {
 
 namespace {
 
-// An SSD tier's file and its catalog (checkpoint copies and log), as a run left them.
+// An SSD tier's files (device, catalog, namespace book), as a run left them.
 void RemoveSsdFiles(const std::vector<std::string>& specs) {
   for (const std::string& text : specs) {
     auto spec = tier::ParseTierSpec(text);
     if (!spec.ok() || spec->kind != tier::TierKind::kSsd) continue;
-    for (const std::string& f : {spec->path, tier::Catalog::CheckpointPath(spec->path, 0),
-                                 tier::Catalog::CheckpointPath(spec->path, 1), tier::Catalog::LogPath(spec->path)}) {
-      ::unlink(f.c_str());
-    }
+    for (const std::string& f : tier::SsdTierFiles(spec->path)) ::unlink(f.c_str());
   }
 }
 

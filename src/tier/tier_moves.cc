@@ -5,6 +5,8 @@
 #include <set>
 #include <thread>
 
+#include <xxhash.h>
+
 #include "pool/pool_internal.h"
 #include "tier/tier_store.h"
 
@@ -137,7 +139,10 @@ Result<uint64_t> TierStore::SpillLocked(uint64_t bytes) {
       const size_t b = run.first + k;
       const Block& blk = cands[b];
       const uint8_t* src = index_.Payload(blk.location, blk.bytes);
-      if (src == nullptr) {  // not a pool object any more (the entry changed): not moved
+      uint64_t fingerprint = 0;
+      // Not a pool object any more (the entry changed), or a namespace slot that does not check
+      // out: not moved.
+      if (src == nullptr || !FingerprintLocked(blk.ns, &fingerprint)) {
         FreeSlots(run.device, std::span<const uint64_t>(&(*slots)[k], 1));
         continue;
       }
@@ -146,7 +151,7 @@ Result<uint64_t> TierStore::SpillLocked(uint64_t bytes) {
       pieces[b] = {std::span<const std::byte>(reinterpret_cast<const std::byte*>(src), blk.bytes)};
       planned[run.device].push_back({b, (*slots)[k]});
       // The tag carries the generation the entry will have once moved (READY at gen + 1).
-      items[run.device].push_back({(*slots)[k], SlotTag{blk.key, blk.ns, blk.gen + 1}, pieces[b]});
+      items[run.device].push_back({(*slots)[k], SlotTag{blk.key, fingerprint, blk.gen + 1}, pieces[b]});
     }
   }
   std::vector<std::vector<Status>> written(devices_.size());
@@ -171,10 +176,14 @@ Result<uint64_t> TierStore::SpillLocked(uint64_t bytes) {
       }
       const Block& blk = cands[p.block];
       ok.push_back(k);
-      records.push_back({p.slot, blk.key, blk.ns, blk.gen + 1, blk.bytes, static_cast<uint16_t>(devices_[d]->kind()), 0});
+      records.push_back({p.slot, blk.key, fingerprints_.at(blk.ns), blk.gen + 1, blk.bytes,
+                         static_cast<uint16_t>(devices_[d]->kind()), 0});
     }
-    // Durable first (the log's fdatasync also flushes the drive's write cache), then named.
-    if (Status s = RecordPuts(static_cast<uint32_t>(d), records); !s.ok()) {
+    // Durable first (the log's fdatasync also flushes the drive's write cache), then named; the
+    // namespaces before the blocks, so a new region can always register what the catalog names.
+    Status s = RecordNamespacesLocked(static_cast<uint32_t>(d), records);
+    if (s.ok()) s = RecordPuts(static_cast<uint32_t>(d), records);
+    if (!s.ok()) {
       std::fprintf(stderr, "cxlkv: tier: %s: recording %zu spilled block(s): %s (they stay in the region)\n",
                    devices_[d]->Describe().c_str(), records.size(), s.ToString().c_str());
       for (size_t k : ok) failed.push_back(planned[d][k].slot);
@@ -313,11 +322,17 @@ PromoteResult TierStore::Promote(std::span<const BlockKey> keys) {
       break;
     }
     const uint32_t d = cache::LocationDevice(b.location);
+    uint64_t fingerprint = 0;
+    if (!FingerprintLocked(b.ns, &fingerprint)) {  // its namespace slot does not check out
+      index_.FreeRegionPayload(*payload);
+      ++out.missed;
+      continue;
+    }
     uint8_t* dst = index_.Payload(*payload, b.bytes);
     pending[d].push_back({i, *payload});
     ReadItem item;
     item.slot = cache::LocationSlot(b.location);
-    item.expect = SlotTag{b.key, b.ns, b.gen};
+    item.expect = SlotTag{b.key, fingerprint, b.gen};
     item.dst = std::span<std::byte>(reinterpret_cast<std::byte*>(dst), b.bytes);
     item.dst_shared = true;
     items[d].push_back(item);
@@ -345,7 +360,14 @@ PromoteResult TierStore::Promote(std::span<const BlockKey> keys) {
         if (k < read[d].size() && (read[d][k].ok() || IsMiss(read[d][k]))) invalid.push_back(b);
         continue;
       }
-      moves.push_back({b, cache::kTierRegion, p.payload});
+      cache::Index::TierMove move{b, cache::kTierRegion, p.payload};
+      if (index_.checksums() && b.checksum == 0) {
+        // Named again after a warm restart (tier_restore.cc): the catalog does not keep the
+        // pool's xxh3, so it is computed from the bytes just verified by their CRC-32C.
+        move.set_checksum = true;
+        move.checksum = XXH3_64bits(items[d][k].dst.data(), b.bytes);
+      }
+      moves.push_back(move);
       move_payload.push_back(p.payload);
     }
   }
@@ -396,9 +418,11 @@ std::vector<uint32_t> TierStore::ReadOut(std::span<const BlockKey> keys, std::sp
     const size_t i = at_key++;
     if (!Mine(b) || b.bytes > capacity || !allocator.Contains(alloc::ObjectOffset(staging[i]), b.bytes)) continue;
     const uint32_t d = cache::LocationDevice(b.location);
+    uint64_t fingerprint = 0;
+    if (!FingerprintLocked(b.ns, &fingerprint)) continue;
     ReadItem item;
     item.slot = cache::LocationSlot(b.location);
-    item.expect = SlotTag{b.key, b.ns, b.gen};
+    item.expect = SlotTag{b.key, fingerprint, b.gen};
     item.dst = std::span<std::byte>(reinterpret_cast<std::byte*>(index_.Payload(staging[i], b.bytes)), b.bytes);
     item.dst_shared = true;  // non-temporal stores: the reader, on another host, invalidates and reads
     which[d].push_back(i);

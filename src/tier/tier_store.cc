@@ -107,12 +107,19 @@ Result<std::unique_ptr<TierStore>> TierStore::Open(Pool& pool, const TierStoreOp
       if (!(*catalog)->replay_stats().message.empty()) {
         std::fprintf(stderr, "cxlkv: tier: %s: %s\n", spec.path.c_str(), (*catalog)->replay_stats().message.c_str());
       }
+      auto book = NamespaceBook::Open(spec.path);
+      if (!book.ok()) return Status(book.status().code(), what + book.status().message());
+      if (!(*book)->message().empty()) std::fprintf(stderr, "cxlkv: tier: %s\n", (*book)->message().c_str());
       store->catalogs_.resize(i + 1);
       store->catalogs_[i] = std::move(*catalog);
+      store->books_.resize(i + 1);
+      store->books_[i] = std::move(*book);
       store->devices_.push_back(std::move(*dev));
     }
   }
   store->catalogs_.resize(store->devices_.size());
+  store->books_.resize(store->devices_.size());
+  store->awaiting_restore_.resize(store->devices_.size());
   // Adopt before the probe: the probe writes to free slots only, and the blocks an earlier
   // cxlkvd left on the SSD are not free.
   store->ReconcileLocked(/*adopt=*/true);
@@ -260,8 +267,9 @@ uint64_t TierStore::ReconcileLocked(bool adopt) {
     // this generation (the index may name a slot whose write never reached the drive).
     if (catalogs_[d] != nullptr) {
       CatalogEntry known;
+      uint64_t fingerprint = 0;
       if (!catalogs_[d]->Find(slot, &known) || !(known.key == b.key) || known.generation != b.gen ||
-          known.ns != b.ns) {
+          !FingerprintLocked(b.ns, &fingerprint) || known.ns != fingerprint) {
         lost.push_back(b);
         unproven_.fetch_add(1, std::memory_order_relaxed);
         continue;
@@ -275,17 +283,32 @@ uint64_t TierStore::ReconcileLocked(bool adopt) {
     Device& dev = *devices_[d];
     if (adopt) {
       adopted_.fetch_add(std::count(named[d].begin(), named[d].end(), true), std::memory_order_relaxed);
-      (void)dev.ResetUsedSlots(named[d]);
-      // What the catalog holds and no entry names (a spill cut before it published, a promote or
-      // drop cut before its free was logged) is free now.
+      // What the catalog holds and no entry names — every block of a region that was lost or
+      // re-created, a spill cut before it published, an entry dropped while no cxlkvd of this
+      // node ran — is named again where it can be (tier_restore.cc); the rest is free now (a
+      // promote or drop cut before its free was logged left the key elsewhere).
+      std::vector<uint64_t> stale;
       if (catalogs_[d] != nullptr) {
-        std::vector<uint64_t> stale;
+        std::vector<CatalogEntry> unnamed;
         for (const CatalogEntry& e : catalogs_[d]->Live()) {
-          if (!named[d][e.slot]) stale.push_back(e.slot);
+          if (!named[d][e.slot]) unnamed.push_back(e);
         }
-        RecordFrees(static_cast<uint32_t>(d), stale);
+        stale = RestoreLocked(static_cast<uint32_t>(d), unnamed, named[d]);
       }
+      (void)dev.ResetUsedSlots(named[d]);
+      RecordFrees(static_cast<uint32_t>(d), stale);
+      if (books_[d] != nullptr) RetainNamespacesLocked(static_cast<uint32_t>(d));
       continue;
+    }
+    // Blocks a restore could not decide yet (stripe lock not granted): tried again, their slots
+    // kept meanwhile.
+    if (catalogs_[d] != nullptr && !awaiting_restore_[d].empty()) {
+      std::vector<CatalogEntry> unnamed;
+      for (uint64_t slot : std::exchange(awaiting_restore_[d], {})) {
+        CatalogEntry e;
+        if (!named[d][slot] && catalogs_[d]->Find(slot, &e)) unnamed.push_back(e);
+      }
+      FreeSlots(static_cast<uint32_t>(d), RestoreLocked(static_cast<uint32_t>(d), unnamed, named[d]));
     }
     // Slots whose entry is gone (evicted by another process, or dropped by a full stripe).
     std::vector<uint64_t> orphans;
@@ -340,6 +363,8 @@ nlohmann::json TierStore::Stats() const {
   j["freed_orphan_slots"] = freed_orphans_.load();
   j["adopted"] = adopted_.load();
   j["dropped_unproven"] = unproven_.load();
+  j["restored"] = restored_.load();
+  j["restore_skipped"] = restore_skipped_.load();
   nlohmann::json catalogs = nlohmann::json::array();
   for (size_t d = 0; d < catalogs_.size(); ++d) {
     if (catalogs_[d] == nullptr) continue;

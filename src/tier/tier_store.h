@@ -25,6 +25,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <map>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -40,6 +41,7 @@
 #include "cxlkv/pool.h"
 #include "tier/catalog.h"
 #include "tier/device.h"
+#include "tier/namespace_book.h"
 #include "tier/placement.h"
 
 namespace cxlkv::tier {
@@ -53,6 +55,13 @@ struct TierSpec {
   int numa_node = -1;     // dram only
 };
 Result<TierSpec> ParseTierSpec(std::string_view text);
+
+// Every file an SSD tier at `path` keeps: the device file, its catalog (checkpoint copies and
+// log) and its namespace book.
+inline std::vector<std::string> SsdTierFiles(const std::string& path) {
+  return {path, Catalog::CheckpointPath(path, 0), Catalog::CheckpointPath(path, 1), Catalog::LogPath(path),
+          NamespaceBook::PathOf(path)};
+}
 
 // The index's tier of a device kind (cache::EntryTier).
 inline uint16_t EntryTierOf(TierKind kind) { return kind == TierKind::kMem ? cache::kTierMem : cache::kTierSsd; }
@@ -126,6 +135,19 @@ class TierStore {
   // (an error: the blocks are not moved); frees before a slot can be reused.
   Status RecordPuts(uint32_t device, std::span<const CatalogEntry> entries);
   void RecordFrees(uint32_t device, std::span<const uint64_t> slots);
+  // ---- tier_restore.cc: namespaces by fingerprint, and naming blocks again ----
+  // The fingerprint a device slot carries for the pool's namespace `ns` (namespace_book.h).
+  // False for a slot that is not a valid registered namespace. REQUIRES: move_mu_ held.
+  bool FingerprintLocked(uint32_t ns, uint64_t* fingerprint);
+  // Makes device `device`'s namespace book name the namespaces of these blocks before the
+  // catalog does. REQUIRES: move_mu_ held.
+  Status RecordNamespacesLocked(uint32_t device, std::span<const CatalogEntry> entries);
+  // Names again in the index the catalog's blocks no entry names (marking their slots in
+  // `named`); returns the slots of those that cannot be (to be freed). Those it could not decide
+  // are marked too, and wait in awaiting_restore_. REQUIRES: move_mu_ held.
+  std::vector<uint64_t> RestoreLocked(uint32_t device, std::span<const CatalogEntry> unnamed, std::vector<bool>& named);
+  // Drops from the book the namespaces no block of the device's catalog uses any more.
+  void RetainNamespacesLocked(uint32_t device);
   // Records the frees, then returns the slots to the device.
   void FreeSlots(uint32_t device, std::span<const uint64_t> slots);
   // The runs with each device's share beyond its free slots moved to devices that have some.
@@ -152,6 +174,10 @@ class TierStore {
   const uint32_t node_;
   std::vector<std::unique_ptr<Device>> devices_;
   std::vector<std::unique_ptr<Catalog>> catalogs_;  // per device; null for node DRAM
+  std::vector<std::unique_ptr<NamespaceBook>> books_;  // per device; null for node DRAM
+  std::map<uint32_t, uint64_t> fingerprints_;  // guarded by move_mu_: namespace slot → fingerprint
+  // guarded by move_mu_, per device: slots a restore left undecided (kept used, retried by Reconcile)
+  std::vector<std::set<uint64_t>> awaiting_restore_;
 
   std::mutex move_mu_;  // one move batch at a time (spill, promote, reconcile)
   std::unique_ptr<PlacementCursor> placement_;  // guarded by move_mu_
@@ -178,7 +204,7 @@ class TierStore {
   // The store's counters.
   std::atomic<uint64_t> read_out_{0}, read_out_missed_{0};
   std::atomic<uint64_t> spilled_{0}, spill_failed_{0}, promoted_{0}, promote_missed_{0}, dropped_full_{0},
-      dropped_lost_{0}, freed_orphans_{0}, adopted_{0}, unproven_{0};
+      dropped_lost_{0}, freed_orphans_{0}, adopted_{0}, unproven_{0}, restored_{0}, restore_skipped_{0};
 };
 
 }  // namespace cxlkv::tier

@@ -265,7 +265,9 @@ void KilledMidMove(cache::Index::CrashPoint point, bool promote) {
   }
   auto keys = o.cache->ChainKeys(o.ns, cxlkv::testing::Tokens(5, 16 * 8, 0, 0));
   const size_t present = ReadBackEach(*o.cache, o.ns, keys);
-  EXPECT_EQ(present, 7u) << "exactly the block cut mid-move may go";
+  // Only the block cut mid-move may go. A spill's copy was durable in the catalog before the
+  // move began, so the restart may name it again (tier_restore.cc): then all 8 read back.
+  EXPECT_GE(present, 7u) << "a block other than the one cut mid-move went";
   ASSERT_TRUE(survivor.Send(1));
   EXPECT_EQ(survivor.Wait(), 0);
   service->reset();

@@ -89,9 +89,11 @@ void PrintTierStatus(const nlohmann::json& status) {
       std::printf("tiers of %s: unreadable (%s)\n", name.c_str(), doc["unreadable"].dump().c_str());
       continue;
     }
-    std::printf("tiers of node %llu: spilled %llu, promoted %llu (missed %llu), dropped %llu full + %llu lost\n",
+    std::printf("tiers of node %llu: spilled %llu, promoted %llu (missed %llu), dropped %llu full + %llu lost; "
+                "at start: adopted %llu, restored %llu, freed %llu\n",
                 U(doc["node"]), U(doc["spilled"]), U(doc["promoted"]), U(doc["promote_missed"]),
-                U(doc["dropped_full"]), U(doc["dropped_lost"]));
+                U(doc["dropped_full"]), U(doc["dropped_lost"]), U(doc["adopted"]), U(doc["restored"]),
+                U(doc["restore_skipped"]));
     if (!doc["devices"].is_array()) continue;
     for (const auto& d : doc["devices"]) {
       std::printf("  %s\n    %llu of %llu slots used; read %llu, written %llu; misses: empty %llu, corrupt %llu, stale %llu\n",
