@@ -7,7 +7,7 @@
 //   10      2     header bytes (64)
 //   12      4     flags (0)
 //   16      16    block key (BlockKey lo, hi)
-//   32      8     namespace
+//   32      8     namespace (the tier store writes its fingerprint: namespace_book.h)
 //   40      8     generation (bumped by the owner each time the slot is reused)
 //   48      4     payload bytes
 //   52      4     reserved (0)

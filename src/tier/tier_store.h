@@ -16,7 +16,9 @@
 //   full     a device without free slots drops its own least recently used blocks first.
 //   adopt    at open, SSD blocks this node's earlier cxlkvd left in the index are taken over
 //            (their slots marked used); DRAM blocks of an earlier process are dropped (their
-//            bytes died with it). Reconcile() repeats this and frees slots no entry names.
+//            bytes died with it); SSD blocks the catalog holds and no entry names — a region
+//            lost or re-created — are named again (tier_restore.cc). Reconcile() repeats this
+//            and frees slots no entry names.
 //
 // Thread-safety: all methods are thread-safe; moves are serialized by one mutex, so spill,
 // promote and reconcile never see each other's slots half-owned.
