@@ -211,6 +211,9 @@ class Allocator {
   // Waits (bounded) until no node is between deciding to push into `dead`'s ring for life
   // `inc` and publishing that push.
   void WaitForPushesInFlight(uint32_t dead, uint32_t inc);
+  // Waits (bounded) while a drainer of another life of `dead` is announced (chunk_table.h,
+  // kInboxDrainingOffset). REQUIRES: the rings closed for `inc` (WaitForPushesInFlight).
+  void WaitForDrainerOfAnotherLife(uint32_t dead, uint32_t inc);
   // Offsets in every ring not consumed yet: their frees are on their way.
   std::unordered_set<uint64_t> PendingRemoteFreesLocked();
 

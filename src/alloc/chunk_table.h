@@ -78,6 +78,26 @@ inline uint32_t PushingPusherInc(uint64_t word) { return static_cast<uint32_t>(w
 // the life it pushes to frees in place instead: a push after recovery consumed the ring would
 // never be applied (the pushing word and this word are a Dekker pair).
 inline uint64_t ClosedWord(uint32_t owner_inc) { return (uint64_t{1} << 63) | (owner_inc & 0xfffff); }
+// The closed word once that recovery has consumed the ring: the ring is the owner's next life's
+// to drain again (a pusher still treats the ring as closed for the recovered life).
+inline constexpr uint64_t kClosedDoneBit = uint64_t{1} << 62;
+inline uint64_t RecoveredWord(uint32_t owner_inc) { return ClosedWord(owner_inc) | kClosedDoneBit; }
+inline bool ClosedFor(uint64_t word, uint32_t owner_inc) { return (word & ~kClosedDoneBit) == ClosedWord(owner_inc); }
+// True while the recovery of an owner life other than `life` may be consuming the ring.
+inline bool OtherLifesRecoveryUnderWay(uint64_t word, uint32_t life) {
+  return (word >> 63) != 0 && (word & kClosedDoneBit) == 0 && (word & 0xfffff) != (life & 0xfffff);
+}
+// The drain word of owner o: nonzero while a drainer of o (one process at a time, under o's
+// node-local drain_mu) consumes o's rings, naming its life. It sits in line 0 of o's own ring
+// (o, o), which only o's processes write (a node frees its own objects in place), so no region
+// layout changes. With the closed words it is a Dekker pair, each side flushing its word before
+// reading the other's: a drainer announces, then reads each ring's closed word and leaves a
+// ring alone while an older life's recovery is under way; a recoverer closes the rings, then
+// waits (before taking the allocator lock) while a drainer of another life is announced. So a
+// recovery and the next life's drain never consume one ring at the same time, and neither's
+// head store can move the head back over entries the other applied.
+inline constexpr uint64_t kInboxDrainingOffset = 16;
+inline uint64_t DrainingWord(uint32_t life) { return (uint64_t{1} << 63) | (life & 0xfffff); }
 // A ring's head and tail are read from the region: a consumer walks [head, tail) only when it
 // holds at most kInboxEntries messages (a corrupted tail would otherwise loop for 2^64 steps).
 inline bool RingSane(uint64_t head, uint64_t tail) { return head <= tail && tail - head <= kInboxEntries; }

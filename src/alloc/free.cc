@@ -148,7 +148,7 @@ Result<bool> Allocator::PushWhileOwnerLives(OwnerWord w, ObjectOffset off) {
 bool Allocator::RingClosed(OwnerWord owner) {
   if (owner.node >= max_nodes_ || !tables_[0].has_inboxes()) return false;
   const uint64_t ring = tables_[0].inbox(owner.node, node_.id());
-  return meta(0).Fetch(ring + kInboxClosedOffset) == ClosedWord(owner.incarnation);
+  return ClosedFor(meta(0).Fetch(ring + kInboxClosedOffset), owner.incarnation);
 }
 
 Result<bool> Allocator::PushRemoteFree(OwnerWord owner, ObjectOffset off) {
@@ -179,7 +179,7 @@ Result<bool> Allocator::PushRemoteFree(OwnerWord owner, ObjectOffset off) {
   m.Publish(ring + kInboxPushingOffset, PushingWord(owner.incarnation, Inc20(node_.incarnation())));
   // P2: the recoverer writes the closed word. Closed for this life: its recovery has begun and
   // may have consumed the ring already, whatever this process's view of the owner says.
-  const bool closed = m.Fetch(ring + kInboxClosedOffset) == ClosedWord(owner.incarnation);
+  const bool closed = ClosedFor(m.Fetch(ring + kInboxClosedOffset), owner.incarnation);
   if (closed || !node_.SurelyLive(owner.node, owner.incarnation, 0xfffff)) {
     m.Publish(ring + kInboxPushingOffset, 0);
     pthread_mutex_unlock(&mu);
@@ -231,8 +231,21 @@ void Allocator::DrainRemoteFrees() {
   auto& m = meta(0);
   sync::LocalDrainClaim& claim = node_.local().header().drain_claim;
   static_assert(kInboxEntries <= sync::kLocalDrainClaimEntries);
+  // Announced before any ring's closed word is read (the Dekker pair with recovery, see
+  // kInboxDrainingOffset); withdrawn when the pass ends, however it ends.
+  const uint32_t life = Inc20(node_.incarnation());
+  const uint64_t draining = tables_[0].inbox(node_.id(), node_.id()) + kInboxDrainingOffset;
+  m.Publish(draining, DrainingWord(life));
+  struct Withdraw {
+    region::MetaAccess& m;
+    uint64_t word;
+    ~Withdraw() { m.Publish(word, 0); }
+  } withdraw{m, draining};
   for (uint32_t f = 0; f < max_nodes_; ++f) {
     uint64_t ring = tables_[0].inbox(node_.id(), f);
+    // An earlier life's recovery consumes this ring now (or will, having closed it): left to it
+    // until it marks the ring recovered.
+    if (OtherLifesRecoveryUnderWay(m.Fetch(ring + kInboxClosedOffset), life)) continue;
     uint64_t tail = m.Fetch(ring);
     uint64_t head = m.Fetch(ring + kInboxHeadOffset);
     if (head == tail) continue;

@@ -42,6 +42,30 @@ void Allocator::WaitForPushesInFlight(uint32_t dead, uint32_t inc) {
   }
 }
 
+void Allocator::WaitForDrainerOfAnotherLife(uint32_t dead, uint32_t inc) {
+  if (!tables_[0].has_inboxes()) return;
+  auto& m = meta(0);
+  // The rings are closed for `inc` already (WaitForPushesInFlight published those words): a
+  // drainer that announces from now on sees them and leaves the rings alone; one announced
+  // before is waited for, so its head stores are all in before recovery reads a head.
+  const uint64_t draining = tables_[0].inbox(dead, dead) + kInboxDrainingOffset;
+  const auto deadline = sync::Clock::now() + node_.lease() * 2;
+  for (;;) {
+    const uint64_t word = m.Fetch(draining);  // P2: the owner's drainer writes it
+    if ((word >> 63) == 0) return;
+    const uint32_t life = static_cast<uint32_t>(word & 0xfffff);
+    // The ended life's own drainer is fenced before it claims; a drainer whose life ended too
+    // (or that was killed announced) stores nothing more.
+    if (life == inc || node_.LifeOver(dead, life, 0xfffff)) return;
+    if (sync::Clock::now() > deadline || node_.leaving()) {
+      std::fprintf(stderr, "cxlkv: allocator: node %u's life %u still announces a drain after two leases; "
+                   "recovering its life %u without waiting further\n", dead, life, inc);
+      return;
+    }
+    std::this_thread::sleep_for(node_.lease() / 32);
+  }
+}
+
 void Allocator::TestHookBeforeRecoveryLock(std::function<void()> hook) {
   std::lock_guard<std::mutex> g(test_hooks_mu_);
   test_before_recovery_lock_ = std::move(hook);
@@ -61,6 +85,8 @@ void Allocator::Recover(uint32_t dead, uint64_t incarnation) {
     }
     if (hook) hook();
   }
+  // A drain of the node's next life, if one is under way, finishes before the rings are read.
+  WaitForDrainerOfAnotherLife(dead, inc);
   // The manager queues each dead life once: giving up here would leak what it held for good.
   // Keep trying (the lock can be slow to get under contention) until this node leaves.
   Status locked = LockAllocator();
@@ -86,6 +112,17 @@ void Allocator::Recover(uint32_t dead, uint64_t incarnation) {
     for (uint32_t f = 0; f < max_nodes_; ++f) {
       const uint64_t ring = tables_[0].inbox(dead, f);
       const uint64_t tail = m.Fetch(ring);
+      // However this ring ends (consumed, or corrupt and left for `cxlkv check`), the node's
+      // next life may drain it again once this is published (after the head, P4).
+      struct MarkRecovered {
+        region::MetaAccess& m;
+        uint64_t closed;
+        uint32_t inc;
+        ~MarkRecovered() {
+          m.Invalidate(closed, 8);  // P2 before a store: another recoverer may have written it
+          m.Publish(closed, RecoveredWord(inc));
+        }
+      } mark{m, ring + kInboxClosedOffset, inc};
       if (!RingSane(m.Fetch(ring + kInboxHeadOffset), tail)) continue;  // corrupted: left for `cxlkv check`
       uint64_t head = m.Fetch(ring + kInboxHeadOffset);
       for (; head < tail; ++head) {

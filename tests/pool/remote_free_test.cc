@@ -338,6 +338,84 @@ TEST(RemoteFree, TheRecoveryOfAnEndedLifeLeavesTheNextLifesFreesUnderTheNonCoher
   }
 }
 
+// The same scene with node 2's next life draining all along (no hook holds its drains): while
+// node 0's recovery of the first life is held, with node 2's rings closed for it, the next
+// life's drainer leaves those rings alone — the free of its object waits in the ring — and
+// applies it once the recovery has marked the rings recovered. Before the drain word and the
+// recovered mark, the two consumed one ring unordered: a late head store by either could move
+// the head back over entries the other had applied, and a later drain applied them again.
+void NextLifeDrainsWhileItsLastLifeIsRecovered(uint64_t sim_seed) {
+  testing::TempRegionPath path("rf-next-drain");
+  auto paths = CreatePool(path.path());
+  const uint64_t total = FreeChunks(paths);
+  Child first = Child::Fork([&](int in, int out) {
+    auto p = OpenOrNull(paths, 2, sim_seed ? sim_seed + 2 : 0);
+    uint64_t go;
+    if (!p || !Put(out, 1) || !Get(in, &go)) return 1;
+    return 0;  // leaves cleanly: the life ends at once
+  });
+  Child next = Child::Fork([&](int in, int out) {
+    uint64_t go;
+    if (!Get(in, &go)) return 1;
+    auto p = OpenOrNull(paths, 2, sim_seed ? sim_seed + 3 : 0);
+    if (!p) return 2;
+    auto off = p->Alloc(4096);
+    if (!off.ok() || !Put(out, *off) || !Get(in, &go)) return 3;
+    return 0;
+  });
+  Child freer = Child::Fork([&](int in, int out) {
+    auto p = OpenOrNull(paths, 1, sim_seed ? sim_seed + 1 : 0);
+    uint64_t off, go;
+    if (!p || !Put(out, 1) || !Get(in, &off)) return 1;
+    Status s = p->Free(off);
+    CHILD_CHECK(s.ok(), "free: %s", s.ToString().c_str());
+    if (!Put(out, 1) || !Get(in, &go)) return 2;
+    return 0;
+  });
+  auto survivor = OpenOrNull(paths, 0, sim_seed);
+  ASSERT_TRUE(survivor);
+  std::atomic<bool> held{false}, recover{false};
+  survivor->impl().allocator->TestHookBeforeRecoveryLock([&] {
+    held.store(true);
+    while (!recover.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  uint64_t ack;
+  ASSERT_TRUE(first.Receive(&ack));
+  ASSERT_TRUE(freer.Receive(&ack));
+  SleepLeases(1);
+  ASSERT_TRUE(first.Send(1));
+  EXPECT_EQ(first.Wait(), 0);
+  const auto start = std::chrono::steady_clock::now();
+  while (!held.load() && std::chrono::steady_clock::now() - start < std::chrono::seconds(10)) SleepLeases(0.1);
+  ASSERT_TRUE(held.load()) << "node 0 never began to recover node 2's first life";
+  ASSERT_TRUE(next.Send(1));
+  uint64_t off;
+  ASSERT_TRUE(next.Receive(&off));
+  ASSERT_TRUE(freer.Send(off));
+  ASSERT_TRUE(freer.Receive(&ack));  // in node 2's ring, for its next life
+  SleepLeases(2);                    // node 2's next life drains several times meanwhile
+  EXPECT_TRUE(Allocated(paths, off)) << "node 2's next life drained a ring its last life's recovery had closed";
+  recover.store(true);
+  const auto released = std::chrono::steady_clock::now();
+  while (Allocated(paths, off) && std::chrono::steady_clock::now() - released < std::chrono::seconds(10)) SleepLeases(0.25);
+  EXPECT_FALSE(Allocated(paths, off)) << "the next life's free was never applied after the recovery";
+  ASSERT_TRUE(next.Send(1));
+  EXPECT_EQ(next.Wait(), 0);
+  ASSERT_TRUE(freer.Send(1));
+  EXPECT_EQ(freer.Wait(), 0);
+  survivor->impl().allocator->TestHookBeforeRecoveryLock(nullptr);
+  ExpectEverythingReturned(survivor, paths, total);
+}
+
+TEST(RemoteFree, ARecoveryAndTheNextLifesDrainNeverConsumeOneRingAtOnce) { NextLifeDrainsWhileItsLastLifeIsRecovered(0); }
+
+TEST(RemoteFree, ARecoveryAndTheNextLifesDrainTakeTurnsUnderTheNonCoherentSimulator) {
+  for (uint64_t seed : {13u, 101u}) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    NextLifeDrainsWhileItsLastLifeIsRecovered(seed);
+  }
+}
+
 // After its owner left, a published object sits in an orphan heap chunk (or stays a whole-
 // chunk object of the ended life). Once nothing reaches it, ReclaimIfUnreachable frees it —
 // and refuses everything else: a reachable object, a live node's object, a freed one.
