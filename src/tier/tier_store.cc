@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <map>
 #include <set>
 
@@ -14,6 +15,7 @@
 #include "tier/placement.h"
 #include "tier/probe.h"
 #include "tier/ssd_device.h"
+#include "tier/worker_affinity.h"
 #include "util/units.h"
 
 namespace cxlkv::tier {
@@ -125,6 +127,20 @@ Result<std::unique_ptr<TierStore>> TierStore::Open(Pool& pool, const TierStoreOp
   store->ReconcileLocked(/*adopt=*/true);
   store->ProbeLocked(/*only_unknown=*/false);
   store->workers_.resize(store->devices_.size());
+  if (options.bind_workers) {
+    std::vector<WorkerInput> inputs;
+    for (size_t i = 0; i < store->devices_.size(); ++i) {
+      inputs.push_back({store->devices_[i]->kind(), store->devices_[i]->kind() == TierKind::kSsd
+                                                        ? CompletionCpus(options.tiers[i].path)
+                                                        : std::vector<int>{}});
+    }
+    WorkerPlacement placed = PlaceWorkers(inputs, AllowedCpus());
+    for (size_t i = 0; i < store->workers_.size(); ++i) store->workers_[i].cpus = placed.cpus[i];
+    store->worker_placement_ = placed.summary;
+    std::fprintf(stderr, "cxlkv: tier: %s\n", placed.summary.c_str());
+  } else {
+    store->worker_placement_ = "workers not bound (turned off)";
+  }
   for (size_t i = 0; i < store->workers_.size(); ++i) {
     store->workers_[i].thread = std::thread([s = store.get(), i] { s->WorkerLoop(i); });
   }
@@ -205,6 +221,10 @@ void TierStore::RunOnDevices(std::vector<std::function<void()>>& jobs) {
 }
 
 void TierStore::WorkerLoop(size_t device) {
+  if (int rc = BindThisThread(workers_[device].cpus); rc < 0) {
+    std::fprintf(stderr, "cxlkv: tier: binding device %zu's worker to CPU %s: %s (it runs unbound)\n", device,
+                 FormatCpuList(workers_[device].cpus).c_str(), std::strerror(-rc));
+  }
   std::unique_lock<std::mutex> g(work_mu_);
   for (;;) {
     work_cv_.wait(g, [&] { return stop_ || workers_[device].job; });
@@ -379,6 +399,7 @@ nlohmann::json TierStore::Stats() const {
                         {"replay_message", r.message}});
   }
   j["catalogs"] = catalogs;
+  j["worker_placement"] = worker_placement_;
   j["spill_start_pct"] = options_.spill_start_pct;
   j["spill_target_pct"] = options_.spill_target_pct;
   return j;

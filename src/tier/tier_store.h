@@ -78,6 +78,9 @@ struct TierStoreOptions {
   bool background = true;                 // run the spill thread (tests drive Spill themselves)
   std::chrono::milliseconds spill_poll{10};       // how often the spill thread looks at the region's use
   std::chrono::milliseconds reconcile_every{2000};
+  // Bind each device's worker where its disk's completions land, memory workers elsewhere
+  // (worker_affinity.h); only where the disk's interrupts are confined to some of our CPUs.
+  bool bind_workers = true;
 };
 
 // What a promote request did.
@@ -188,9 +191,11 @@ class TierStore {
   // One I/O worker per device: jobs_[i] runs on worker i.
   struct Worker {
     std::thread thread;
+    std::vector<int> cpus;      // bound to these (worker_affinity.h); empty: unbound
     std::function<void()> job;  // guarded by work_mu_
   };
   std::vector<Worker> workers_;
+  std::string worker_placement_;  // set at Open
   std::mutex work_mu_;
   std::condition_variable work_cv_, done_cv_;
   size_t pending_ = 0;  // guarded by work_mu_

@@ -94,6 +94,7 @@ void PrintTierStatus(const nlohmann::json& status) {
                 U(doc["node"]), U(doc["spilled"]), U(doc["promoted"]), U(doc["promote_missed"]),
                 U(doc["dropped_full"]), U(doc["dropped_lost"]), U(doc["adopted"]), U(doc["restored"]),
                 U(doc["restore_skipped"]));
+    if (doc["worker_placement"].is_string()) std::printf("  %s\n", doc["worker_placement"].get<std::string>().c_str());
     if (!doc["devices"].is_array()) continue;
     for (const auto& d : doc["devices"]) {
       std::printf("  %s\n    %llu of %llu slots used; read %llu, written %llu; misses: empty %llu, corrupt %llu, stale %llu\n",
