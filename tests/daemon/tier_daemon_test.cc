@@ -65,14 +65,19 @@ int PutAndReadBack(const std::string& path, uint32_t node, int blocks, bool put 
   return 0;
 }
 
-TEST(CxlkvdTiers, SpillAndPromoteThroughTheDaemonShowInMetricsAndStat) {
-  TempRegionPath path("cxlkvdtiers");
+// A 48 MiB pool (over anything there before): 160 blocks of 256 KiB outgrow it.
+Status CreateTierPool(const std::string& path) {
   PoolCreateOptions co;
   co.size = 48 << 20;
   co.max_nodes = 8;
   co.index_entries = 2048;
   co.overwrite = true;
-  ASSERT_TRUE(Pool::Create({path.path()}, co).ok());
+  return Pool::Create({path}, co);
+}
+
+TEST(CxlkvdTiers, SpillAndPromoteThroughTheDaemonShowInMetricsAndStat) {
+  TempRegionPath path("cxlkvdtiers");
+  ASSERT_TRUE(CreateTierPool(path.path()).ok());
   const std::string dir = std::filesystem::current_path() / ("tier-daemon-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   DaemonProcess d = DaemonProcess::Start(
@@ -107,12 +112,7 @@ TEST(CxlkvdTiers, SpillAndPromoteThroughTheDaemonShowInMetricsAndStat) {
 // bytes written; `cxlkv stat` and /metrics count them, and the pool checks clean.
 TEST(CxlkvdTiers, ADaemonRestartedIntoAReCreatedRegionServesItsSsdBlocks) {
   TempRegionPath path("cxlkvdrestore");
-  PoolCreateOptions co;
-  co.size = 48 << 20;
-  co.max_nodes = 8;
-  co.index_entries = 2048;
-  co.overwrite = true;
-  ASSERT_TRUE(Pool::Create({path.path()}, co).ok());
+  ASSERT_TRUE(CreateTierPool(path.path()).ok());
   const std::string dir = std::filesystem::current_path() / ("tier-restore-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   const std::string tiers = "--metrics 127.0.0.1:0 --tier ssd:" + dir + "/kv.tier:48M --tier-slot 260K";
@@ -123,7 +123,7 @@ TEST(CxlkvdTiers, ADaemonRestartedIntoAReCreatedRegionServesItsSsdBlocks) {
     ASSERT_EQ(codes[0], 0);
     ASSERT_GT(SumOf(Scrape(d.MetricsPort()), "cxlkv_tier_spilled_total"), 0);
   }  // killed with -9
-  ASSERT_TRUE(Pool::Create({path.path()}, co).ok());
+  ASSERT_TRUE(CreateTierPool(path.path()).ok());  // the region is lost: a new one, empty
   DaemonProcess d = DaemonProcess::Start(path.path(), 0, tiers);
   const int port = d.MetricsPort();
   ASSERT_GT(port, 0) << d.first_line;

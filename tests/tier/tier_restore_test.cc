@@ -224,15 +224,7 @@ TEST(TierRestore, ARestorerPausedPastItsLeaseNamesNothingAfterItResumes) {
   const std::string file = dir.File("kv.tier");
   SpillEverythingThenEnd(path.path(), file, false);
   RecreateRegion(path.path());
-  Child survivor = Child::Fork([&](int in, int out) {  // node 0: recovers node 1's ended life
-    auto o = OpenCache(path.path(), 0);
-    if (!o.cache || !cxlkv::testing::Put(out, 1)) return 1;
-    uint64_t done;
-    (void)cxlkv::testing::Get(in, &done);
-    return 0;
-  });
-  uint64_t ready;
-  ASSERT_TRUE(survivor.Receive(&ready));
+  Child survivor = StartSurvivor(path.path());  // node 0: recovers the lives this test ends
   Child restorer = Child::Fork([&](int, int out) {
     auto pool = cxlkv::testing::OpenOrNull({path.path()}, 1);
     if (!pool) return 101;

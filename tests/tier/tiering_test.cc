@@ -227,15 +227,7 @@ void KilledMidMove(cache::Index::CrashPoint point, bool promote) {
   ASSERT_TRUE(cxlkv::testing::CreateCachePool(path.path(), 64 << 20, 2048).ok());
   testing::ScratchDir dir;
   const std::string file = dir.File("kv.tier");
-  Child survivor = Child::Fork([&](int in, int out) {
-    auto o = OpenCache(path.path(), 0);
-    if (!o.cache || !cxlkv::testing::Put(out, 1)) return 1;
-    uint64_t done;
-    (void)cxlkv::testing::Get(in, &done);
-    return 0;
-  });
-  uint64_t ready;
-  ASSERT_TRUE(survivor.Receive(&ready));
+  Child survivor = StartSurvivor(path.path());  // node 0: recovers the lives this test ends
   auto mover = cxlkv::testing::RunForked(1, [&](int) {
     auto o = OpenCache(path.path(), 1);
     CHILD_CHECK(o.cache, "open");
@@ -295,15 +287,8 @@ TEST(Tiering, AMoverPausedPastItsLeaseMovesNothingAfterItResumes) {
   ASSERT_TRUE(cxlkv::testing::CreateCachePool(path.path(), 64 << 20, 2048).ok());
   testing::ScratchDir dir;
   const std::string file = dir.File("kv.tier");
-  Child survivor = Child::Fork([&](int in, int out) {
-    auto o = OpenCache(path.path(), 0);
-    if (!o.cache || !cxlkv::testing::Put(out, 1)) return 1;
-    uint64_t done;
-    (void)cxlkv::testing::Get(in, &done);
-    return 0;
-  });
+  Child survivor = StartSurvivor(path.path());  // node 0: recovers the lives this test ends
   uint64_t ready;
-  ASSERT_TRUE(survivor.Receive(&ready));
   Child mover = Child::Fork([&](int, int out) {
     auto o = OpenCache(path.path(), 1);
     if (!o.cache) return 101;
@@ -387,15 +372,8 @@ TEST(Tiering, KillNineAtRandomPointsOfSpillAndPromoteThenRestart) {
   ASSERT_TRUE(cxlkv::testing::CreateCachePool(path.path(), 64 << 20, 2048).ok());
   testing::ScratchDir dir;
   const std::string file = dir.File("kv.tier");
-  Child survivor = Child::Fork([&](int in, int out) {
-    auto o = OpenCache(path.path(), 0);
-    if (!o.cache || !cxlkv::testing::Put(out, 1)) return 1;
-    uint64_t done;
-    (void)cxlkv::testing::Get(in, &done);
-    return 0;
-  });
+  Child survivor = StartSurvivor(path.path());  // node 0: recovers the lives this test ends
   uint64_t ready;
-  ASSERT_TRUE(survivor.Receive(&ready));
   std::mt19937_64 rng(14);
   std::vector<BlockKey> all;
   for (int round = 0; round < 4; ++round) {

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "../cache/cache_test_util.h"
+#include "child.h"
 #include "pool/pool_internal.h"
 #include "tier/tier_store.h"
 
@@ -83,6 +84,21 @@ inline void ExpectCheckClean(const std::string& path) {
   auto regions = pool::AttachAll({path});
   ASSERT_TRUE(regions.ok());
   for (const auto& p : pool::Check(*regions)) ADD_FAILURE() << p;
+}
+
+// Node 0 on the region until the test sends it a word: it manages the pool and recovers the
+// lives of the processes a test kills or pauses. Returns once it has joined.
+inline cxlkv::testing::Child StartSurvivor(const std::string& region) {
+  cxlkv::testing::Child survivor = cxlkv::testing::Child::Fork([region](int in, int out) {
+    auto o = cxlkv::testing::OpenCache(region, 0);
+    if (!o.cache || !cxlkv::testing::Put(out, 1)) return 1;
+    uint64_t done;
+    (void)cxlkv::testing::Get(in, &done);
+    return 0;
+  });
+  uint64_t ready = 0;
+  EXPECT_TRUE(survivor.Receive(&ready)) << "node 0 did not join";
+  return survivor;
 }
 
 inline TierStoreOptions Options(const std::vector<TierSpec>& tiers) {
