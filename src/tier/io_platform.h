@@ -28,6 +28,7 @@ struct DeviceFileFacts {
   bool exists = false;
   bool is_block_device = false;
   bool is_regular = false;
+  bool is_char_device = false;   // e.g. an NVMe generic device /dev/ngXnY (not driven: see ssd_device.h)
   uint64_t size = 0;             // st_size, or BLKGETSIZE64 for a block device
   uint64_t fs_free_bytes = 0;    // space left on the file system holding a regular file
   bool on_tmpfs = false;         // where O_DIRECT may be refused (kernels before 6.6)

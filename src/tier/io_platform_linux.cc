@@ -121,6 +121,7 @@ int IoPlatform::Stat(const std::string& path, DeviceFileFacts* out) {
   out->exists = true;
   out->is_block_device = S_ISBLK(st.st_mode);
   out->is_regular = S_ISREG(st.st_mode);
+  out->is_char_device = S_ISCHR(st.st_mode);
   out->size = static_cast<uint64_t>(st.st_size);
   struct statfs fs {};
   if (::statfs(path.c_str(), &fs) == 0) FillFsFacts(fs, out);
@@ -134,6 +135,7 @@ int IoPlatform::Fstat(int fd, DeviceFileFacts* out) {
   out->exists = true;
   out->is_block_device = S_ISBLK(st.st_mode);
   out->is_regular = S_ISREG(st.st_mode);
+  out->is_char_device = S_ISCHR(st.st_mode);
   out->size = static_cast<uint64_t>(st.st_size);
   if (out->is_block_device) {
     uint64_t bytes = 0;

@@ -65,6 +65,13 @@ Result<std::unique_ptr<SsdDevice>> SsdDevice::Open(const SsdOptions& o) {
                              "(e.g. --tier ssd:" + path + ":64G)");
     }
   }
+  if (facts.is_char_device) {
+    // NVMe passthrough (IORING_OP_URING_CMD on /dev/ngXnY) is not driven yet; the namespace's
+    // block device reaches the same drive through the block layer, with io_uring and O_DIRECT.
+    return InvalidArgument("ssd tier: " + path + " is a character device (an NVMe generic device such as "
+                           "/dev/ngXnY is not driven by this version): give the namespace's block device "
+                           "(/dev/nvmeXnY), a file, or another path");
+  }
   const bool created = !facts.exists;
   const int flags = O_RDWR | (created ? O_CREAT | O_EXCL : 0);
   SsdIoPath io;

@@ -13,7 +13,8 @@
 //     refused (EPERM under seccomp, ENOSYS).
 //   O_DIRECT → buffered I/O when the file system refuses it (EINVAL), with fdatasync after each
 //     write batch and fadvise(DONTNEED) after every batch so the page cache does not grow.
-// NVMe passthrough (IORING_OP_URING_CMD on /dev/ngXnY) is not implemented yet (docs/tiers.md).
+// NVMe passthrough (IORING_OP_URING_CMD on /dev/ngXnY) is not implemented yet (docs/tiers.md): a
+// character device is refused at Open, naming the block device to give instead.
 //
 // Durability: a Write batch returns when its data reached the device (O_DIRECT completion, or
 // fdatasync on the buffered path). With O_DIRECT on a file, a drive's volatile write cache may

@@ -301,6 +301,18 @@ TEST(TierSsdOpen, MissingDirectoryFailsWithAClearMessage) {
   EXPECT_NE(dev.status().message().find("directory does not exist"), std::string::npos) << dev.status().ToString();
 }
 
+// A character device (what an NVMe generic device /dev/ngXnY is) is refused before it is even
+// opened, naming the block device to give instead; /dev/null stands in for one here.
+TEST(TierSsdOpen, ACharacterDeviceIsRefusedNamingTheBlockDeviceToUse) {
+  SsdOptions o;
+  o.path = "/dev/null";
+  o.size_bytes = 1 << 20;
+  auto dev = SsdDevice::Open(o);
+  ASSERT_FALSE(dev.ok());
+  EXPECT_EQ(dev.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(dev.status().message().find("/dev/nvmeXnY"), std::string::npos) << dev.status().ToString();
+}
+
 TEST(TierSsdOpen, MissingFileWithoutCreateOrSizeFails) {
   ScratchDir dir;
   SsdOptions o;
