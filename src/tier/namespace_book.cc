@@ -106,8 +106,12 @@ Result<std::unique_ptr<NamespaceBook>> NamespaceBook::Open(const std::string& ba
   ::close(fd);
   if (book->message_.empty()) {
     const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-    auto list = j.is_object() ? j.find("namespaces") : j.end();
-    if (j.is_discarded() || !j.is_object() || j.value("version", 0) != 1 || list == j.end() || !list->is_array()) {
+    const bool object = !j.is_discarded() && j.is_object();
+    auto version = object ? j.find("version") : j.end();
+    auto list = object ? j.find("namespaces") : j.end();
+    // Checked by type before any value is taken: a wrong type must not throw.
+    if (!object || version == j.end() || !version->is_number_unsigned() || version->get<uint64_t>() != 1 ||
+        list == j.end() || !list->is_array()) {
       book->message_ = "not a namespace book of this version (malformed or damaged)";
     } else {
       size_t bad = 0;

@@ -328,6 +328,15 @@ TEST(NamespaceBook, MalformedEntriesAreDroppedByNameAndAnUnwritableBookFailsTheR
   ASSERT_TRUE(book.ok());
   EXPECT_EQ((*book)->size(), 0u);
   EXPECT_NE((*book)->message().find("3 malformed entries ignored"), std::string::npos) << (*book)->message();
+  // A document of the wrong shape or types anywhere is an empty book, never an exception.
+  for (const char* bad : {R"({"version": "1", "namespaces": []})", R"({"version": 1, "namespaces": {}})", "[1, 2]",
+                          R"({"version": 1, "namespaces": [{"fingerprint": 7, "model_id": [], "layout": 3}]})"}) {
+    std::ofstream(NamespaceBook::PathOf(base + "-shape")) << bad;
+    auto shaped = NamespaceBook::Open(base + "-shape");
+    ASSERT_TRUE(shaped.ok()) << bad;
+    EXPECT_EQ((*shaped)->size(), 0u) << bad;
+    EXPECT_FALSE((*shaped)->message().empty()) << bad;
+  }
   // The book's scratch name taken by a directory: the rewrite cannot create it (as root too).
   std::filesystem::create_directory(NamespaceBook::PathOf(base) + ".tmp");
   const KeyNamespace a = cxlkv::testing::TestNamespace("model-a");
