@@ -20,6 +20,7 @@
 #include <string>
 
 #include "cxlkv/status.h"
+#include "tier/nvme_command.h"
 
 namespace cxlkv::tier {
 
@@ -28,7 +29,7 @@ struct DeviceFileFacts {
   bool exists = false;
   bool is_block_device = false;
   bool is_regular = false;
-  bool is_char_device = false;   // e.g. an NVMe generic device /dev/ngXnY (not driven: see ssd_device.h)
+  bool is_char_device = false;   // e.g. an NVMe generic device /dev/ngXnY (driven by passthrough)
   uint64_t size = 0;             // st_size, or BLKGETSIZE64 for a block device
   uint64_t fs_free_bytes = 0;    // space left on the file system holding a regular file
   bool on_tmpfs = false;         // where O_DIRECT may be refused (kernels before 6.6)
@@ -49,6 +50,7 @@ struct RingOp {
 struct RingCompletion {
   uint64_t user_data = 0;
   int32_t res = 0;           // bytes transferred, or -errno
+  uint32_t nvme_status = 0;  // a passthrough ring's NVMe status when the drive failed it (res -EIO)
 };
 
 // A submission/completion queue pair (io_uring). Queue → Submit (one system call per batch) →
@@ -101,6 +103,20 @@ class IoPlatform {
   // An io_uring of `depth` entries, or the -errno io_uring_queue_init gave (-EPERM under a
   // seccomp filter, -ENOSYS on a kernel without io_uring).
   virtual int CreateRing(unsigned depth, std::unique_ptr<IoRing>* out);
+
+  // NVMe passthrough on a generic device /dev/ngXnY (nvme_command.h). The namespace's id, its
+  // identify page and the kernel's per-command transfer limit: -ENOTTY when fd is not an NVMe
+  // device, -EACCES/-EPERM when identify is refused, -EINVAL when the page is out of range
+  // (*why says which field).
+  virtual int NvmeIdentify(int fd, const std::string& path, NvmeNamespace* out, std::string* why);
+  // Flushes the namespace's volatile write cache (NVM flush): 0, -errno, or -EIO with the NVMe
+  // status in *nvme_status.
+  virtual int NvmeFlush(int fd, uint32_t nsid, uint32_t* nvme_status);
+  // A ring of 128-byte submissions and 32-byte completions (IORING_SETUP_SQE128 | CQE32) whose
+  // reads and writes become NVMe commands on `ns` (IORING_OP_URING_CMD): byte offsets and
+  // lengths in, bytes moved out, a transfer past the namespace's limit moved in pieces.
+  // -EINVAL on a kernel without these ring flags (before 5.19).
+  virtual int CreateNvmeRing(unsigned depth, const NvmeNamespace& ns, std::unique_ptr<IoRing>* out);
 };
 
 // "No such file or directory (ENOENT)" for a negative errno return.

@@ -4,14 +4,20 @@
 #include <linux/fs.h>
 #include <linux/magic.h>
 #include <liburing.h>
+#include <linux/nvme_ioctl.h>
 #include <sys/ioctl.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/statfs.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <unordered_map>
+#include <vector>
 
 #include "tier/io_platform.h"
 
@@ -32,8 +38,16 @@ class LinuxRing final : public IoRing {
     if (initialized_) io_uring_queue_exit(&ring_);
   }
 
-  int Init(unsigned depth) {
-    int rc = io_uring_queue_init(depth, &ring_, 0);
+  // A plain ring, or (nvme != nullptr) a passthrough ring whose reads and writes become NVMe
+  // commands on that namespace.
+  int Init(unsigned depth, const NvmeNamespace* nvme) {
+    unsigned flags = 0;
+    if (nvme != nullptr) {
+      nvme_ = *nvme;
+      passthrough_ = true;
+      flags = IORING_SETUP_SQE128 | IORING_SETUP_CQE32;
+    }
+    int rc = io_uring_queue_init(depth, &ring_, flags);
     initialized_ = rc == 0;
     return rc;
   }
@@ -48,6 +62,10 @@ class LinuxRing final : public IoRing {
   bool Queue(const RingOp& op) override {
     struct io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
     if (sqe == nullptr) return false;
+    if (passthrough_) {
+      QueueNvme(sqe, op);
+      return true;
+    }
     if (op.buf_index >= 0) {
       if (op.write) {
         io_uring_prep_write_fixed(sqe, op.fd, op.buf, op.len, op.offset, op.buf_index);
@@ -85,15 +103,84 @@ class LinuxRing final : public IoRing {
   }
 
  private:
+  // One read or write as an NVMe command in the 80 bytes a 128-byte submission carries.
+  void QueueNvme(struct io_uring_sqe* sqe, const RingOp& op) {
+    std::memset(sqe, 0, 2 * sizeof(*sqe));  // SQE128: a submission spans two 64-byte entries
+    uint32_t moved = 0;
+    const NvmeIoCommand c = MakeNvmeIo(op.write, nvme_, op.buf, op.len, op.offset, &moved);
+    sqe->opcode = IORING_OP_URING_CMD;
+    sqe->fd = op.fd;
+    sqe->cmd_op = NVME_URING_CMD_IO;
+    if (op.fixed_file) sqe->flags |= IOSQE_FIXED_FILE;
+    if (op.buf_index >= 0) {
+      sqe->uring_cmd_flags = IORING_URING_CMD_FIXED;
+      sqe->buf_index = static_cast<uint16_t>(op.buf_index);
+    }
+    struct nvme_uring_cmd cmd {};
+    cmd.opcode = c.opcode;
+    cmd.nsid = c.nsid;
+    cmd.addr = c.addr;
+    cmd.data_len = c.data_len;
+    cmd.cdw10 = c.cdw10;
+    cmd.cdw11 = c.cdw11;
+    cmd.cdw12 = c.cdw12;
+    static_assert(sizeof(cmd) <= 80, "struct nvme_uring_cmd must fit a 128-byte submission's command area");
+    std::memcpy(sqe->cmd, &cmd, sizeof cmd);
+    io_uring_sqe_set_data64(sqe, op.user_data);
+    moved_[op.user_data] = moved;
+  }
+
   void Take(struct io_uring_cqe* cqe, RingCompletion* out) {
     out->user_data = io_uring_cqe_get_data64(cqe);
     out->res = cqe->res;
+    out->nvme_status = 0;
+    if (passthrough_) {
+      // A passthrough command reports 0 for success, not a byte count: the ring says how many
+      // bytes the command covered, so a transfer split at the namespace's limit goes on.
+      auto it = moved_.find(out->user_data);
+      const uint32_t moved = it == moved_.end() ? 0 : it->second;
+      if (it != moved_.end()) moved_.erase(it);
+      out->res = NvmeResultToBytes(cqe->res, moved, &out->nvme_status);
+    }
     io_uring_cqe_seen(&ring_, cqe);
   }
 
   struct io_uring ring_ {};
   bool initialized_ = false;
+  bool passthrough_ = false;
+  NvmeNamespace nvme_;
+  std::unordered_map<uint64_t, uint32_t> moved_;  // passthrough: user_data → bytes of its command
 };
+
+// One number from a sysfs attribute file; 0 when it cannot be read.
+uint64_t ReadSysfsNumber(const std::string& file) {
+  std::ifstream in(file);
+  uint64_t v = 0;
+  return (in >> v) ? v : 0;
+}
+
+// The largest transfer one passthrough command may make on the namespace behind `fd`: the
+// kernel maps the user buffer page by page, so both its sector limit and its segment limit (one
+// 4 KiB page a segment, the worst case) bound it. Read from the block device of the same
+// namespace (/dev/ngXnY ↔ /sys/block/nvmeXnY); 128 KiB, which every NVMe drive takes, when
+// sysfs does not say.
+uint32_t NvmeMaxTransfer(int fd) {
+  constexpr uint32_t kFallback = 128 << 10;
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return kFallback;
+  char link[256];
+  const std::string dev = "/sys/dev/char/" + std::to_string(major(st.st_rdev)) + ":" + std::to_string(minor(st.st_rdev));
+  ssize_t n = ::readlink(dev.c_str(), link, sizeof link - 1);
+  if (n <= 0) return kFallback;
+  std::string name(link, static_cast<size_t>(n));
+  name = name.substr(name.rfind('/') + 1);
+  if (name.rfind("ng", 0) != 0) return kFallback;
+  const std::string queue = "/sys/block/nvme" + name.substr(2) + "/queue/";
+  const uint64_t kb = ReadSysfsNumber(queue + "max_hw_sectors_kb");
+  const uint64_t segments = ReadSysfsNumber(queue + "max_segments");
+  if (kb == 0 || segments == 0) return kFallback;
+  return static_cast<uint32_t>(std::min<uint64_t>({kb * 1024, segments * 4096, uint64_t{1} << 30}));
+}
 
 }  // namespace
 
@@ -174,9 +261,57 @@ int IoPlatform::DropCache(int fd, uint64_t offset, uint64_t len) {
 
 int IoPlatform::CreateRing(unsigned depth, std::unique_ptr<IoRing>* out) {
   auto ring = std::make_unique<LinuxRing>();
-  int rc = ring->Init(depth);
+  int rc = ring->Init(depth, nullptr);
   if (rc < 0) return rc;
   *out = std::move(ring);
+  return 0;
+}
+
+int IoPlatform::CreateNvmeRing(unsigned depth, const NvmeNamespace& ns, std::unique_ptr<IoRing>* out) {
+  auto ring = std::make_unique<LinuxRing>();
+  int rc = ring->Init(depth, &ns);
+  if (rc < 0) return rc;
+  *out = std::move(ring);
+  return 0;
+}
+
+int IoPlatform::NvmeIdentify(int fd, const std::string& path, NvmeNamespace* out, std::string* why) {
+  const int nsid = ::ioctl(fd, NVME_IOCTL_ID);
+  if (nsid < 0) return NegErrno();
+  std::vector<std::byte> page(kNvmeIdentifyBytes);
+  struct nvme_admin_cmd cmd {};
+  cmd.opcode = kNvmeAdminIdentify;
+  cmd.nsid = static_cast<uint32_t>(nsid);
+  cmd.addr = reinterpret_cast<uint64_t>(page.data());
+  cmd.data_len = kNvmeIdentifyBytes;
+  cmd.cdw10 = 0;  // CNS 0: the namespace's own data structure
+  int rc = ::ioctl(fd, NVME_IOCTL_ADMIN_CMD, &cmd);
+  if (rc < 0) return NegErrno();
+  if (rc > 0) {
+    *why = path + ": identify namespace failed: " + NvmeStatusText(static_cast<uint32_t>(rc));
+    return -EIO;
+  }
+  Status s = ParseIdentifyNamespace(page, out);
+  if (!s.ok()) {
+    *why = path + ": " + s.message();
+    return -EINVAL;
+  }
+  out->nsid = static_cast<uint32_t>(nsid);
+  out->max_transfer_bytes = NvmeMaxTransfer(fd);
+  return 0;
+}
+
+int IoPlatform::NvmeFlush(int fd, uint32_t nsid, uint32_t* nvme_status) {
+  *nvme_status = 0;
+  struct nvme_passthru_cmd cmd {};
+  cmd.opcode = kNvmeOpFlush;
+  cmd.nsid = nsid;
+  int rc = ::ioctl(fd, NVME_IOCTL_IO_CMD, &cmd);
+  if (rc < 0) return NegErrno();
+  if (rc > 0) {
+    *nvme_status = static_cast<uint32_t>(rc);
+    return -EIO;
+  }
   return 0;
 }
 

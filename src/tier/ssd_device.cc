@@ -49,6 +49,36 @@ Status Validate(const SsdOptions& o) {
 
 }  // namespace
 
+// One owner per device: a second store on it would hand out the same slots and overwrite the
+// first one's blocks and catalog. A process killed with the device open releases the lock when
+// its last reference goes, which an io_uring's registered file delays past the exit a little: a
+// restart waits that out (up to a second).
+int SsdDevice::LockOwner(IoPlatform& pf, int fd) {
+  int rc = pf.LockExclusive(fd);
+  for (int tries = 0; rc == -EWOULDBLOCK && tries < 50; ++tries) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    rc = pf.LockExclusive(fd);
+  }
+  return rc;
+}
+
+Status SsdDevice::InUseFailure(const std::string& path) {
+  return Busy("ssd tier: " + path + " is in use by another process (another cxlkvd's or store's tier): "
+              "give each node's tiers their own file or device");
+}
+
+// The staging arena: slot-sized, 4 KiB-aligned buffers, one per transfer in flight and up to 4
+// more, in which the next items are prepared and the last ones checked while the device works.
+Status SsdDevice::MapArena(const std::string& path, size_t bytes, void** out) {
+  void* arena = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+  if (arena == MAP_FAILED) {
+    return NoSpace("ssd tier " + path + ": cannot map a staging arena of " + util::FormatBytes(bytes) + ": " +
+                   std::strerror(errno) + "; lower the queue depth or the slot size");
+  }
+  *out = arena;
+  return Status::Ok();
+}
+
 Result<std::unique_ptr<SsdDevice>> SsdDevice::Open(const SsdOptions& o) {
   CXLKV_RETURN_IF_ERROR(Validate(o));
   IoPlatform& pf = o.platform ? *o.platform : IoPlatform::Default();
@@ -65,13 +95,7 @@ Result<std::unique_ptr<SsdDevice>> SsdDevice::Open(const SsdOptions& o) {
                              "(e.g. --tier ssd:" + path + ":64G)");
     }
   }
-  if (facts.is_char_device) {
-    // NVMe passthrough (IORING_OP_URING_CMD on /dev/ngXnY) is not driven yet; the namespace's
-    // block device reaches the same drive through the block layer, with io_uring and O_DIRECT.
-    return InvalidArgument("ssd tier: " + path + " is a character device (an NVMe generic device such as "
-                           "/dev/ngXnY is not driven by this version): give the namespace's block device "
-                           "(/dev/nvmeXnY), a file, or another path");
-  }
+  if (facts.is_char_device) return OpenNvme(o, pf);  // an NVMe generic device: passthrough (ssd_nvme.cc)
   const bool created = !facts.exists;
   const int flags = O_RDWR | (created ? O_CREAT | O_EXCL : 0);
   SsdIoPath io;
@@ -91,19 +115,10 @@ Result<std::unique_ptr<SsdDevice>> SsdDevice::Open(const SsdOptions& o) {
     return s;
   };
 
-  // One owner per file: a second store on it would hand out the same slots and overwrite the
-  // first one's blocks and catalog.
-  // A process killed with the file open releases the lock when its last reference goes, which
-  // an io_uring's registered file delays past the exit a little: a restart waits that out.
-  rc = pf.LockExclusive(fd);
-  for (int tries = 0; rc == -EWOULDBLOCK && tries < 50; ++tries) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    rc = pf.LockExclusive(fd);
-  }
+  rc = LockOwner(pf, fd);
   if (rc == -EWOULDBLOCK) {
     pf.Close(fd);  // never unlinked: even one this call created may be the other process's now
-    return Busy("ssd tier: " + path + " is in use by another process (another cxlkvd's or store's tier): "
-                "give each node's tiers their own file");
+    return InUseFailure(path);
   }
   if (rc < 0) return fail(IoError("ssd tier: cannot lock " + path + ": " + IoErrnoText(rc)));
   rc = pf.Fstat(fd, &facts);
@@ -145,15 +160,10 @@ Result<std::unique_ptr<SsdDevice>> SsdDevice::Open(const SsdOptions& o) {
   }
   uint64_t slots = size / o.slot_bytes;
 
-  // The staging arena: slot-sized, 4 KiB-aligned buffers, one per transfer in flight and up to 4
-  // more, in which the next items are prepared and the last ones checked while the device works.
   const uint32_t stages = o.use_io_uring ? o.queue_depth + std::min(o.queue_depth, 4u) : 1;
   size_t arena_bytes = uint64_t{stages} * o.slot_bytes;
-  void* arena = ::mmap(nullptr, arena_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-  if (arena == MAP_FAILED) {
-    return fail(NoSpace("ssd tier " + path + ": cannot map a staging arena of " + util::FormatBytes(arena_bytes) + ": " +
-                        std::strerror(errno) + "; lower the queue depth or the slot size"));
-  }
+  void* arena = nullptr;
+  if (Status s = MapArena(path, arena_bytes, &arena); !s.ok()) return fail(s);
   // Some file systems accept O_DIRECT at open and refuse it at the first transfer: try one.
   if (io.direct) {
     ssize_t n = pf.Pread(fd, arena, kIoUnit, 0);
@@ -213,8 +223,16 @@ SsdDevice::~SsdDevice() {
 
 std::string SsdDevice::Describe() const {
   std::string s = "ssd[" + std::to_string(index()) + "] " + file_ + ": " + util::FormatBytes(capacity_bytes()) +
-                  (path_.block_device ? " block device" : " file") + ", " + std::to_string(slot_count()) +
+                  (path_.nvme_passthrough ? " NVMe namespace" : path_.block_device ? " block device" : " file") + ", " + std::to_string(slot_count()) +
                   " slots of " + util::FormatBytes(slot_bytes()) + "; ";
+  if (path_.nvme_passthrough) {
+    s += "NVMe passthrough (io_uring command) nsid " + std::to_string(path_.nvme.nsid) + ", " +
+         std::to_string(path_.nvme.lba_bytes) + " B blocks, " + util::FormatBytes(path_.nvme.max_transfer_bytes) +
+         " per command, depth " + std::to_string(depth_) + ", " +
+         (path_.registered_buffers ? "registered buffers" : "unregistered buffers") + ", flush after each write batch";
+    if (!path_.notes.empty()) s += " [fallbacks" + path_.notes + "]";
+    return s;
+  }
   if (path_.io_uring) {
     s += "io_uring depth " + std::to_string(depth_) + ", " +
          (path_.registered_file ? "registered file" : "plain file") + ", " +
@@ -228,7 +246,9 @@ std::string SsdDevice::Describe() const {
 }
 
 Status SsdDevice::AfterBatch(bool wrote, uint64_t lo, uint64_t hi) {
-  if (path_.direct || lo >= hi) return Status::Ok();
+  if (lo >= hi) return Status::Ok();
+  if (path_.nvme_passthrough) return wrote ? FlushNvme(lo) : Status::Ok();
+  if (path_.direct) return Status::Ok();
   if (wrote) {
     int rc = platform_->Fdatasync(fd_);
     if (rc < 0) {

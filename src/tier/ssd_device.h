@@ -13,12 +13,16 @@
 //     refused (EPERM under seccomp, ENOSYS).
 //   O_DIRECT → buffered I/O when the file system refuses it (EINVAL), with fdatasync after each
 //     write batch and fadvise(DONTNEED) after every batch so the page cache does not grow.
-// NVMe passthrough (IORING_OP_URING_CMD on /dev/ngXnY) is not implemented yet (docs/tiers.md): a
-// character device is refused at Open, naming the block device to give instead.
+//   An NVMe generic device (/dev/ngXnY, a character device): NVMe passthrough — each transfer
+//     an NVM read/write command in an io_uring IORING_OP_URING_CMD (nvme_command.h), past the
+//     block layer; registered file and buffers, or unregistered buffers when the kernel refuses
+//     fixed buffers for commands. No synchronous fallback exists for such a device (it has no
+//     read/write): when passthrough is refused, Open fails naming the block device to give.
 //
 // Durability: a Write batch returns when its data reached the device (O_DIRECT completion, or
-// fdatasync on the buffered path). With O_DIRECT on a file, a drive's volatile write cache may
-// still hold it; the restart log (issue 14, later) adds the flush it needs.
+// fdatasync on the buffered path; on passthrough, an NVM flush after the batch, so a drive's
+// volatile write cache holds nothing the catalog then names). With O_DIRECT on a file or block
+// device, a drive's volatile cache may still hold it until the catalog's fdatasync flushes it.
 // Thread-safety: as Device; batches are serialized by one mutex.
 #ifndef CXLKV_SRC_TIER_SSD_DEVICE_H_
 #define CXLKV_SRC_TIER_SSD_DEVICE_H_
@@ -56,6 +60,8 @@ struct SsdIoPath {
   bool registered_file = false;
   bool direct = false;
   bool block_device = false;
+  bool nvme_passthrough = false;
+  NvmeNamespace nvme;  // passthrough: the namespace
   std::string notes;  // every fallback taken and why ("" when none)
 };
 
@@ -77,8 +83,18 @@ class SsdDevice final : public Device {
  private:
   SsdDevice(const SsdOptions& options, uint64_t slots, int fd, std::byte* arena, size_t arena_bytes,
             SsdIoPath path);
-  // The buffered path's substitute for O_DIRECT: data to the device, clean pages dropped.
+  // The buffered path's substitute for O_DIRECT: data to the device, clean pages dropped. On
+  // passthrough: the flush that makes a write batch durable.
   Status AfterBatch(bool wrote, uint64_t lo, uint64_t hi);
+  Status FlushNvme(uint64_t offset);
+  // Open's parts (ssd_device.cc; OpenNvme and its probe in ssd_nvme.cc).
+  static Result<std::unique_ptr<SsdDevice>> OpenNvme(const SsdOptions& options, IoPlatform& pf);
+  static int LockOwner(IoPlatform& pf, int fd);
+  static Status InUseFailure(const std::string& path);
+  static Status MapArena(const std::string& path, size_t bytes, void** out);
+  // Sets up the passthrough ring and engine (registering buffers or not) and reads the first
+  // 4 KiB through it: a kernel or drive that refuses the commands is found here, not on a spill.
+  Status StartNvmeEngine(bool register_buffers, uint32_t spin_us, std::string* notes);
 
   std::mutex mu_;
   IoPlatform* const platform_;

@@ -103,7 +103,7 @@ class RingEngine final : public SlotIoEngine {
       }
       do {
         uint32_t s = static_cast<uint32_t>(c.user_data);
-        if (Complete(s, c.res)) {
+        if (Complete(s, c)) {
           finished.push_back(s);
           --inflight;
         } else {
@@ -132,11 +132,13 @@ class RingEngine final : public SlotIoEngine {
   }
 
   // Returns true when the transfer is over (its status set), false to queue it again.
-  bool Complete(uint32_t s, int32_t res) {
+  bool Complete(uint32_t s, const RingCompletion& c) {
     Inflight& f = slots_[s];
+    const int32_t res = c.res;
     if (res < 0 && Transient(res) && ++f.retries <= kMaxRetries) return false;
     if (res < 0) {
       f.status = TransferFailure(t_.name, f.io.write, f.io.offset + f.done, res);
+      if (c.nvme_status != 0) f.status = IoError(f.status.message() + ": " + NvmeStatusText(c.nvme_status));
       return true;
     }
     if (res == 0 && f.done < f.io.len) {

@@ -26,8 +26,11 @@ using Block = cache::Index::TierBlock;
 
 Status BadSpec(std::string_view text, const std::string& why) {
   return InvalidArgument("tier '" + std::string(text) + "': " + why +
-                         "; expected dram:SIZE[:numa=N] or ssd:PATH:SIZE (e.g. --tier dram:8G --tier ssd:/data/kv.tier:64G)");
+                         "; expected dram:SIZE[:numa=N] or ssd:PATH:SIZE[:catalog=DIR] (e.g. --tier dram:8G --tier "
+                         "ssd:/data/kv.tier:64G)");
 }
+
+constexpr std::string_view kCatalogKey = ":catalog=";
 
 }  // namespace
 
@@ -53,6 +56,12 @@ Result<TierSpec> ParseTierSpec(std::string_view text) {
   }
   if (kind == "ssd") {
     spec.kind = TierKind::kSsd;
+    const size_t catalog = rest.rfind(kCatalogKey);
+    if (catalog != std::string_view::npos) {
+      spec.catalog_dir = std::string(rest.substr(catalog + kCatalogKey.size()));
+      if (spec.catalog_dir.empty()) return BadSpec(text, "empty catalog directory");
+      rest = rest.substr(0, catalog);
+    }
     const size_t last = rest.rfind(':');  // the path may itself hold ':'
     if (last == std::string_view::npos || last == 0) return BadSpec(text, "no path or no size");
     spec.path = std::string(rest.substr(0, last));
@@ -64,6 +73,13 @@ Result<TierSpec> ParseTierSpec(std::string_view text) {
   return BadSpec(text, "unknown kind '" + std::string(kind) + "'");
 }
 
+
+std::string TierSpec::StateBase() const {
+  if (catalog_dir.empty()) return path;
+  const size_t slash = path.rfind('/');
+  const std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
+  return catalog_dir + (catalog_dir.back() == '/' ? "" : "/") + name;
+}
 
 Result<std::unique_ptr<TierStore>> TierStore::Open(Pool& pool, const TierStoreOptions& options) {
   if (options.tiers.empty()) return InvalidArgument("no capacity tier given: name at least one (--tier)");
@@ -102,14 +118,21 @@ Result<std::unique_ptr<TierStore>> TierStore::Open(Pool& pool, const TierStoreOp
       o.slot_bytes = options.slot_bytes;
       auto dev = SsdDevice::Open(o);
       if (!dev.ok()) return Status(dev.status().code(), what + dev.status().message());
-      // The restart record of the SSD's slots, next to its file (catalog.h): a slot is named in
-      // the index only once the catalog says, durably, what it holds.
-      auto catalog = Catalog::Open(IoPlatform::Default(), spec.path, (*dev)->slot_count());
+      const SsdIoPath& io = (*dev)->io_path();
+      if ((io.block_device || io.nvme_passthrough) && spec.catalog_dir.empty()) {
+        return InvalidArgument(what + spec.path + " is a device: its restart catalog and namespace book need a "
+                               "directory on a persistent file system: add catalog=DIR (e.g. --tier ssd:" +
+                               spec.path + ":0:catalog=/var/lib/cxlkv)");
+      }
+      // The restart record of the SSD's slots, beside its file or in its catalog directory
+      // (catalog.h): a slot is named in the index only once the catalog says, durably, what it holds.
+      const std::string state = spec.StateBase();
+      auto catalog = Catalog::Open(IoPlatform::Default(), state, (*dev)->slot_count());
       if (!catalog.ok()) return Status(catalog.status().code(), what + catalog.status().message());
       if (!(*catalog)->replay_stats().message.empty()) {
         std::fprintf(stderr, "cxlkv: tier: %s: %s\n", spec.path.c_str(), (*catalog)->replay_stats().message.c_str());
       }
-      auto book = NamespaceBook::Open(spec.path);
+      auto book = NamespaceBook::Open(state);
       if (!book.ok()) return Status(book.status().code(), what + book.status().message());
       if (!(*book)->message().empty()) std::fprintf(stderr, "cxlkv: tier: %s\n", (*book)->message().c_str());
       store->catalogs_.resize(i + 1);

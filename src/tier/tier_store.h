@@ -49,12 +49,20 @@
 namespace cxlkv::tier {
 
 // One device of the node, as given on the command line: "dram:SIZE", "dram:SIZE:numa=N",
-// "ssd:PATH:SIZE" (SIZE: 64G, 512M, ...; 0 reopens an existing SSD file at its size).
+// "ssd:PATH:SIZE[:catalog=DIR]" (SIZE: 64G, 512M, ...; 0 reopens an existing SSD file at its
+// size, or takes all of a device). An SSD tier keeps its restart catalog and namespace book in
+// files beside PATH; a device (a block device or an NVMe generic device under /dev) has no
+// "beside" that survives a reboot, so it names a directory for them with catalog=DIR.
 struct TierSpec {
   TierKind kind = TierKind::kMem;
-  std::string path;       // ssd only
+  std::string path;         // ssd only
   uint64_t bytes = 0;
-  int numa_node = -1;     // dram only
+  int numa_node = -1;       // dram only
+  std::string catalog_dir;  // ssd only: where the catalog and book live ("" = beside path)
+
+  // The base name of the SSD tier's state files (catalog.h, namespace_book.h): PATH, or
+  // DIR/<PATH's last component> with catalog=DIR.
+  std::string StateBase() const;
 };
 Result<TierSpec> ParseTierSpec(std::string_view text);
 

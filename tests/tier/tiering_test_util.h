@@ -109,8 +109,10 @@ inline TierStoreOptions Options(const std::vector<TierSpec>& tiers) {
   return o;
 }
 
-inline TierSpec Dram(uint64_t bytes) { return TierSpec{TierKind::kMem, "", bytes, -1}; }
-inline TierSpec Ssd(const std::string& path, uint64_t bytes) { return TierSpec{TierKind::kSsd, path, bytes, -1}; }
+inline TierSpec Dram(uint64_t bytes) { return TierSpec{TierKind::kMem, "", bytes, -1, ""}; }
+inline TierSpec Ssd(const std::string& path, uint64_t bytes, const std::string& catalog_dir = "") {
+  return TierSpec{TierKind::kSsd, path, bytes, -1, catalog_dir};
+}
 
 }  // namespace cxlkv::tier
 

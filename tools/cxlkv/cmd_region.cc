@@ -121,7 +121,7 @@ void AddRegionCommands(CLI::App& app, CommandResult& result) {
       ->check(CLI::IsMember({"decentralized", "central"}))
       ->capture_default_str();
   init->add_option("--tier", init_args->tiers,
-                   "A default capacity tier of every node's cxlkvd, repeatable: dram:SIZE[:numa=N] or ssd:PATH:SIZE "
+                   "A default capacity tier of every node's cxlkvd, repeatable: dram:SIZE[:numa=N] or ssd:PATH:SIZE[:catalog=DIR] "
                    "(%n in PATH: the node id, e.g. ssd:/data/kv-%n.tier:64G); a cxlkvd's own --tier overrides");
   init->add_option("--tier-slot", init_args->tier_slot, "Bytes per tier slot of those tiers (default 2M+4K)");
   init->callback([init_args, &result] {

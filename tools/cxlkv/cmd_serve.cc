@@ -218,7 +218,7 @@ void AddServeCommands(CLI::App& app, CommandResult& result) {
   cmd->add_option("--kill-prefill-after", a->kill_prefill_after,
                   "Fault injection: kill -9 prefill worker 0 after N requests completed");
   cmd->add_option("--tier", a->tiers,
-                  "A capacity tier the router's node serves, as cxlkvd's: dram:SIZE[:numa=N] | ssd:PATH:SIZE "
+                  "A capacity tier the router's node serves, as cxlkvd's: dram:SIZE[:numa=N] | ssd:PATH:SIZE[:catalog=DIR] "
                   "(repeat for several; decentralized metadata)");
   cmd->add_option("--attention", a->attention,
                   "Decode attention: dense | sparse (top-K pages next to the memory) | hybrid (engine + near memory) | "

@@ -43,8 +43,9 @@ int main(int argc, char** argv) {
   app.add_flag("--no-manager", no_manager, "never host the lock manager on this node");
   app.add_option("--lock-dir", o.lock_dir, "where the one-daemon-per-node lock file lives (default /dev/shm)");
   app.add_option("--tier", o.tiers,
-                 "a capacity tier of this node behind the region, repeatable: dram:SIZE[:numa=N] or ssd:PATH:SIZE "
-                 "(e.g. --tier dram:8G --tier ssd:/data/kv.tier:64G); evicted blocks spill there. Default: the "
+                 "a capacity tier of this node behind the region, repeatable: dram:SIZE[:numa=N] or ssd:PATH:SIZE[:catalog=DIR] "
+                 "(e.g. --tier dram:8G --tier ssd:/data/kv.tier:64G; a device such as /dev/nvme0n1 or, for NVMe passthrough, "
+                 "/dev/ng0n1 needs catalog=DIR, a directory for its restart catalog); evicted blocks spill there. Default: the "
                  "pool's tiers (cxlkv init --tier), if any");
   app.add_flag("--no-tiers", o.no_tiers, "serve no capacity tiers, whatever the pool's default");
   std::string tier_slot;
