@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "cxlkv/status.h"
@@ -33,6 +34,12 @@ struct DeviceFileFacts {
   uint64_t size = 0;             // st_size, or BLKGETSIZE64 for a block device
   uint64_t fs_free_bytes = 0;    // space left on the file system holding a regular file
   bool on_tmpfs = false;         // where O_DIRECT may be refused (kernels before 6.6)
+};
+
+// One buffer to register with an IoRing.
+struct RegisteredSpan {
+  void* base = nullptr;
+  size_t len = 0;
 };
 
 // One read or write submitted to an IoRing.
@@ -60,9 +67,9 @@ class IoRing {
   virtual ~IoRing() = default;
   // Registers one file as fixed file 0 (skips the per-I/O fget/fput).
   virtual int RegisterFile(int fd) = 0;
-  // Registers [base, base+len) as fixed buffer 0 (pinned once, not per I/O). May fail with
+  // Registers the spans as fixed buffers 0, 1, ... (pinned once, not per I/O). May fail with
   // -ENOMEM under a low RLIMIT_MEMLOCK.
-  virtual int RegisterBuffer(void* base, size_t len) = 0;
+  virtual int RegisterBuffers(std::span<const RegisteredSpan> spans) = 0;
   // Adds an op to the submission queue; false when the queue is full (submit first).
   virtual bool Queue(const RingOp& op) = 0;
   // Submits everything queued: one io_uring_enter. Returns the count or -errno.

@@ -54,9 +54,10 @@ class LinuxRing final : public IoRing {
 
   int RegisterFile(int fd) override { return io_uring_register_files(&ring_, &fd, 1); }
 
-  int RegisterBuffer(void* base, size_t len) override {
-    struct iovec iov {base, len};
-    return io_uring_register_buffers(&ring_, &iov, 1);
+  int RegisterBuffers(std::span<const RegisteredSpan> spans) override {
+    std::vector<struct iovec> iov;
+    for (const RegisteredSpan& s : spans) iov.push_back({s.base, s.len});
+    return io_uring_register_buffers(&ring_, iov.data(), static_cast<unsigned>(iov.size()));
   }
 
   bool Queue(const RingOp& op) override {
@@ -235,7 +236,13 @@ int IoPlatform::Fstat(int fd, DeviceFileFacts* out) {
 }
 
 int IoPlatform::Fallocate(int fd, uint64_t size) {
-  return ::fallocate(fd, 0, 0, static_cast<off_t>(size)) == 0 ? 0 : NegErrno();
+  // A long allocation may stop with EINTR at a pending signal (io_uring task work raises one),
+  // keeping what it allocated: ask again.
+  int rc = -EINTR;
+  for (int tries = 0; rc == -EINTR && tries < 1000; ++tries) {
+    rc = ::fallocate(fd, 0, 0, static_cast<off_t>(size)) == 0 ? 0 : NegErrno();
+  }
+  return rc;
 }
 
 ssize_t IoPlatform::Pread(int fd, void* buf, size_t len, uint64_t offset) {

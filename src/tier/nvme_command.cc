@@ -69,13 +69,18 @@ Status CheckNamespaceUsable(const std::string& path, const NvmeNamespace& ns) {
   return Status::Ok();
 }
 
+uint32_t NvmeCommandCap(const NvmeNamespace& ns) {
+  const uint32_t shift = static_cast<uint32_t>(std::countr_zero(ns.lba_bytes));
+  const uint64_t cap = std::min<uint64_t>(ns.max_transfer_bytes, uint64_t{kMaxBlocksPerCommand} << shift);
+  // Rounded down to the 4 KiB unit so the rest of a transfer stays aligned (the next command's
+  // LBA and buffer, and the registered piece it lies in, all advance by whole units).
+  return static_cast<uint32_t>(cap & ~uint64_t{4095});
+}
+
 NvmeIoCommand MakeNvmeIo(bool write, const NvmeNamespace& ns, void* buf, uint32_t len, uint64_t offset,
                          uint32_t* moved) {
   const uint32_t shift = static_cast<uint32_t>(std::countr_zero(ns.lba_bytes));
-  const uint64_t cap = std::min<uint64_t>(ns.max_transfer_bytes, uint64_t{kMaxBlocksPerCommand} << shift);
-  // The cap is rounded down to the 4 KiB unit so the remainder stays aligned for O_DIRECT-like
-  // DMA (a fixed buffer region and the next command's LBA both advance by whole units).
-  const uint32_t n = static_cast<uint32_t>(std::min<uint64_t>(len, cap & ~uint64_t{4095}));
+  const uint32_t n = std::min(len, NvmeCommandCap(ns));
   const uint64_t slba = offset >> shift;
   NvmeIoCommand c;
   c.opcode = write ? kNvmeOpWrite : kNvmeOpRead;

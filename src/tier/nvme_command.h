@@ -52,6 +52,10 @@ Status ParseIdentifyNamespace(std::span<const std::byte> page, NvmeNamespace* ou
 // what to do otherwise (reformat, or give the block device).
 Status CheckNamespaceUsable(const std::string& path, const NvmeNamespace& ns);
 
+// The bytes one command moves at most on `ns`: its per-command limit, within the 65536 blocks a
+// command can name, rounded down to the 4 KiB unit.
+uint32_t NvmeCommandCap(const NvmeNamespace& ns);
+
 // One NVM command set I/O command, as the kernel's struct nvme_uring_cmd carries it.
 struct NvmeIoCommand {
   uint8_t opcode = 0;

@@ -1,6 +1,7 @@
 #include "tier/ssd_engine.h"
 
 #include <cerrno>
+#include <algorithm>
 #include <chrono>
 #include <deque>
 
@@ -116,6 +117,12 @@ class RingEngine final : public SlotIoEngine {
  private:
   std::byte* Stage(uint32_t s) const { return t_.arena + uint64_t{s} * t_.stage_bytes; }
 
+  // The registered buffer holding byte `at` of stage s (EngineTarget::register_piece).
+  int BufferIndex(uint32_t s, uint32_t at) const {
+    if (t_.register_piece == 0) return 0;
+    return static_cast<int>(s * PiecesPerStage(t_) + at / t_.register_piece);
+  }
+
   bool QueueStage(uint32_t s) {
     Inflight& f = slots_[s];
     RingOp op;
@@ -125,7 +132,7 @@ class RingEngine final : public SlotIoEngine {
     op.buf = Stage(s) + f.done;
     op.len = f.io.len - f.done;
     op.offset = f.io.offset + f.done;
-    op.buf_index = fixed_buffers_ ? 0 : -1;
+    op.buf_index = fixed_buffers_ ? BufferIndex(s, f.done) : -1;
     op.user_data = s;
     // Never full: no more than `depth` transfers are in flight, and the ring has `depth` entries.
     return ring_->Queue(op);
@@ -220,6 +227,10 @@ class SyncEngine final : public SlotIoEngine {
 
 }  // namespace
 
+uint64_t PiecesPerStage(const EngineTarget& t) {
+  return t.register_piece == 0 ? 1 : (t.stage_bytes + t.register_piece - 1) / t.register_piece;
+}
+
 Status TransferFailure(const std::string& name, bool write, uint64_t offset, int neg_errno) {
   std::string what = name + ": " + (write ? "write" : "read") + " at offset " + std::to_string(offset) +
                      " failed: " + IoErrnoText(neg_errno);
@@ -237,7 +248,18 @@ std::unique_ptr<SlotIoEngine> MakeRingEngine(const EngineTarget& target, std::un
   if (rc < 0) *notes += "; file not registered (" + IoErrnoText(rc) + ")";
   *buffers_registered = false;
   if (register_buffers) {
-    rc = ring->RegisterBuffer(target.arena, uint64_t{target.stages} * target.stage_bytes);
+    std::vector<RegisteredSpan> spans;
+    if (target.register_piece == 0) {
+      spans.push_back({target.arena, uint64_t{target.stages} * target.stage_bytes});
+    } else {
+      for (uint32_t s = 0; s < target.stages; ++s) {
+        for (uint64_t at = 0; at < target.stage_bytes; at += target.register_piece) {
+          spans.push_back({target.arena + uint64_t{s} * target.stage_bytes + at,
+                           std::min(target.register_piece, target.stage_bytes - at)});
+        }
+      }
+    }
+    rc = ring->RegisterBuffers(spans);
     *buffers_registered = rc == 0;
     if (rc < 0) {
       *notes += "; buffers not registered (" + IoErrnoText(rc) +

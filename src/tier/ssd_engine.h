@@ -42,6 +42,11 @@ struct EngineTarget {
   uint32_t stages = 0;  // staging buffers: the ring engine uses depth + a few (see ssd_engine.cc)
   uint32_t depth = 1;   // transfers in flight at most
   std::string name;  // the device, for messages
+  // 0: the arena is one registered buffer. Else each stage is cut into pieces of this many bytes
+  // (the last one shorter), one registered buffer each, and a transfer continues piece by piece:
+  // a passthrough command's buffer must lie in a registered buffer of few enough pages for the
+  // kernel's segment limit (ssd_nvme.cc), and the commands are cut at exactly this size.
+  uint64_t register_piece = 0;
 };
 
 class SlotIoEngine {
@@ -62,6 +67,9 @@ std::unique_ptr<SlotIoEngine> MakeRingEngine(const EngineTarget& target, std::un
                                              bool register_buffers, uint32_t spin_us, std::string* notes,
                                              bool* buffers_registered, bool* file_registered);
 std::unique_ptr<SlotIoEngine> MakeSyncEngine(const EngineTarget& target);
+
+// How many registered buffers one stage is cut into (1 when register_piece is 0).
+uint64_t PiecesPerStage(const EngineTarget& t);
 
 // The Status for a failed transfer: NoSpace for ENOSPC/EDQUOT, IoError otherwise.
 Status TransferFailure(const std::string& name, bool write, uint64_t offset, int neg_errno);

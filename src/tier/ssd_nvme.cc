@@ -126,6 +126,11 @@ Status SsdDevice::StartNvmeEngine(bool register_buffers, uint32_t spin_us, std::
   }
   const uint32_t stages = static_cast<uint32_t>(arena_bytes_ / slot_bytes());
   EngineTarget target{platform_, fd_, arena_, slot_bytes(), stages, depth_, name()};
+  // One registered buffer per command-sized piece of each stage: the kernel maps a command's
+  // registered buffer as a whole, from the command's start to the buffer's end, and refuses one
+  // of more pages than its segment limit (Debian's 6.1: EINVAL for a 72 MiB arena registered as
+  // one buffer); pieces of exactly the command size keep every command inside one of them.
+  target.register_piece = NvmeCommandCap(path_.nvme);
   path_.io_uring = true;
   engine_ = MakeRingEngine(target, std::move(ring), register_buffers, spin_us, notes, &path_.registered_buffers,
                            &path_.registered_file);

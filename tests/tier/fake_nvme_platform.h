@@ -108,9 +108,8 @@ class FakeNvmePlatform : public IoPlatform {
       fd_ = fd;
       return 0;
     }
-    int RegisterBuffer(void* base, size_t len) override {
-      base_ = static_cast<std::byte*>(base);
-      len_ = len;
+    int RegisterBuffers(std::span<const RegisteredSpan> spans) override {
+      buffers_.assign(spans.begin(), spans.end());
       return 0;
     }
     bool Queue(const RingOp& op) override {
@@ -151,8 +150,14 @@ class FakeNvmePlatform : public IoPlatform {
       if (q.op.buf_index >= 0) {
         ++p_->fixed_commands;
         if (p_->refuse_fixed_buffers) return -EINVAL;
+        if (static_cast<size_t>(q.op.buf_index) >= buffers_.size()) return -EFAULT;
+        const RegisteredSpan& r = buffers_[q.op.buf_index];
         auto* b = reinterpret_cast<std::byte*>(c.addr);
-        if (b < base_ || b + c.data_len > base_ + len_) return -EFAULT;
+        auto* base = static_cast<std::byte*>(r.base);
+        if (b < base || b + c.data_len > base + r.len) return -EFAULT;
+        // As Linux 6.1 maps a registered buffer for a command: every page from the command's
+        // start to the buffer's end counts against the queue's segment limit.
+        if (static_cast<uint64_t>(base + r.len - b) > ns_.max_transfer_bytes) return -EINVAL;
       }
       if (c.data_len > ns_.max_transfer_bytes) return -EINVAL;  // the kernel's limit
       if (c.nsid != ns_.nsid) return 0x0b;                       // invalid namespace
@@ -174,8 +179,7 @@ class FakeNvmePlatform : public IoPlatform {
     FakeNvmePlatform* p_;
     NvmeNamespace ns_;
     int fd_ = -1;
-    std::byte* base_ = nullptr;
-    size_t len_ = 0;
+    std::vector<RegisteredSpan> buffers_;
     std::vector<Pending> queued_;
     std::deque<RingCompletion> done_;
     std::deque<uint32_t> moved_of_;

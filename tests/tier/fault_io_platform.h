@@ -26,7 +26,7 @@ struct Fault {
 class FaultIoPlatform : public IoPlatform {
  public:
   int ring_error = 0;             // CreateRing fails with it
-  int register_buffer_error = 0;  // the ring's RegisterBuffer fails with it
+  int register_buffer_error = 0;  // the ring's RegisterBuffers fails with it
   int open_direct_error = 0;      // Open with O_DIRECT fails with it
   int open_error = 0;             // every Open fails with it
   int fallocate_error = 0;
@@ -79,8 +79,8 @@ class FaultIoPlatform : public IoPlatform {
    public:
     Ring(FaultIoPlatform* p, std::unique_ptr<IoRing> real) : p_(p), real_(std::move(real)) {}
     int RegisterFile(int fd) override { return real_->RegisterFile(fd); }
-    int RegisterBuffer(void* base, size_t len) override {
-      return p_->register_buffer_error ? p_->register_buffer_error : real_->RegisterBuffer(base, len);
+    int RegisterBuffers(std::span<const RegisteredSpan> spans) override {
+      return p_->register_buffer_error ? p_->register_buffer_error : real_->RegisterBuffers(spans);
     }
     bool Queue(const RingOp& op) override {
       writes_[op.user_data] = op.write;

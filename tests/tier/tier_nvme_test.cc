@@ -51,7 +51,8 @@ TEST(NvmeDrive, ATierOnTheDriveSpillsPromotesAndRestartsFromItsCatalogDirectory)
     ASSERT_EQ(*(*store)->Spill(~0ull), 10u);  // back onto the drive
   }
   // The region is lost and made again; the drive's blocks come back from the catalog directory.
-  ASSERT_TRUE(cxlkv::testing::CreateCachePool(path.path(), 64 << 20, 2048, /*checksum=*/true).ok());
+  Status again = cxlkv::testing::CreateCachePool(path.path(), 64 << 20, 2048, /*checksum=*/true);
+  ASSERT_TRUE(again.ok()) << again.ToString();
   auto o = OpenCache(path.path(), 0);
   ASSERT_TRUE(o.cache);
   auto store = TierStore::Open(*o.pool, Options({Ssd(ng, 32 << 20, catalog_dir)}));
