@@ -1,5 +1,6 @@
 #include "serve/compare.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "cxlkv/pool.h"
@@ -10,12 +11,16 @@ namespace cxlkv::serve {
 
 namespace {
 
-// An SSD tier's files (device, catalog, namespace book), as a run left them.
+// An SSD tier's files (its file, catalog, namespace book), as a run left them. A device (a
+// block device or an NVMe generic device) stays: only its catalog and book go, so the next run
+// starts from an empty tier all the same.
 void RemoveSsdFiles(const std::vector<std::string>& specs) {
   for (const std::string& text : specs) {
     auto spec = tier::ParseTierSpec(text);
     if (!spec.ok() || spec->kind != tier::TierKind::kSsd) continue;
-    for (const std::string& f : tier::SsdTierFiles(spec->path)) ::unlink(f.c_str());
+    for (const std::string& f : tier::SsdStateFiles(spec->StateBase())) ::unlink(f.c_str());
+    struct stat st {};
+    if (::lstat(spec->path.c_str(), &st) == 0 && S_ISREG(st.st_mode)) ::unlink(spec->path.c_str());
   }
 }
 

@@ -94,9 +94,9 @@ Result<std::unique_ptr<SsdDevice>> SsdDevice::OpenNvme(const SsdOptions& o, IoPl
   std::string notes;
   Status started = dev->StartNvmeEngine(o.register_buffers, o.spin_us, &notes);
   if (!started.ok() && dev->path_.registered_buffers) {
-    // Registered buffers for commands (IORING_URING_CMD_FIXED) are refused by some kernels —
-    // Debian's 6.1 answers EINVAL (docs/tiers.md) — while the same command with a plain buffer,
-    // which the kernel maps per command, works.
+    // Registered buffers for commands (IORING_URING_CMD_FIXED, Linux 6.1) are refused by older
+    // kernels, and by any that finds a piece too large for its queue's segment limit (EINVAL):
+    // the same command with a plain buffer, which the kernel maps per command, works.
     notes = "; registered buffers refused for NVMe commands (" + started.message() + "): unregistered buffers";
     std::string ignored;
     started = dev->StartNvmeEngine(/*register_buffers=*/false, o.spin_us, &ignored);

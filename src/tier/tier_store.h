@@ -66,11 +66,11 @@ struct TierSpec {
 };
 Result<TierSpec> ParseTierSpec(std::string_view text);
 
-// Every file an SSD tier at `path` keeps: the device file, its catalog (checkpoint copies and
-// log) and its namespace book.
-inline std::vector<std::string> SsdTierFiles(const std::string& path) {
-  return {path, Catalog::CheckpointPath(path, 0), Catalog::CheckpointPath(path, 1), Catalog::LogPath(path),
-          NamespaceBook::PathOf(path)};
+// The state files an SSD tier keeps — its catalog (checkpoint copies and log) and its namespace
+// book — at `state_base` (TierSpec::StateBase). Not the device or file itself.
+inline std::vector<std::string> SsdStateFiles(const std::string& state_base) {
+  return {Catalog::CheckpointPath(state_base, 0), Catalog::CheckpointPath(state_base, 1), Catalog::LogPath(state_base),
+          NamespaceBook::PathOf(state_base)};
 }
 
 // The index's tier of a device kind (cache::EntryTier).
