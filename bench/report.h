@@ -20,6 +20,9 @@ struct BenchOptions {
   bool quick = false;     // smaller sizes, fewer repetitions: a smoke run (tests use it)
   int repetitions = 5;    // samples per figure; the median is reported
   std::string workdir = "/dev/shm";  // where benches that need a region or a file put it
+  // tier: a block device or NVMe generic device (/dev/ngXnY: passthrough) whose first 256 MiB
+  // the SSD rows overwrite, instead of a file in workdir ("" = a file).
+  std::string device;
 };
 
 // A figure, its samples, and the reference it is compared with.

@@ -86,11 +86,15 @@ Result<nlohmann::json> RunTierBench(const BenchOptions& options) {
   const uint64_t span = options.quick ? (32ull << 20) : (256ull << 20);  // bytes per run and size
   std::string dir_note;
   const std::string dir = BenchDir(options.workdir, &dir_note);
-  const std::string file = dir + "/cxlkv-bench-tier-" + std::to_string(::getpid());
+  // A device given by the operator is written over, never removed; a file is the bench's own.
+  const bool on_device = !options.device.empty();
+  const std::string file = on_device ? options.device : dir + "/cxlkv-bench-tier-" + std::to_string(::getpid());
   const bool fio = FioAvailable();
   std::vector<nlohmann::json> results;
   nlohmann::json report;
-  auto cleanup = [&] { std::filesystem::remove(file); };
+  auto cleanup = [&] {
+    if (!on_device) std::filesystem::remove(file);
+  };
 
   const uint64_t cache_before = PageCacheBytes();
   uint64_t cache_peak = cache_before;
@@ -300,7 +304,8 @@ Result<nlohmann::json> RunTierBench(const BenchOptions& options) {
   report["repetitions"] = reps;
   report["file"] = file;
   report["ssd_path"] = describe;
-  report["fio"] = fio ? "fio (ioengine=io_uring direct=1 numjobs=1) on the same file" : "fio not installed: no reference";
+  report["fio"] = !fio ? "fio not installed: no reference"
+                 : FioEngineFor(file) + " numjobs=1 on the same " + (on_device ? "device" : "file");
   if (!dir_note.empty()) report["note"] = dir_note;
   report["results"] = results;
   return report;

@@ -14,6 +14,7 @@ void AddBenchCommands(CLI::App& app, CommandResult& result) {
     bool quick = false;
     int reps = 5;
     std::string workdir = "/dev/shm";
+    std::string device;
   };
   auto args = std::make_shared<Args>();
   std::string names;
@@ -27,11 +28,15 @@ void AddBenchCommands(CLI::App& app, CommandResult& result) {
       ->capture_default_str();
   cmd->add_option("--workdir", args->workdir, "Where benches that need a region or file put it")
       ->capture_default_str();
+  cmd->add_option("--device", args->device,
+                  "tier: run the SSD rows on this block device or NVMe generic device (/dev/ngXnY, through "
+                  "passthrough) instead of a file; its first 256 MiB are OVERWRITTEN");
   cmd->callback([args, &result] {
     bench::BenchOptions options;
     options.quick = args->quick;
     options.repetitions = args->reps;
     options.workdir = args->workdir;
+    options.device = args->device;
     auto report = bench::RunSuite(args->name, options);
     if (!report.ok()) {
       result.status = report.status();
