@@ -121,9 +121,13 @@ class IoPlatform {
   virtual int NvmeFlush(int fd, uint32_t nsid, uint32_t* nvme_status);
   // A ring of 128-byte submissions and 32-byte completions (IORING_SETUP_SQE128 | CQE32) whose
   // reads and writes become NVMe commands on `ns` (IORING_OP_URING_CMD): byte offsets and
-  // lengths in, bytes moved out, a transfer past the namespace's limit moved in pieces.
-  // -EINVAL on a kernel without these ring flags (before 5.19).
-  virtual int CreateNvmeRing(unsigned depth, const NvmeNamespace& ns, std::unique_ptr<IoRing>* out);
+  // lengths in, bytes moved out. A transfer past the namespace's per-command limit goes as
+  // several commands, all in flight at once (`entries` submissions in all), completing as one;
+  // with registered buffers, its command k uses buffer buf_index + k, so the caller registers
+  // one buffer per command-sized piece (ssd_nvme.cc). Queue returns false when the queue has no
+  // room for all of a transfer's commands. -EINVAL on a kernel without these ring flags (before
+  // 5.19).
+  virtual int CreateNvmeRing(unsigned entries, const NvmeNamespace& ns, std::unique_ptr<IoRing>* out);
 };
 
 // "No such file or directory (ENOENT)" for a negative errno return.

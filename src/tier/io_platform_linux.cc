@@ -61,12 +61,9 @@ class LinuxRing final : public IoRing {
   }
 
   bool Queue(const RingOp& op) override {
+    if (passthrough_) return QueueNvme(op);
     struct io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
     if (sqe == nullptr) return false;
-    if (passthrough_) {
-      QueueNvme(sqe, op);
-      return true;
-    }
     if (op.buf_index >= 0) {
       if (op.write) {
         io_uring_prep_write_fixed(sqe, op.fd, op.buf, op.len, op.offset, op.buf_index);
@@ -87,70 +84,97 @@ class LinuxRing final : public IoRing {
 
   int Peek(RingCompletion* out) override {
     struct io_uring_cqe* cqe = nullptr;
-    if (io_uring_peek_cqe(&ring_, &cqe) != 0 || cqe == nullptr) return 0;
-    Take(cqe, out);
-    return 1;
-  }
-
-  int Wait(RingCompletion* out) override {
-    struct io_uring_cqe* cqe = nullptr;
-    int rc;
-    do {
-      rc = io_uring_wait_cqe(&ring_, &cqe);
-    } while (rc == -EINTR);  // a signal interrupted the wait, not the I/O: wait again
-    if (rc < 0) return rc;
-    Take(cqe, out);
+    while (io_uring_peek_cqe(&ring_, &cqe) == 0 && cqe != nullptr) {
+      if (Take(cqe, out)) return 1;  // else one command of a transfer still in flight
+    }
     return 0;
   }
 
- private:
-  // One read or write as an NVMe command in the 80 bytes a 128-byte submission carries.
-  void QueueNvme(struct io_uring_sqe* sqe, const RingOp& op) {
-    std::memset(sqe, 0, 2 * sizeof(*sqe));  // SQE128: a submission spans two 64-byte entries
-    uint32_t moved = 0;
-    const NvmeIoCommand c = MakeNvmeIo(op.write, nvme_, op.buf, op.len, op.offset, &moved);
-    sqe->opcode = IORING_OP_URING_CMD;
-    sqe->fd = op.fd;
-    sqe->cmd_op = NVME_URING_CMD_IO;
-    if (op.fixed_file) sqe->flags |= IOSQE_FIXED_FILE;
-    if (op.buf_index >= 0) {
-      sqe->uring_cmd_flags = IORING_URING_CMD_FIXED;
-      sqe->buf_index = static_cast<uint16_t>(op.buf_index);
+  int Wait(RingCompletion* out) override {
+    for (;;) {
+      struct io_uring_cqe* cqe = nullptr;
+      int rc = io_uring_wait_cqe(&ring_, &cqe);
+      if (rc == -EINTR) continue;  // a signal interrupted the wait, not the I/O: wait again
+      if (rc < 0) return rc;
+      if (Take(cqe, out)) return 0;
     }
-    struct nvme_uring_cmd cmd {};
-    cmd.opcode = c.opcode;
-    cmd.nsid = c.nsid;
-    cmd.addr = c.addr;
-    cmd.data_len = c.data_len;
-    cmd.cdw10 = c.cdw10;
-    cmd.cdw11 = c.cdw11;
-    cmd.cdw12 = c.cdw12;
-    static_assert(sizeof(cmd) <= 80, "struct nvme_uring_cmd must fit a 128-byte submission's command area");
-    std::memcpy(sqe->cmd, &cmd, sizeof cmd);
-    io_uring_sqe_set_data64(sqe, op.user_data);
-    moved_[op.user_data] = moved;
   }
 
-  void Take(struct io_uring_cqe* cqe, RingCompletion* out) {
-    out->user_data = io_uring_cqe_get_data64(cqe);
-    out->res = cqe->res;
-    out->nvme_status = 0;
-    if (passthrough_) {
-      // A passthrough command reports 0 for success, not a byte count: the ring says how many
-      // bytes the command covered, so a transfer split at the namespace's limit goes on.
-      auto it = moved_.find(out->user_data);
-      const uint32_t moved = it == moved_.end() ? 0 : it->second;
-      if (it != moved_.end()) moved_.erase(it);
-      out->res = NvmeResultToBytes(cqe->res, moved, &out->nvme_status);
+ private:
+  // A transfer as NVMe commands (nvme_command.h's SplitNvmeIo), all queued at once, each in the
+  // 80 bytes a 128-byte submission carries. Command k's submission carries (user_data << 20) | k.
+  // With registered buffers, command k uses buffer buf_index + k (CreateNvmeRing's contract).
+  // False, queuing nothing, when the submission queue has no room for all of them.
+  bool QueueNvme(const RingOp& op) {
+    const std::vector<NvmeIoCommand> cmds = SplitNvmeIo(op.write, nvme_, op.buf, op.len, op.offset);
+    if (io_uring_sq_space_left(&ring_) < cmds.size() || cmds.size() >= (1u << 20)) return false;
+    Transfer& t = transfers_[op.user_data];
+    t.result = NvmeTransferResult(static_cast<uint32_t>(cmds.size()));
+    t.moved.clear();
+    for (uint32_t k = 0; k < cmds.size(); ++k) {
+      const NvmeIoCommand& c = cmds[k];
+      struct io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+      if (sqe == nullptr) return false;  // not with the room checked above
+      std::memset(sqe, 0, 2 * sizeof(*sqe));  // SQE128: a submission spans two 64-byte entries
+      sqe->opcode = IORING_OP_URING_CMD;
+      sqe->fd = op.fd;
+      sqe->cmd_op = NVME_URING_CMD_IO;
+      if (op.fixed_file) sqe->flags |= IOSQE_FIXED_FILE;
+      if (op.buf_index >= 0) {
+        sqe->uring_cmd_flags = IORING_URING_CMD_FIXED;
+        sqe->buf_index = static_cast<uint16_t>(op.buf_index + static_cast<int>(k));
+      }
+      struct nvme_uring_cmd cmd {};
+      cmd.opcode = c.opcode;
+      cmd.nsid = c.nsid;
+      cmd.addr = c.addr;
+      cmd.data_len = c.data_len;
+      cmd.cdw10 = c.cdw10;
+      cmd.cdw11 = c.cdw11;
+      cmd.cdw12 = c.cdw12;
+      static_assert(sizeof(cmd) <= 80, "struct nvme_uring_cmd must fit a 128-byte submission's command area");
+      std::memcpy(sqe->cmd, &cmd, sizeof cmd);
+      io_uring_sqe_set_data64(sqe, (op.user_data << 20) | k);
+      t.moved.push_back(c.data_len);
     }
-    io_uring_cqe_seen(&ring_, cqe);
+    return true;
   }
+
+  // Consumes one completion; true when it completes an op (*out filled). A passthrough command
+  // reports 0 for success, not a byte count: the op's result is the bytes of all its commands,
+  // or the first failure, once the last one is back.
+  bool Take(struct io_uring_cqe* cqe, RingCompletion* out) {
+    const uint64_t data = io_uring_cqe_get_data64(cqe);
+    const int32_t res = cqe->res;
+    io_uring_cqe_seen(&ring_, cqe);
+    out->nvme_status = 0;
+    if (!passthrough_) {
+      out->user_data = data;
+      out->res = res;
+      return true;
+    }
+    auto it = transfers_.find(data >> 20);
+    const uint32_t k = static_cast<uint32_t>(data & ((1u << 20) - 1));
+    if (it == transfers_.end() || k >= it->second.moved.size()) return false;  // not ours: never queued
+    if (!it->second.result.Fold(res, it->second.moved[k])) return false;
+    out->user_data = it->first;
+    out->res = it->second.result.Bytes();
+    out->nvme_status = it->second.result.nvme_status();
+    transfers_.erase(it);
+    return true;
+  }
+
+  // A passthrough op's commands in flight.
+  struct Transfer {
+    NvmeTransferResult result{0};
+    std::vector<uint32_t> moved;  // bytes of command k
+  };
 
   struct io_uring ring_ {};
   bool initialized_ = false;
   bool passthrough_ = false;
   NvmeNamespace nvme_;
-  std::unordered_map<uint64_t, uint32_t> moved_;  // passthrough: user_data → bytes of its command
+  std::unordered_map<uint64_t, Transfer> transfers_;  // passthrough: op user_data → its commands
 };
 
 // One number from a sysfs attribute file; 0 when it cannot be read.
@@ -274,9 +298,9 @@ int IoPlatform::CreateRing(unsigned depth, std::unique_ptr<IoRing>* out) {
   return 0;
 }
 
-int IoPlatform::CreateNvmeRing(unsigned depth, const NvmeNamespace& ns, std::unique_ptr<IoRing>* out) {
+int IoPlatform::CreateNvmeRing(unsigned entries, const NvmeNamespace& ns, std::unique_ptr<IoRing>* out) {
   auto ring = std::make_unique<LinuxRing>();
-  int rc = ring->Init(depth, &ns);
+  int rc = ring->Init(entries, &ns);
   if (rc < 0) return rc;
   *out = std::move(ring);
   return 0;

@@ -94,6 +94,29 @@ NvmeIoCommand MakeNvmeIo(bool write, const NvmeNamespace& ns, void* buf, uint32_
   return c;
 }
 
+std::vector<NvmeIoCommand> SplitNvmeIo(bool write, const NvmeNamespace& ns, void* buf, uint32_t len, uint64_t offset) {
+  std::vector<NvmeIoCommand> out;
+  uint32_t done = 0;
+  while (done < len) {
+    uint32_t moved = 0;
+    out.push_back(MakeNvmeIo(write, ns, static_cast<std::byte*>(buf) + done, len - done, offset + done, &moved));
+    done += moved;
+  }
+  return out;
+}
+
+bool NvmeTransferResult::Fold(int32_t res, uint32_t moved) {
+  uint32_t status = 0;
+  const int32_t bytes = NvmeResultToBytes(res, moved, &status);
+  if (bytes < 0 && error_ == 0) {
+    error_ = bytes;
+    status_ = status;
+  } else if (bytes > 0) {
+    moved_ += static_cast<uint32_t>(bytes);
+  }
+  return remaining_ > 0 && --remaining_ == 0;
+}
+
 int32_t NvmeResultToBytes(int32_t res, uint32_t moved, uint32_t* nvme_status) {
   *nvme_status = 0;
   if (res == 0) return static_cast<int32_t>(moved);

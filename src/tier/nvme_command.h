@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "cxlkv/status.h"
 
@@ -77,6 +78,31 @@ struct NvmeIoCommand {
 // multiples of the block size (the tier's are of 4 KiB), and len > 0.
 NvmeIoCommand MakeNvmeIo(bool write, const NvmeNamespace& ns, void* buf, uint32_t len, uint64_t offset,
                          uint32_t* moved);
+
+// A transfer as the commands that carry it, in order: command k covers bytes [k·cap, (k+1)·cap)
+// of the range and of `buf` (cap = NvmeCommandCap(ns)), so they may all be in flight at once —
+// what the block layer does for a block device's large I/O, and what passthrough, which the
+// kernel never splits, must do itself.
+std::vector<NvmeIoCommand> SplitNvmeIo(bool write, const NvmeNamespace& ns, void* buf, uint32_t len, uint64_t offset);
+
+// The result of a transfer split into commands, folded as their completions come back (in any
+// order): the bytes of all of them, or the first failure.
+class NvmeTransferResult {
+ public:
+  explicit NvmeTransferResult(uint32_t commands) : remaining_(commands) {}
+  // Folds one command's passthrough result (nvme_command.h's convention). True when it was the
+  // last one.
+  bool Fold(int32_t res, uint32_t moved);
+  // Bytes moved, or the first failure (−errno; −EIO for an NVMe status, see nvme_status()).
+  int32_t Bytes() const { return error_ != 0 ? error_ : static_cast<int32_t>(moved_); }
+  uint32_t nvme_status() const { return status_; }
+
+ private:
+  uint32_t remaining_;
+  uint32_t moved_ = 0;
+  int32_t error_ = 0;
+  uint32_t status_ = 0;
+};
 
 // The completion result the engine expects (bytes moved, or −errno) from a passthrough result:
 // 0 → `moved`; −errno → itself; an NVMe status (> 0) → −EIO (the status goes to *nvme_status).

@@ -58,15 +58,26 @@ class RingEngine final : public SlotIoEngine {
     };
     prepare_free();
     while (!ready.empty() || inflight > 0 || !finished.empty()) {
-      // Queue retries and ready items up to the depth; one submit for all.
+      // Queue retries and ready items up to the depth; one submit for all. A ring without room
+      // for an item's submissions (a passthrough transfer takes one per command) keeps the item
+      // for a later round, after completions made room.
       uint32_t queued = 0;
-      for (uint32_t s : requeue) queued += QueueStage(s) ? 1 : 0;
-      requeue.clear();
-      while (inflight < t_.depth && !ready.empty()) {
-        uint32_t s = ready.front();
+      std::vector<uint32_t> waiting;
+      for (uint32_t s : requeue) {
+        if (QueueStage(s)) ++queued;
+        else waiting.push_back(s);
+      }
+      requeue.swap(waiting);
+      while (inflight < t_.depth && !ready.empty() && QueueStage(ready.front())) {
         ready.pop_front();
         ++inflight;
-        queued += QueueStage(s) ? 1 : 0;
+        ++queued;
+      }
+      if (inflight == requeue.size() && queued == 0 && (!requeue.empty() || !ready.empty())) {
+        // Nothing in the ring and still no room: it can never take this transfer.
+        Break(-EOVERFLOW, finished, done);  // every prepared item, ready ones included, fails
+        FailRest(next, count, done);
+        return;
       }
       if (queued > 0) {
         int rc = ring_->Submit();
@@ -86,7 +97,7 @@ class RingEngine final : public SlotIoEngine {
       }
       finished.clear();
       prepare_free();
-      if (inflight == 0) continue;
+      if (inflight == requeue.size()) continue;  // nothing in the ring to wait for
       // Reap: spin briefly (a completion is usually microseconds away at depth), then sleep.
       RingCompletion c;
       bool got = ring_->Peek(&c) == 1;
@@ -134,7 +145,6 @@ class RingEngine final : public SlotIoEngine {
     op.offset = f.io.offset + f.done;
     op.buf_index = fixed_buffers_ ? BufferIndex(s, f.done) : -1;
     op.user_data = s;
-    // Never full: no more than `depth` transfers are in flight, and the ring has `depth` entries.
     return ring_->Queue(op);
   }
 

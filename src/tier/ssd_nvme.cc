@@ -114,8 +114,16 @@ Result<std::unique_ptr<SsdDevice>> SsdDevice::OpenNvme(const SsdOptions& o, IoPl
 Status SsdDevice::StartNvmeEngine(bool register_buffers, uint32_t spin_us, std::string* notes) {
   engine_.reset();  // a ring being replaced goes (with its registrations) before the new one
   const std::string use = ": give " + BlockDeviceOf(file_) + " instead";
+  // Room for every command of `depth` transfers in flight at once (io_uring takes up to 32768).
+  const uint64_t commands_per_slot = (slot_bytes() + NvmeCommandCap(path_.nvme) - 1) / NvmeCommandCap(path_.nvme);
+  if (commands_per_slot > 32768) {
+    return InvalidArgument("ssd tier: " + file_ + ": a slot of " + util::FormatBytes(slot_bytes()) + " takes " +
+                           std::to_string(commands_per_slot) + " commands of " +
+                           util::FormatBytes(NvmeCommandCap(path_.nvme)) + ", more than a ring holds: use smaller slots");
+  }
+  const auto entries = static_cast<unsigned>(std::min<uint64_t>(uint64_t{depth_} * commands_per_slot, 32768));
   std::unique_ptr<IoRing> ring;
-  int rc = platform_->CreateNvmeRing(depth_, path_.nvme, &ring);
+  int rc = platform_->CreateNvmeRing(entries, path_.nvme, &ring);
   if (rc == -EINVAL) {
     return NotSupported("ssd tier: " + file_ + ": this kernel's io_uring cannot carry NVMe commands (128-byte "
                         "submissions need Linux 5.19 or later)" + use);

@@ -48,6 +48,8 @@ class FakeNvmePlatform : public IoPlatform {
   std::deque<uint32_t> read_statuses;  // NVMe statuses for the next read commands (0 = fine)
   int flushes = 0, commands = 0, fixed_commands = 0;
   uint32_t largest_command = 0;
+  uint32_t most_in_flight = 0;  // transfers submitted together at most
+  int transfers_queued = 0;     // ops the engine queued (each one or more commands)
 
   int Stat(const std::string& path, DeviceFileFacts* out) override {
     if (path != device_) return IoPlatform::Stat(path, out);
@@ -112,15 +114,21 @@ class FakeNvmePlatform : public IoPlatform {
       buffers_.assign(spans.begin(), spans.end());
       return 0;
     }
+    // A transfer's commands as the Linux ring makes them (SplitNvmeIo), executed at Submit.
     bool Queue(const RingOp& op) override {
-      uint32_t moved = 0;
-      NvmeIoCommand c = MakeNvmeIo(op.write, ns_, op.buf, op.len, op.offset, &moved);
-      queued_.push_back({c, moved, op});
+      ++p_->transfers_queued;
+      queued_.push_back({SplitNvmeIo(op.write, ns_, op.buf, op.len, op.offset), op});
       return true;
     }
     int Submit() override {
       const int n = static_cast<int>(queued_.size());
-      for (const Pending& q : queued_) done_.push_back({q.op.user_data, Execute(q), 0});
+      for (const Pending& q : queued_) {
+        // Folded in reverse: completions come back in any order.
+        NvmeTransferResult result(static_cast<uint32_t>(q.cmds.size()));
+        for (size_t k = q.cmds.size(); k-- > 0;) (void)result.Fold(Execute(q, k), q.cmds[k].data_len);
+        done_.push_back({q.op.user_data, result.Bytes(), result.nvme_status()});
+      }
+      p_->most_in_flight = std::max<uint32_t>(p_->most_in_flight, static_cast<uint32_t>(queued_.size()));
       queued_.clear();
       return n;
     }
@@ -128,30 +136,28 @@ class FakeNvmePlatform : public IoPlatform {
       if (done_.empty()) return 0;
       *out = done_.front();
       done_.pop_front();
-      out->res = NvmeResultToBytes(out->res, moved_of_.front(), &out->nvme_status);
-      moved_of_.pop_front();
       return 1;
     }
     int Wait(RingCompletion* out) override { return Peek(out) == 1 ? 0 : -EAGAIN; }
 
    private:
     struct Pending {
-      NvmeIoCommand c;
-      uint32_t moved;
+      std::vector<NvmeIoCommand> cmds;
       RingOp op;
     };
-    // The passthrough result of one command: 0, −errno (the kernel's refusal) or a status.
-    int32_t Execute(const Pending& q) {
-      moved_of_.push_back(q.moved);
-      const NvmeIoCommand& c = q.c;
+    // The passthrough result of command k of a transfer: 0, −errno (the kernel's refusal) or a
+    // status.
+    int32_t Execute(const Pending& q, size_t k) {
+      const NvmeIoCommand& c = q.cmds[k];
       ++p_->commands;
       p_->largest_command = std::max(p_->largest_command, c.data_len);
       const int fd = q.op.fixed_file ? fd_ : q.op.fd;
       if (q.op.buf_index >= 0) {
         ++p_->fixed_commands;
         if (p_->refuse_fixed_buffers) return -EINVAL;
-        if (static_cast<size_t>(q.op.buf_index) >= buffers_.size()) return -EFAULT;
-        const RegisteredSpan& r = buffers_[q.op.buf_index];
+        const size_t index = static_cast<size_t>(q.op.buf_index) + k;  // CreateNvmeRing's contract
+        if (index >= buffers_.size()) return -EFAULT;
+        const RegisteredSpan& r = buffers_[index];
         auto* b = reinterpret_cast<std::byte*>(c.addr);
         auto* base = static_cast<std::byte*>(r.base);
         if (b < base || b + c.data_len > base + r.len) return -EFAULT;
@@ -182,7 +188,6 @@ class FakeNvmePlatform : public IoPlatform {
     std::vector<RegisteredSpan> buffers_;
     std::vector<Pending> queued_;
     std::deque<RingCompletion> done_;
-    std::deque<uint32_t> moved_of_;
   };
 
   std::string device_, media_;

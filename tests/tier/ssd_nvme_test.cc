@@ -161,11 +161,17 @@ TEST_P(NvmePassthrough, BytesReadBackIdenticalAndLieWhereTheSlotsAre) {
   EXPECT_TRUE((*dev)->io_path().registered_buffers);
   EXPECT_EQ((*dev)->slot_count(), (64u << 20) / ((2 << 20) + 4096));
   EXPECT_NE((*dev)->Describe().find("NVMe passthrough"), std::string::npos) << (*dev)->Describe();
-  RoundTrip(**dev, 9, 2 << 20, 11);     // 2 MiB blocks: 17 commands of 128 KiB each
-  RoundTrip(**dev, 20, 5000, 99);       // small ones, in one command each
+  d.pf.commands = d.pf.transfers_queued = 0;
+  // 2 MiB blocks (2 MiB + 4 KiB on the disk): 17 commands each, of 128 KiB and a last 4 KiB,
+  // queued together as one transfer — not one after another.
+  RoundTrip(**dev, 9, 2 << 20, 11);
+  EXPECT_EQ(d.pf.transfers_queued, 2 * 9);
+  EXPECT_EQ(d.pf.commands, 2 * 9 * 17);
   EXPECT_EQ(d.pf.largest_command, 128u << 10);
-  EXPECT_GT(d.pf.commands, 9 * 17);
-  EXPECT_EQ(d.pf.fixed_commands, d.pf.commands);
+  EXPECT_GT(d.pf.most_in_flight, 1u);
+  RoundTrip(**dev, 20, 5000, 99);       // small ones, in one command each
+  EXPECT_EQ(d.pf.commands, 2 * 9 * 17 + 2 * 20);
+  EXPECT_EQ(d.pf.fixed_commands, d.pf.commands + 1);  // and the open's probe
   EXPECT_EQ(d.pf.flushes, 2);  // one per write batch
 
   // The same bytes through the file path over the media: the LBAs the commands named are the
