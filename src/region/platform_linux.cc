@@ -69,9 +69,9 @@ int Platform::Ftruncate(int fd, uint64_t size) {
 
 int Platform::Fallocate(int fd, uint64_t size) {
   // posix_fallocate returns the error number instead of setting errno. tmpfs gives up a long
-  // allocation with EINTR when anything makes a signal pending — io_uring's task work on this
-  // thread does, after a ring's teardown (seen under scripts/nvme-vm) — and keeps what it
-  // allocated: asking again goes on from there.
+  // allocation with EINTR when anything makes a signal pending (seen under scripts/nvme-vm after
+  // an io_uring ring's teardown in the same process, most likely its task work), and keeps what
+  // it allocated: asking again goes on from there.
   int rc = EINTR;
   for (int tries = 0; rc == EINTR && tries < 1000; ++tries) rc = ::posix_fallocate(fd, 0, static_cast<off_t>(size));
   return rc == 0 ? 0 : -rc;

@@ -260,8 +260,8 @@ int IoPlatform::Fstat(int fd, DeviceFileFacts* out) {
 }
 
 int IoPlatform::Fallocate(int fd, uint64_t size) {
-  // A long allocation may stop with EINTR at a pending signal (io_uring task work raises one),
-  // keeping what it allocated: ask again.
+  // A long allocation may stop with EINTR at a pending signal (seen after an io_uring ring's
+  // teardown, most likely its task work), keeping what it allocated: ask again.
   int rc = -EINTR;
   for (int tries = 0; rc == -EINTR && tries < 1000; ++tries) {
     rc = ::fallocate(fd, 0, 0, static_cast<off_t>(size)) == 0 ? 0 : NegErrno();
