@@ -305,7 +305,7 @@ Result<nlohmann::json> RunTierBench(const BenchOptions& options) {
   report["file"] = file;
   report["ssd_path"] = describe;
   report["fio"] = !fio ? "fio not installed: no reference"
-                 : FioEngineFor(file) + " numjobs=1 on the same " + (on_device ? "device" : "file");
+                 : "fio (" + FioEngineFor(file) + " --numjobs=1) on the same " + (on_device ? "device" : "file");
   if (!dir_note.empty()) report["note"] = dir_note;
   report["results"] = results;
   return report;

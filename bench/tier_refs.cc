@@ -20,17 +20,14 @@ bool FioAvailable() { return std::system("command -v fio >/dev/null 2>&1") == 0;
 
 std::string FioEngineFor(const std::string& file) {
   struct stat st {};
-  if (::stat(file.c_str(), &st) == 0 && S_ISCHR(st.st_mode)) return "ioengine=io_uring_cmd cmd_type=nvme";
-  return "ioengine=io_uring direct=1";
+  if (::stat(file.c_str(), &st) == 0 && S_ISCHR(st.st_mode)) return "--ioengine=io_uring_cmd --cmd_type=nvme";
+  return "--ioengine=io_uring --direct=1 --invalidate=1";
 }
 
 Result<double> RunFio(const std::string& file, const std::string& rw, uint64_t bs, uint32_t iodepth,
                       uint64_t bytes) {
-  const std::string engine = FioEngineFor(file);
-  const bool passthrough = engine.find("io_uring_cmd") != std::string::npos;
   std::string cmd = "fio --name=cxlkv-ref --filename='" + file + "' --rw=" + rw + " --bs=" + std::to_string(bs) +
-                    " --iodepth=" + std::to_string(iodepth) + " --numjobs=1" +
-                    (passthrough ? " --ioengine=io_uring_cmd --cmd_type=nvme" : " --ioengine=io_uring --direct=1 --invalidate=1") +
+                    " --iodepth=" + std::to_string(iodepth) + " --numjobs=1 " + FioEngineFor(file) +
                     " --size=" + std::to_string(bytes) + " --offset=0 --output-format=json 2>&1";
   FILE* p = ::popen(cmd.c_str(), "r");
   if (p == nullptr) return IoError("cannot run fio: " + std::string(std::strerror(errno)));

@@ -15,9 +15,9 @@ namespace cxlkv::bench {
 // True when a `fio` binary is on PATH.
 bool FioAvailable();
 
-// fio's engine options for `file`: "ioengine=io_uring_cmd cmd_type=nvme" for an NVMe generic
-// device (a character device: what the tier drives by passthrough), "ioengine=io_uring direct=1"
-// for a file or block device.
+// fio's engine options for `file`, as RunFio passes them: "--ioengine=io_uring_cmd
+// --cmd_type=nvme" for an NVMe generic device (a character device: what the tier drives by
+// passthrough), "--ioengine=io_uring --direct=1 --invalidate=1" for a file or block device.
 std::string FioEngineFor(const std::string& file);
 
 // Runs fio once on `file` over [0, bytes): rw "read" or "write", sequential, block size `bs`,

@@ -103,8 +103,8 @@ Result<std::unique_ptr<SsdDevice>> SsdDevice::OpenNvme(const SsdOptions& o, IoPl
   }
   if (!started.ok()) {
     return Status(started.code(), started.code() == StatusCode::kIoError
-                                      ? "ssd tier: " + path + ": an NVMe passthrough read failed (" + started.message() +
-                                            "): give " + BlockDeviceOf(path) + " instead"
+                                      ? "ssd tier: an NVMe passthrough read failed (" + started.message() + "): give " +
+                                            BlockDeviceOf(path) + " instead"
                                       : started.message());
   }
   dev->path_.notes += notes;
@@ -150,9 +150,7 @@ Status SsdDevice::StartNvmeEngine(bool register_buffers, uint32_t spin_us, std::
       [&](size_t, std::byte*, const Status& st) { probe = st; });
   if (!probe.ok()) {
     engine_.reset();
-    const std::string what = probe.message();
-    const size_t at = what.find("read at offset");  // the reason, without the device's name again
-    return IoError(at == std::string::npos ? what : what.substr(at));
+    return probe;
   }
   return Status::Ok();
 }
