@@ -37,39 +37,48 @@ Status CheckSelection(const Geometry& g, const ContextView& ctx, const Selection
   return Status::Ok();
 }
 
-// Asks for KV head h's K and V rows of a page ahead of use. A head's rows are a few cache lines
-// out of every token's row across the heads: a strided walk the hardware prefetchers do not
-// follow, so without this each row is a full memory latency.
+// Asks for KV head h's K and V rows of a page ahead of use. In a token-major page a head's rows
+// are a few cache lines out of every token's row across the heads: a strided walk the hardware
+// prefetchers do not follow, so without this each row is a full memory latency.
 void PrefetchPage(const Geometry& g, const PageKv& page, uint32_t tokens, uint32_t h) {
-  const uint64_t head_bytes = uint64_t{g.head_dim} * g.elem_bytes();
-  const uint64_t head_offset = h * head_bytes;
+  const uint64_t head_bytes = g.HeadBytes();
   for (const void* slab : {page.k, page.v}) {
-    const auto* base = static_cast<const uint8_t*>(slab) + head_offset;
+    const auto* base = static_cast<const uint8_t*>(slab) + g.HeadOffset(h);
     for (uint32_t t = 0; t < tokens; ++t) {
-      for (uint64_t b = 0; b < head_bytes; b += 64) __builtin_prefetch(base + t * g.RowBytes() + b, 0, 3);
+      for (uint64_t b = 0; b < head_bytes; b += 64) __builtin_prefetch(base + t * g.TokenStride() + b, 0, 3);
     }
   }
 }
 
 // Online softmax over one page for the query heads of KV heads [h_begin, h_end): the logits, a
 // new running max per query head, what was accumulated rescaled, then the page's values added
-// weighted by e^(logit − max). Rows are walked token by token and, within a token, head by head:
-// with every head at once that reads the page's slabs front to back. Each K and V row of a head
+// weighted by e^(logit − max). Rows are walked in the slabs' own order, front to back. Each K and V row of a head
 // is widened once for its whole group. State (max, sum, acc, logits) is indexed by query head.
 void AttendPage(const Geometry& g, const internal::Kernels& k, const float* q, float scale, const PageKv& page,
                 uint32_t tokens, uint32_t h_begin, uint32_t h_end, Scratch& s) {
   const uint32_t group = g.group(), dim = g.head_dim, stride = g.page_tokens;
-  const uint64_t head_bytes = uint64_t{dim} * g.elem_bytes();
+  const uint64_t token_stride = g.TokenStride();
   const auto* kslab = static_cast<const uint8_t*>(page.k);
   const auto* vslab = static_cast<const uint8_t*>(page.v);
-  for (uint32_t t = 0; t < tokens; ++t) {
-    const uint8_t* row = kslab + t * g.RowBytes();
-    for (uint32_t h = h_begin; h < h_end; ++h) {
-      const uint64_t first = uint64_t{h} * group;  // the group's first query head
-      k.group_dot(g.dtype, row + h * head_bytes, q + first * dim, group, dim, s.logits.data() + first * stride + t,
-                  stride);
+  // Front to back through the slab in either order: token by token across the heads
+  // (token-major) or head by head along the tokens (head-major). Each logit and each head's
+  // accumulation order over tokens is the same both ways.
+  auto walk = [&](auto&& visit) {
+    if (g.head_major) {
+      for (uint32_t h = h_begin; h < h_end; ++h) {
+        for (uint32_t t = 0; t < tokens; ++t) visit(t, h);
+      }
+    } else {
+      for (uint32_t t = 0; t < tokens; ++t) {
+        for (uint32_t h = h_begin; h < h_end; ++h) visit(t, h);
+      }
     }
-  }
+  };
+  walk([&](uint32_t t, uint32_t h) {
+    const uint64_t first = uint64_t{h} * group;  // the group's first query head
+    k.group_dot(g.dtype, kslab + g.HeadOffset(h) + t * token_stride, q + first * dim, group, dim,
+                s.logits.data() + first * stride + t, stride);
+  });
   for (uint32_t i = h_begin * group; i < h_end * group; ++i) {
     float* li = s.logits.data() + uint64_t{i} * stride;
     float page_max = kMinusInf;
@@ -88,14 +97,11 @@ void AttendPage(const Geometry& g, const internal::Kernels& k, const float* q, f
     s.max[i] = new_max;
     s.sum[i] += k.exp_sum(li, tokens, new_max);  // the logits become the weights
   }
-  for (uint32_t t = 0; t < tokens; ++t) {
-    const uint8_t* row = vslab + t * g.RowBytes();
-    for (uint32_t h = h_begin; h < h_end; ++h) {
-      const uint64_t first = uint64_t{h} * group;
-      k.group_axpy(g.dtype, row + h * head_bytes, s.logits.data() + first * stride + t, stride, group, dim,
-                   s.acc.data() + first * dim);
-    }
-  }
+  walk([&](uint32_t t, uint32_t h) {
+    const uint64_t first = uint64_t{h} * group;
+    k.group_axpy(g.dtype, vslab + g.HeadOffset(h) + t * token_stride, s.logits.data() + first * stride + t, stride,
+                 group, dim, s.acc.data() + first * dim);
+  });
 }
 
 // The page through the table's attend_page, KV head by KV head. `next` is the page attended
@@ -104,18 +110,18 @@ void AttendPageBlocked(const Geometry& g, const internal::Kernels& k, const floa
                        uint32_t tokens, const PageKv* next, uint32_t next_tokens, uint32_t h_begin, uint32_t h_end,
                        uint32_t stride, Scratch& s) {
   const uint32_t group = g.group(), dim = g.head_dim;
-  const uint64_t head_bytes = uint64_t{dim} * g.elem_bytes();
   internal::PageHead ph;
-  ph.row_bytes = g.RowBytes();
+  ph.row_bytes = g.TokenStride();
   ph.tokens = tokens;
   for (uint32_t h = h_begin; h < h_end; ++h) {
     const uint64_t first = uint64_t{h} * group;
-    ph.k = static_cast<const uint8_t*>(page.k) + h * head_bytes;
-    ph.v = static_cast<const uint8_t*>(page.v) + h * head_bytes;
+    const uint64_t head_offset = g.HeadOffset(h);
+    ph.k = static_cast<const uint8_t*>(page.k) + head_offset;
+    ph.v = static_cast<const uint8_t*>(page.v) + head_offset;
     // A shorter next page is asked for only as far as this page's tokens reach it: harmless.
     const bool ahead = next != nullptr && next_tokens >= tokens;
-    ph.next_k = ahead ? static_cast<const uint8_t*>(next->k) + h * head_bytes : nullptr;
-    ph.next_v = ahead ? static_cast<const uint8_t*>(next->v) + h * head_bytes : nullptr;
+    ph.next_k = ahead ? static_cast<const uint8_t*>(next->k) + head_offset : nullptr;
+    ph.next_v = ahead ? static_cast<const uint8_t*>(next->v) + head_offset : nullptr;
     k.attend_page(g.dtype, ph, q + first * dim, group, dim, scale, s.logits.data() + first * stride, stride,
                   s.max.data() + first, s.sum.data() + first, s.acc.data() + first * dim);
   }

@@ -56,7 +56,13 @@ void ExtendPageDigest(const Geometry& g, const PageKv& page, uint32_t from, uint
   // x·0 is NaN exactly when x is NaN or ±inf, and NaN stays in a sum: `probe` finds them.
   const auto* slab = static_cast<const uint8_t*>(page.k);
   for (uint32_t t = from; t < to; ++t) {
-    k.to_float(g.dtype, slab + t * g.RowBytes(), row.data(), width);
+    if (g.head_major) {  // the token's row of each head, from the head's own run
+      for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
+        k.to_float(g.dtype, slab + g.HeadOffset(h) + t * g.TokenStride(), row.data() + uint64_t{h} * dim, dim);
+      }
+    } else {
+      k.to_float(g.dtype, slab + t * g.RowBytes(), row.data(), width);
+    }
     for (uint32_t j = 0; j < width; ++j) {
       lo[j] = row[j] < lo[j] ? row[j] : lo[j];
       hi[j] = row[j] > hi[j] ? row[j] : hi[j];

@@ -1,6 +1,6 @@
 // Internal to pnm: the vector kernels the near-memory attention is built from, one table per
 // instruction set (AVX-512, AVX2 + F16C + FMA, scalar), chosen once at run time from the CPU's
-// features (region::Cpu()). CXLKV_PNM_ISA=scalar|avx2|avx512 forces a lower one (tests compare
+// features (region::Cpu()). CXLKV_PNM_ISA=scalar|avx2|avx512|avx512vnni forces a lower one (tests compare
 // them; a higher one than the CPU has is refused with a warning and the best one is used).
 //
 // Every kernel sums in a fixed order that depends only on n (never on alignment or the ISA's
@@ -15,7 +15,9 @@
 
 namespace cxlkv::pnm::internal {
 
-enum class Isa : uint8_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+// kAvx512Vnni is kAvx512's table with the digests' integer dot product on AVX512_VNNI's fused
+// multiply-add-accumulate (vpdpwssd): one instruction where AVX-512BW needs two.
+enum class Isa : uint8_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
 
 // One page of one KV head, as attend_page reads it: the head's K and V rows of `tokens` tokens,
 // `row_bytes` apart (a token's row across all KV heads), and the rows of the page that will be

@@ -30,6 +30,7 @@ CpuFeatures Detect() {
       f.avx2 = ymm_ok && ((ebx >> 5) & 1);
       f.avx512f = zmm_ok && ((ebx >> 16) & 1);
       f.avx512bw = zmm_ok && ((ebx >> 30) & 1);
+      f.avx512vnni = zmm_ok && ((ecx >> 11) & 1);
       f.clflushopt = (ebx >> 23) & 1;
       f.clwb = (ebx >> 24) & 1;
     }
@@ -58,6 +59,7 @@ std::string CpuFeatures::ToString() const {
   add(avx2, "avx2");
   add(avx512f, "avx512f");
   add(avx512bw, "avx512bw");
+  add(avx512vnni, "avx512vnni");
   add(fma, "fma");
   add(f16c, "f16c");
   return s.empty() ? "none" : s;

@@ -14,6 +14,7 @@ struct CpuFeatures {
   bool avx2 = false;
   bool avx512f = false;
   bool avx512bw = false;  // byte and word lanes (the near-memory digests' integer scores)
+  bool avx512vnni = false;  // fused int16 multiply-add-accumulate (the digests' scores again)
   bool fma = false;   // with avx2 (AVX-512 has its own fused multiply-add)
   bool f16c = false;  // fp16 <-> fp32 conversion (the near-memory attention's fp16 KV)
 

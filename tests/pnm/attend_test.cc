@@ -41,10 +41,12 @@ TEST(PnmAttend, EveryPageSelectedEqualsDenseAttentionInFp64) {
     g.head_dim = 16u << (rng() % 4);  // 16 .. 128
     g.page_tokens = std::vector<uint32_t>{1, 8, 16, 32}[rng() % 4];
     g.dtype = dtypes[trial % 3];
+    g.head_major = (trial / 3) % 2 == 1;  // both block formats for every dtype
     const uint64_t tokens = 1 + rng() % 700;
     const std::string what = "trial " + std::to_string(trial) + " kv " + std::to_string(g.num_kv_heads) + " group " +
                              std::to_string(group) + " dim " + std::to_string(g.head_dim) + " page " +
-                             std::to_string(g.page_tokens) + " tokens " + std::to_string(tokens);
+                             std::to_string(g.page_tokens) + " tokens " + std::to_string(tokens) +
+                             (g.head_major ? " head-major" : " token-major");
     TestContext c(g, tokens);
     c.FillNormal(rng);
     const auto q = testing::RandomQuery(g, rng, 2.0f);
@@ -70,8 +72,11 @@ TEST(PnmAttend, EveryPageSelectedEqualsDenseAttentionInFp64) {
 // each head's output equals attending to its list alone through the page-by-page path, bit for
 // bit, and lies within fp32 rounding of fp64 attention over exactly those pages.
 TEST(PnmAttend, PerHeadSelectionsEqualEachHeadsOwnPagesAttendedAlone) {
+  for (bool head_major : {false, true}) {
+  SCOPED_TRACE(head_major ? "head-major" : "token-major");
   std::mt19937_64 rng(31);
   Geometry g = testing::MakeGeometry(8, 4, 64, 16);
+  g.head_major = head_major;
   TestContext c(g, 16 * 64 - 3);
   c.FillNormal(rng);
   const auto q = testing::RandomQuery(g, rng, 2.0f);
@@ -115,6 +120,56 @@ TEST(PnmAttend, PerHeadSelectionsEqualEachHeadsOwnPagesAttendedAlone) {
       EXPECT_NEAR(got.lse[head], m + std::log(sum), 1e-4 * std::max(1.0, std::fabs(m)));
       for (uint32_t d = 0; d < g.head_dim; ++d) EXPECT_NEAR(got.out[head * g.head_dim + d], out[d] / sum, 1e-4);
     }
+  }
+  }
+}
+
+// The same KV in pool block format 2 (head-major) as in format 1 (token-major): the digests are
+// the same bytes, and dense attention, the selection and attention over it are bit for bit the
+// same, on every dtype, with a partial last page; the pages differ only in where rows sit.
+TEST(PnmAttend, HeadMajorPagesGiveTokenMajorsResultsBitForBit) {
+  for (KvDtype dtype : {KvDtype::kFp16, KvDtype::kBf16, KvDtype::kFp32}) {
+    SCOPED_TRACE(static_cast<int>(dtype));
+    Geometry token = testing::MakeGeometry(12, 3, 64, 16, dtype), head = token;
+    head.head_major = true;
+    const uint64_t tokens = 16 * 40 - 5;
+    TestContext a(token, tokens), b(head, tokens);
+    std::mt19937_64 rng(77);
+    std::normal_distribution<float> n(0.0f, 1.5f);
+    for (uint64_t t = 0; t < tokens; ++t) {
+      for (uint32_t h = 0; h < token.num_kv_heads; ++h) {
+        for (uint32_t d = 0; d < token.head_dim; ++d) {
+          const float k = n(rng), v = n(rng);
+          a.SetKey(t, h, d, k);
+          b.SetKey(t, h, d, k);
+          a.SetValue(t, h, d, v);
+          b.SetValue(t, h, d, v);
+        }
+      }
+    }
+    const auto da = a.Digests(), db = b.Digests();
+    ASSERT_FALSE(da.empty());
+    ASSERT_EQ(da, db);
+    const auto q = testing::RandomQuery(token, rng, 2.0f);
+    Partial dense_a, dense_b;
+    ASSERT_TRUE(Attend(token, q.data(), a.View(), nullptr, 0, &dense_a).ok());
+    ASSERT_TRUE(Attend(head, q.data(), b.View(), nullptr, 0, &dense_b).ok());
+    EXPECT_EQ(dense_a.out, dense_b.out);
+    EXPECT_EQ(dense_a.lse, dense_b.lse);
+    SelectOptions o;
+    o.budget_tokens = 16 * 6;
+    Selection sa, sb;
+    ASSERT_TRUE(SelectPages(token, q.data(), da.data(), tokens, o, &sa).ok());
+    ASSERT_TRUE(SelectPages(head, q.data(), db.data(), tokens, o, &sb).ok());
+    for (uint32_t h = 0; h < token.num_kv_heads; ++h) {
+      ASSERT_TRUE(std::ranges::equal(sa.Of(h), sb.Of(h))) << "KV head " << h;
+    }
+    Partial sparse_a, sparse_b;
+    ASSERT_TRUE(Attend(token, q.data(), a.View(), &sa, 0, &sparse_a).ok());
+    ASSERT_TRUE(Attend(head, q.data(), b.View(), &sb, 0, &sparse_b).ok());
+    EXPECT_EQ(sparse_a.out, sparse_b.out);
+    EXPECT_EQ(sparse_a.lse, sparse_b.lse);
+    EXPECT_NE(sparse_a.out, dense_a.out);  // the selection left pages out: a different output
   }
 }
 

@@ -19,7 +19,7 @@ using testing::TestContext;
 
 std::vector<const Kernels*> AvailableKernels() {
   std::vector<const Kernels*> out;
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Vnni}) {
     if (const Kernels* k = internal::ForIsa(isa)) out.push_back(k);
   }
   return out;
@@ -223,7 +223,10 @@ Geometry SmallGeometry(KvDtype dtype, uint32_t group = 4) { return testing::Make
 
 TEST(PnmDigest, GrowingAPartialPageRowByRowEqualsBuildingItAtOnce) {
   for (KvDtype dtype : {KvDtype::kFp16, KvDtype::kBf16, KvDtype::kFp32}) {
-    const Geometry g = SmallGeometry(dtype);
+  for (bool head_major : {false, true}) {
+    SCOPED_TRACE(std::to_string(static_cast<int>(dtype)) + (head_major ? " head-major" : " token-major"));
+    Geometry g = SmallGeometry(dtype);
+    g.head_major = head_major;
     std::mt19937_64 rng(11);
     TestContext c(g, 16 * 5 + 7);
     c.FillNormal(rng, 4.0f);
@@ -265,6 +268,7 @@ TEST(PnmDigest, GrowingAPartialPageRowByRowEqualsBuildingItAtOnce) {
         }
       }
     }
+  }
   }
 }
 

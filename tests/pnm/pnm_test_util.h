@@ -40,7 +40,7 @@ inline Geometry MakeGeometry(uint32_t num_heads, uint32_t num_kv_heads, uint32_t
   return g;
 }
 
-// A context's KV in pool block format: per page a K slab then a V slab.
+// A context's KV in pool block format 1 or 2 (g.head_major): per page a K slab then a V slab.
 class TestContext {
  public:
   TestContext(const Geometry& g, uint64_t tokens) : g_(g), tokens_(tokens) {
@@ -84,7 +84,10 @@ class TestContext {
   uint8_t* Slot(uint64_t t, uint32_t h, uint32_t d, int part) const {
     const uint64_t page = t / g_.page_tokens, row = t % g_.page_tokens;
     auto* base = static_cast<const uint8_t*>(part == 0 ? pages_[page].k : pages_[page].v);
-    return const_cast<uint8_t*>(base) + row * g_.RowBytes() + (uint64_t{h} * g_.head_dim + d) * g_.elem_bytes();
+    // Written out here, not through Geometry's strides, so the tests check those too.
+    const uint64_t element = g_.head_major ? (uint64_t{h} * g_.page_tokens + row) * g_.head_dim + d
+                                           : (row * g_.num_kv_heads + h) * g_.head_dim + d;
+    return const_cast<uint8_t*>(base) + element * g_.elem_bytes();
   }
   void Store(uint8_t* p, float x) {
     if (g_.dtype == KvDtype::kFp32) {
