@@ -82,17 +82,18 @@ class Selection {
   std::vector<uint32_t> ranked_;  // pages_ per head again, best first
   std::vector<uint64_t> begin_;
   std::vector<uint32_t> count_;
-  // Scratch kept between calls: per query head, a buffer of up to 2·cap (score, page), its
-  // fill, and the score a page must reach to enter it.
-  std::vector<std::pair<float, uint32_t>> kept_;
+  // Scratch kept between calls: per query head, a buffer of up to 2·cap (score, page) as one
+  // integer each (select.cc), its fill, and the score a page must reach to enter it.
+  std::vector<uint64_t> kept_;
   std::vector<uint32_t> kept_size_;
   std::vector<float> threshold_;
   std::vector<uint8_t> taken_;  // per page, while one KV head's union is taken
   std::vector<int16_t> query_;   // per query head, its int16 form (select.cc)
   std::vector<double> query_scale_;
   std::vector<int32_t> dots_;     // one page's integer scores, every query head
-  std::vector<double> above_;     // ... and values at or above their bounds (select.cc)
-  std::vector<double> threshold_d_;
+  // Per exponent and query head ([e + 128][head]), the least integer score whose bound reaches
+  // the head's threshold: the selection filter (select.cc).
+  std::vector<int32_t> pass_from_;
 };
 
 // The upper bound that SelectPages ranks by, for one query head (of KV head `kv_head`) and one

@@ -87,6 +87,94 @@ TEST(PnmSelect, ForcedPagesPlusExactlyTheBestScoresUnderTheBudget) {
   EXPECT_EQ(SelectPages(g, q.data(), digests.data(), 0, o, &sel).code(), StatusCode::kInvalidArgument);
 }
 
+// What SelectPages must return for KV head h, from PageScoreBound alone: the forced pages, then
+// each query head's pages ranked by (bound, page) best first, taken rank by rank across the
+// group until the budget is spent. Sorted, as Selection::Of gives them.
+std::vector<uint32_t> ReferenceSelection(const Geometry& g, const float* q, const uint8_t* digests, uint64_t pages,
+                                         const SelectOptions& o, uint32_t h) {
+  const uint64_t wanted = std::max<uint64_t>(o.budget_tokens / g.page_tokens, 1);
+  const uint64_t sinks = std::min<uint64_t>(o.sink_pages, pages);
+  const uint64_t recent_from = pages - std::min<uint64_t>(o.recent_pages, pages - sinks);
+  const uint64_t forced = sinks + (pages - recent_from);
+  std::vector<uint32_t> out;
+  if (wanted >= pages || forced >= pages) {
+    for (uint64_t p = 0; p < pages; ++p) out.push_back(static_cast<uint32_t>(p));
+    return out;
+  }
+  const uint64_t cap = wanted > forced ? wanted - forced : 0;
+  std::vector<std::vector<uint32_t>> ranked(g.group());
+  for (uint32_t i = 0; i < g.group(); ++i) {
+    std::vector<std::pair<float, uint32_t>> scored;
+    for (uint64_t p = sinks; p < recent_from; ++p) {
+      const float b = PageScoreBound(g, q + (uint64_t{h} * g.group() + i) * g.head_dim, PageDigest(g, digests, p), h);
+      scored.push_back({b, static_cast<uint32_t>(p)});
+    }
+    std::sort(scored.rbegin(), scored.rend());  // best first; on a tie the later page
+    for (const auto& sp : scored) ranked[i].push_back(sp.second);
+  }
+  std::set<uint32_t> chosen;
+  for (uint64_t rank = 0; rank < pages && chosen.size() < cap; ++rank) {
+    for (uint32_t i = 0; i < g.group() && chosen.size() < cap; ++i) {
+      if (rank < ranked[i].size()) chosen.insert(ranked[i][rank]);
+    }
+  }
+  for (uint64_t p = 0; p < sinks; ++p) out.push_back(static_cast<uint32_t>(p));
+  out.insert(out.end(), chosen.begin(), chosen.end());
+  for (uint64_t p = recent_from; p < pages; ++p) out.push_back(static_cast<uint32_t>(p));
+  return out;
+}
+
+// Random shapes, GQA ratios, budgets and both block formats, with what stresses selection's
+// integer filter and its buffers: pages that repeat another page's digest (ties), empty pages
+// (−inf), pages with a NaN key (+inf), a query head of zeros, one with an ∞ component, and
+// queries scaled from 1e-3 to 1e3. SelectPages equals the reference built from PageScoreBound.
+TEST(PnmSelect, EqualsTheReferenceOverRandomShapesTiesAndSpecialPages) {
+  std::mt19937_64 rng(4242);
+  for (int trial = 0; trial < 40; ++trial) {
+    Geometry g;
+    g.num_kv_heads = 1 + static_cast<uint32_t>(rng() % 4);
+    g.num_heads = g.num_kv_heads * (uint32_t{1} << (rng() % 4));
+    g.head_dim = 16u << (rng() % 4);
+    g.page_tokens = std::vector<uint32_t>{1, 4, 16}[rng() % 3];
+    g.dtype = trial % 2 == 0 ? KvDtype::kFp16 : KvDtype::kBf16;
+    g.head_major = trial % 3 == 0;
+    const uint64_t tokens = 1 + rng() % 6000;
+    const uint64_t pages = g.PagesFor(tokens);
+    const std::string what = "trial " + std::to_string(trial);
+    TestContext c(g, tokens);
+    c.FillNormal(rng, trial % 4 == 0 ? 0.01f : 2.0f);
+    auto digests = c.Digests();
+    ASSERT_FALSE(digests.empty()) << what;
+    const uint64_t page_bytes = DigestBytesPerPage(g);
+    for (uint64_t p = 2; p < pages; p += 3) {  // ties: a copy of an earlier page's digest
+      std::copy_n(digests.begin() + static_cast<std::ptrdiff_t>((p - 2) * page_bytes), page_bytes,
+                  digests.begin() + static_cast<std::ptrdiff_t>(p * page_bytes));
+    }
+    if (pages > 7) ClearPageDigest(g, digests.data() + 7 * page_bytes);  // empty: never chosen by score
+    if (pages > 11) {  // a NaN key in page 11's first head: unbounded, always chosen
+      c.SetKey(11 * g.page_tokens, 0, 0, std::nanf(""));
+      ExtendPageDigest(g, c.View().pages[11], 0, 1, digests.data() + 11 * page_bytes);
+    }
+    auto q = testing::RandomQuery(g, rng, std::pow(10.0f, static_cast<float>(rng() % 7) - 3.0f));
+    if (trial % 5 == 1) std::fill_n(q.begin(), g.head_dim, 0.0f);
+    if (trial % 7 == 2) q[g.head_dim * (g.num_heads - 1)] = std::numeric_limits<float>::infinity();
+    SelectOptions o;
+    // Mostly budgets far below the context, so each head's buffer fills and the filter runs
+    // against a real threshold for most of the scan.
+    const uint64_t most = std::max<uint64_t>(trial % 4 == 3 ? pages / 3 : pages / 40, 1);
+    o.budget_tokens = static_cast<uint32_t>(g.page_tokens * (1 + rng() % most));
+    o.sink_pages = static_cast<uint32_t>(rng() % 3);
+    o.recent_pages = static_cast<uint32_t>(rng() % 3);
+    Selection sel;
+    ASSERT_TRUE(SelectPages(g, q.data(), digests.data(), tokens, o, &sel).ok()) << what;
+    for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
+      const auto want = ReferenceSelection(g, q.data(), digests.data(), pages, o, h);
+      const auto got = sel.Of(h);
+      ASSERT_EQ(std::vector<uint32_t>(got.begin(), got.end()), want) << what << " KV head " << h;
+    }
+  }
+}
+
 // A needle key whose logit beats the largest bound any noise page can reach by `margin`, for one
 // query head of a GQA group; the group's other heads are unrelated. At budgets of 256 tokens and
 // more its page is selected, every time.
