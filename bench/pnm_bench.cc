@@ -18,7 +18,7 @@
 //   step_ms/CTX/dense/head_major, step_ms/CTX/1_32/head_major, speedup/CTX/1_32/head_major
 //                         the same on pool block format 2 (head-major pages, what an HND engine
 //                         writes: include/cxlkv/layout.h), each vs its format-1 figure; the
-//                         speedup is against dense on format 2.
+//                         speedup is against dense on format 1 (the faster dense step here).
 //   link_KiB/CTX/B        bytes crossing the link per step when attention runs near memory
 //                         (query + output + LSE, fp32) vs recalling the selected pages to the
 //                         engine (selected KV bytes).
@@ -472,8 +472,10 @@ Result<nlohmann::json> RunPnmBench(const BenchOptions& options) {
       auto h = RunCase(H, {static_cast<uint32_t>(c.tokens / 32)}, reps, *c.q);
       if (!h.ok()) return h.status();
       const std::string tag = c.name + "/1_32/head_major";
+      // Against dense on format 1, the faster of the two dense steps on this VM (format 2's
+      // dense step is about 10% slower), so the format's gain is not its dense step's loss.
       std::vector<double> speedup;
-      for (size_t i = 0; i < h->dense_ms.size(); ++i) speedup.push_back(h->dense_ms[i] / h->sparse_ms[0][i]);
+      for (size_t i = 0; i < h->sparse_ms[0].size(); ++i) speedup.push_back(r->dense_ms[i] / h->sparse_ms[0][i]);
       const double limit = dense_bytes / (h->selected_bytes[0] + digest_bytes);
       results.push_back(FigureJson({"step_ms/" + c.name + "/dense/head_major", "ms", false, h->dense_ms, "step_ms/" + c.name + "/dense",
                                     r->dense_ms, "Attend over every page of format-2 (head-major) pages vs format 1"}));
@@ -481,7 +483,7 @@ Result<nlohmann::json> RunPnmBench(const BenchOptions& options) {
                                     r->sparse_ms[1], "SelectPages + Attend, format-2 pages vs format 1"}));
       const char* goal = c.tokens == (32ull << 10) ? "; goal >=6x" : c.tokens == (128ull << 10) ? "; goal >=8x" : "; goal >=12x";
       results.push_back(FigureJson({"speedup/" + tag, "x", true, speedup, "byte_limit/" + tag, {limit},
-                                    std::string("format 2: dense/sparse step time vs the byte-count limit") + goal}));
+                                    std::string("dense (format 1) / sparse (format 2) step time vs the byte-count limit") + goal}));
     }
     if (c.name == "128K" || (options.quick && c.name == "32K")) {
       auto e = RunEngines(L, reps, *c.q);

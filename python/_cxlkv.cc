@@ -362,7 +362,8 @@ PYBIND11_MODULE(_cxlkv, m) {
 
   py::class_<KvLayoutSignature>(m, "_Layout")
       .def(py::init([](uint32_t dtype, uint32_t layers, uint32_t heads, uint32_t head_size, uint32_t block_size,
-                       uint32_t tp_rank, uint32_t tp_size, uint32_t pp_stage, uint32_t kv_parts) {
+                       uint32_t tp_rank, uint32_t tp_size, uint32_t pp_stage, uint32_t kv_parts,
+                       uint32_t block_format) {
              if (dtype > static_cast<uint32_t>(KvDtype::kFp32)) Raise(InvalidArgument("dtype code out of range"));
              KvLayoutSignature s;
              s.dtype = static_cast<KvDtype>(dtype);
@@ -374,10 +375,12 @@ PYBIND11_MODULE(_cxlkv, m) {
              s.tp_size = tp_size;
              s.pp_stage = pp_stage;
              s.kv_parts = kv_parts;
+             s.block_format = block_format;  // checked where the namespace is registered
              return s;
            }),
            py::arg("dtype"), py::arg("num_layers"), py::arg("num_kv_heads"), py::arg("head_size"),
-           py::arg("block_size"), py::arg("tp_rank"), py::arg("tp_size"), py::arg("pp_stage"), py::arg("kv_parts"))
+           py::arg("block_size"), py::arg("tp_rank"), py::arg("tp_size"), py::arg("pp_stage"), py::arg("kv_parts"),
+           py::arg("block_format") = kPoolBlockFormat)
       .def_property_readonly("block_bytes", &KvLayoutSignature::BlockBytes);
 
   py::class_<PyNamespace>(m, "_Namespace")
@@ -494,7 +497,7 @@ PYBIND11_MODULE(_cxlkv, m) {
               uint32_t block_size, uint32_t heads, uint32_t head_size, uint32_t latent_dim, uint32_t tp_rank,
               uint32_t tp_size, uint32_t pp_stage, const std::vector<uintptr_t>& layers, uint32_t threads,
               int cuda_device) {
-             if (kind > static_cast<uint32_t>(EngineLayoutKind::kMla) || dtype > 3) {
+             if (kind > static_cast<uint32_t>(EngineLayoutKind::kFlashInferHnd) || dtype > 3) {
                Raise(InvalidArgument("layout kind or dtype code out of range"));
              }
              EngineKvLayout l;

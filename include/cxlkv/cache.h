@@ -48,6 +48,12 @@ uint32_t DtypeBytes(KvDtype dtype);
 
 // What a block of KV is, as the engine computes it. Two engines share blocks only when every
 // field is equal (and the model id and extra key are).
+//
+// Pool block formats (include/cxlkv/layout.h describes them): 1 keeps each (layer, K or V) slab
+// token-major, [block_size][heads][head_size]; 2 keeps it head-major, [heads][block_size][head_size].
+inline constexpr uint32_t kPoolBlockFormat = 1;
+inline constexpr uint32_t kPoolBlockFormatHeadMajor = 2;
+
 struct KvLayoutSignature {
   KvDtype dtype = KvDtype::kFp16;
   uint32_t num_layers = 0;
@@ -58,7 +64,7 @@ struct KvLayoutSignature {
   uint32_t tp_size = 1;
   uint32_t pp_stage = 0;
   uint32_t kv_parts = 2;          // 2: K and V; 1: one latent (MLA)
-  uint32_t block_format = 1;      // pool-side block layout version (cxlkv's, see docs)
+  uint32_t block_format = kPoolBlockFormat;  // pool-side block layout: 1 or 2 (above)
 
   // Bytes of one block: parts × layers × tokens × heads × head size × dtype. 0 when the
   // layout is unspecified (num_layers == 0): blocks of any size are accepted.

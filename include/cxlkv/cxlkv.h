@@ -158,6 +158,8 @@ cxlkv_status cxlkv_evict_all(cxlkv_pool* pool, uint64_t* evicted);
  *   kind 0  vLLM FlashAttention, per layer [2, num_blocks, block_size, num_kv_heads, head_size]
  *   kind 1  FlashInfer,          per layer [num_blocks, 2, block_size, num_kv_heads, head_size]
  *   kind 2  MLA latent,          per layer [num_blocks, block_size, latent_dim]
+ *   kind 3  FlashInfer HND,      per layer [num_blocks, 2, num_kv_heads, block_size, head_size]
+ *           (pool block format 2: its namespace's cxlkv_layout has block_format 2)
  * dtype as in cxlkv_layout. num_kv_heads is this tensor-parallel rank's slice. */
 typedef struct {
   uint32_t kind, dtype, num_blocks, block_size, num_kv_heads, head_size, latent_dim;

@@ -4,6 +4,7 @@
 //   kFlashAttn   vLLM FlashAttention, one tensor per layer: [2, num_blocks, block_size, heads, head_size]
 //   kFlashInfer  FlashInfer-style, one tensor per layer:   [num_blocks, 2, block_size, heads, head_size]
 //   kMla         MLA latent, one tensor per layer:         [num_blocks, block_size, latent_dim]
+//   kFlashInferHnd  FlashInfer's HND order, one per layer: [num_blocks, 2, heads, block_size, head_size]
 //
 // Layers are separate allocations in engines: one base pointer per layer. `num_kv_heads` is the
 // heads of this tensor-parallel rank's slice (what its tensors hold).
@@ -12,6 +13,12 @@
 // layer-major, and within a layer K then V, each [block_size, heads, head_size] — so one layer
 // of a block is contiguous (layer-wise loads read one range). MLA: per layer
 // [block_size, latent_dim]. A piece = one (layer, part) slab, contiguous on both sides.
+//
+// Pool block format 2, what an HND engine (kFlashInferHnd) writes: the same, with each slab
+// [heads, block_size, head_size] — a KV head's rows of a block contiguous, which is what
+// near-memory sparse attention reads per head (docs/pnm.md). Pieces stay contiguous on both
+// sides, so transfers copy them as they are. The format is in the namespace's signature: an NHD
+// and an HND engine of one model never share a key, and a block is never read in the other order.
 #ifndef CXLKV_LAYOUT_H_
 #define CXLKV_LAYOUT_H_
 
@@ -24,9 +31,8 @@
 
 namespace cxlkv {
 
-enum class EngineLayoutKind : uint32_t { kFlashAttn = 0, kFlashInfer = 1, kMla = 2 };
+enum class EngineLayoutKind : uint32_t { kFlashAttn = 0, kFlashInfer = 1, kMla = 2, kFlashInferHnd = 3 };
 
-inline constexpr uint32_t kPoolBlockFormat = 1;
 
 struct EngineKvLayout {
   EngineLayoutKind kind = EngineLayoutKind::kFlashAttn;
@@ -43,6 +49,10 @@ struct EngineKvLayout {
 
   uint32_t num_layers() const { return static_cast<uint32_t>(layers.size()); }
   uint32_t parts() const { return kind == EngineLayoutKind::kMla ? 1 : 2; }
+  // The pool block format this layout's pieces are in (2 for kFlashInferHnd, else 1).
+  uint32_t PoolBlockFormat() const {
+    return kind == EngineLayoutKind::kFlashInferHnd ? kPoolBlockFormatHeadMajor : kPoolBlockFormat;
+  }
   // Bytes of one (layer, part) piece of one block.
   uint64_t PieceBytes() const;
   uint64_t PoolBlockBytes() const { return PieceBytes() * parts() * num_layers(); }

@@ -16,6 +16,8 @@ LAYOUTS = {
     "flash_attn": 0,  # vLLM FlashAttention: [2, num_blocks, block_size, num_kv_heads, head_size]
     "flashinfer": 1,  # FlashInfer NHD:      [num_blocks, 2, block_size, num_kv_heads, head_size]
     "mla": 2,         # MLA latent:          [num_blocks, block_size, latent_dim]
+    "flashinfer_hnd": 3,  # FlashInfer HND:  [num_blocks, 2, num_kv_heads, block_size, head_size]
+                          # (pool block format 2: its namespace needs head_major=True)
 }
 
 
@@ -82,7 +84,8 @@ class Namespace:
     under two TP ranks names two different blocks."""
 
     def __init__(self, native: Any, model_id: str, extra_key: str, dtype: int, num_layers: int, num_kv_heads: int,
-                 head_size: int, block_size: int, tp_rank: int, tp_size: int, pp_stage: int, kv_parts: int):
+                 head_size: int, block_size: int, tp_rank: int, tp_size: int, pp_stage: int, kv_parts: int,
+                 head_major: bool = False):
         self._native = native
         self.model_id = model_id
         self.extra_key = extra_key
@@ -94,6 +97,7 @@ class Namespace:
         self.block_size = block_size
         self.tp_rank, self.tp_size, self.pp_stage = tp_rank, tp_size, pp_stage
         self.kv_parts = kv_parts
+        self.head_major = head_major  # pool block format 2
 
     @property
     def id(self) -> int:
@@ -116,7 +120,7 @@ class Namespace:
     def __repr__(self) -> str:
         return (f"Namespace({self.model_id!r}, id={self.id}, {self.dtype}, layers={self.num_layers}, "
                 f"kv_heads={self.num_kv_heads}, head_size={self.head_size}, block_size={self.block_size}, "
-                f"tp={self.tp_rank}/{self.tp_size}, pp={self.pp_stage})")
+                f"tp={self.tp_rank}/{self.tp_size}, pp={self.pp_stage}{', head-major' if self.head_major else ''})")
 
 
 class KvLoad:
@@ -234,10 +238,13 @@ class Pool:
 
     def namespace(self, model_id: str, *, dtype: Any, num_layers: int = 0, num_kv_heads: int = 0, head_size: int = 0,
                   block_size: int = 16, tp_rank: int = 0, tp_size: int = 1, pp_stage: int = 0, mla: bool = False,
-                  extra_key: str = "") -> Namespace:
+                  extra_key: str = "", head_major: bool = False) -> Namespace:
         """Registers (or finds) a model's KV layout. For MLA pass ``mla=True`` and the latent dim as
         ``head_size`` with ``num_kv_heads=1`` (the latent is the same on every TP rank, so the
-        rank is left out of the namespace). With ``num_layers=0`` the block size is left open:
+        rank is left out of the namespace). ``head_major=True`` keeps blocks in pool block format 2
+        (each KV head's rows of a block contiguous), for engines registered with layout
+        ``flashinfer_hnd``; it is part of the namespace, so such blocks are never shared with a
+        token-major engine's. With ``num_layers=0`` the block size is left open:
         whole blocks of any one size (opaque pages, as SGLang's HiCache stores them). Raises
         VersionMismatchError when the model id is
         registered with another layout."""
@@ -246,10 +253,10 @@ class Pool:
             num_kv_heads, tp_rank, tp_size = 1, 0, 1
         kv_parts = 1 if mla else 2
         sig = _cxlkv._Layout(code, num_layers, num_kv_heads, head_size, block_size, tp_rank, tp_size, pp_stage,
-                             kv_parts)
+                             kv_parts, 2 if head_major else 1)
         native = self._native.namespace(model_id, extra_key, sig)
         return Namespace(native, model_id, extra_key, code, num_layers, num_kv_heads, head_size, block_size, tp_rank,
-                         tp_size, pp_stage, kv_parts)
+                         tp_size, pp_stage, kv_parts, head_major)
 
     def exists_prefix(self, ns: Namespace, keys: Any) -> int:
         """How many leading keys the pool holds, without pinning anything (a scheduler's question)."""
@@ -294,6 +301,10 @@ class Pool:
         if (kind == LAYOUTS["mla"]) != (ns.kv_parts == 1):
             raise _cxlkv.InvalidArgumentError(
                 f"layout {layout!r} does not fit {ns!r}: MLA tensors need a namespace made with mla=True")
+        if (kind == LAYOUTS["flashinfer_hnd"]) != ns.head_major:
+            raise _cxlkv.InvalidArgumentError(
+                f"layout {layout!r} does not fit {ns!r}: HND tensors (flashinfer_hnd), and only they, need a "
+                f"namespace made with head_major=True")
         if len(kv_caches) != ns.num_layers:
             raise _cxlkv.InvalidArgumentError(
                 f"{len(kv_caches)} layer tensors for a namespace of {ns.num_layers} layers")
@@ -312,6 +323,8 @@ class Pool:
             expect = (num_blocks, *expect_tail)
         else:
             expect_tail = (ns.block_size, ns.num_kv_heads, ns.head_size)
+            if kind == LAYOUTS["flashinfer_hnd"]:
+                expect_tail = (ns.num_kv_heads, ns.block_size, ns.head_size)
             num_blocks = (first[1] if kind == LAYOUTS["flash_attn"] else first[0]) if len(first) == 5 else -1
             expect = (2, num_blocks, *expect_tail) if kind == LAYOUTS["flash_attn"] else (num_blocks, 2, *expect_tail)
         for i, d in enumerate(descs):

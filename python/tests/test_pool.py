@@ -26,6 +26,8 @@ def layer_shape(layout, blocks, block_size, heads, head_size):
         return (2, blocks, block_size, heads, head_size)
     if layout == "flashinfer":
         return (blocks, 2, block_size, heads, head_size)
+    if layout == "flashinfer_hnd":
+        return (blocks, 2, heads, block_size, head_size)
     return (blocks, block_size, head_size)
 
 
@@ -40,13 +42,13 @@ def engine_block(tensors, layout, block):
     return [p.clone() for p in parts]
 
 
-@pytest.mark.parametrize("layout", ["flash_attn", "flashinfer", "mla"])
+@pytest.mark.parametrize("layout", ["flash_attn", "flashinfer", "mla", "flashinfer_hnd"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_registered_tensors_round_trip_between_two_engines(pool, layout, dtype):
     layers, blocks, block_size, heads, head_size = 3, 8, 4, 2, 32
     mla = layout == "mla"
     ns = pool.namespace(f"m-{layout}-{dtype}", dtype=dtype, num_layers=layers, num_kv_heads=heads,
-                        head_size=head_size, block_size=block_size, mla=mla)
+                        head_size=head_size, block_size=block_size, mla=mla, head_major=layout == "flashinfer_hnd")
     shape = layer_shape(layout, blocks, block_size, 1 if mla else heads, head_size)
     prefill = [random_tensor(shape, dtype, 10 + l) for l in range(layers)]
     decode = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
@@ -62,6 +64,30 @@ def test_registered_tensors_round_trip_between_two_engines(pool, layout, dtype):
         for a, b in zip(engine_block(prefill, layout, s), engine_block(decode, layout, d)):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert src.put_many(keys, src_ids) == cxlkv.PutResult(written=0, skipped=5)
+
+
+def test_hnd_tensors_need_a_head_major_namespace_and_keep_their_blocks_apart(pool):
+    layers, blocks, block_size, heads, head_size = 2, 4, 4, 2, 32
+    nhd = pool.namespace("m-hnd", dtype=torch.float16, num_layers=layers, num_kv_heads=heads, head_size=head_size,
+                         block_size=block_size)
+    hnd_tensors = [random_tensor(layer_shape("flashinfer_hnd", blocks, block_size, heads, head_size), torch.float16, l)
+                   for l in range(layers)]
+    with pytest.raises(cxlkv.InvalidArgumentError, match="head_major=True"):
+        pool.register_kv_caches(nhd, hnd_tensors, layout="flashinfer_hnd")
+    with pytest.raises(cxlkv.VersionMismatchError, match="format=2"):  # the model is registered token-major
+        pool.namespace("m-hnd", dtype=torch.float16, num_layers=layers, num_kv_heads=heads, head_size=head_size,
+                       block_size=block_size, head_major=True)
+    hnd = pool.namespace("m-hnd", dtype=torch.float16, num_layers=layers, num_kv_heads=heads, head_size=head_size,
+                         block_size=block_size, head_major=True, extra_key="hnd")
+    assert hnd.head_major and "head-major" in repr(hnd)
+    with pytest.raises(cxlkv.InvalidArgumentError, match="head_major=True"):
+        pool.register_kv_caches(hnd, [torch.zeros(layer_shape("flashinfer", blocks, block_size, heads, head_size),
+                                                  dtype=torch.float16)] * layers, layout="flashinfer")
+    store = pool.register_kv_caches(hnd, hnd_tensors, layout="flashinfer_hnd")
+    tokens = list(range(2 * block_size))
+    keys = hnd.chain_keys(tokens)
+    assert store.put_many(keys, [3, 1]).written == 2
+    assert pool.exists_prefix(nhd, nhd.chain_keys(tokens)) == 0  # another namespace: never read token-major
 
 
 def test_exists_prefix_follows_puts_and_get_stops_at_the_first_miss(pool):

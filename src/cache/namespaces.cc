@@ -64,6 +64,13 @@ Status ValidateNamespace(const KeyNamespace& ns) {
   if (l.num_layers != 0 && (l.num_kv_heads == 0 || l.head_size == 0 || (l.kv_parts != 1 && l.kv_parts != 2))) {
     return InvalidArgument("a KV layout with layers needs kv heads, a head size and 1 or 2 parts");
   }
+  if (l.block_format != kPoolBlockFormat && l.block_format != kPoolBlockFormatHeadMajor) {
+    return InvalidArgument("pool block format " + std::to_string(l.block_format) +
+                           " is not one this build knows (1: token-major, 2: head-major)");
+  }
+  if (l.block_format == kPoolBlockFormatHeadMajor && l.kv_parts != 2) {
+    return InvalidArgument("pool block format 2 (head-major) is for K and V heads; an MLA latent has format 1");
+  }
   return Status::Ok();
 }
 

@@ -95,10 +95,10 @@ cxlkv_status Finish(cxlkv::KvCache& cache, cxlkv::Status (cxlkv::KvCache::*op)(c
 
 // The enum codes of a C engine layout, checked before they are cast to the C++ enums.
 cxlkv::Status CheckLayoutCodes(const cxlkv_engine_layout& c) {
-  if (c.kind > static_cast<uint32_t>(cxlkv::EngineLayoutKind::kMla) ||
+  if (c.kind > static_cast<uint32_t>(cxlkv::EngineLayoutKind::kFlashInferHnd) ||
       c.dtype > static_cast<uint32_t>(cxlkv::KvDtype::kFp32)) {
     return cxlkv::InvalidArgument("register KV buffers: layout kind " + std::to_string(c.kind) + " / dtype " +
-                                  std::to_string(c.dtype) + " unknown (kind 0..2, dtype 0..3)");
+                                  std::to_string(c.dtype) + " unknown (kind 0..3, dtype 0..3)");
   }
   return cxlkv::Status::Ok();
 }

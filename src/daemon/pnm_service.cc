@@ -173,10 +173,10 @@ NearMemoryServiceStats NearMemoryService::stats() const {
 Result<size_t> NearMemoryService::Open(const rpc::Request& req, std::span<uint8_t> out) {
   CXLKV_ASSIGN_OR_RETURN(pnm::OpenRequest r, pnm::DecodeOpen(req.payload));
   const KvLayoutSignature& l = r.ns.layout;
-  if (l.kv_parts != 2 || l.block_format != kPoolBlockFormat) {
-    return InvalidArgument("near-memory attention reads pool block format " + std::to_string(kPoolBlockFormat) +
-                           " with K and V parts; this namespace has format " + std::to_string(l.block_format) +
-                           " with " + std::to_string(l.kv_parts) + " part(s) (MLA is not supported)");
+  if (l.kv_parts != 2 || (l.block_format != kPoolBlockFormat && l.block_format != kPoolBlockFormatHeadMajor)) {
+    return InvalidArgument("near-memory attention reads pool block formats 1 and 2 with K and V parts; this "
+                           "namespace has format " + std::to_string(l.block_format) + " with " +
+                           std::to_string(l.kv_parts) + " part(s) (MLA is not supported)");
   }
   if (l.num_layers == 0 || l.num_kv_heads == 0 || l.num_layers > 4096) {
     return InvalidArgument("a context needs a namespace whose layout names 1..4096 layers and its KV heads");
@@ -186,6 +186,7 @@ Result<size_t> NearMemoryService::Open(const rpc::Request& req, std::span<uint8_
                            " and a multiple of the layout's " + std::to_string(l.num_kv_heads) + " KV heads");
   }
   pnm::Geometry g{r.num_heads, l.num_kv_heads, l.head_size, l.block_size, l.dtype};
+  g.head_major = l.block_format == kPoolBlockFormatHeadMajor;
   CXLKV_RETURN_IF_ERROR(g.Validate());
   const auto& area = req.server->area();  // (server_ may not be assigned yet: Start is still returning)
   if (4 + pnm::AttendJobRequestBytes(size_t{g.num_heads} * g.head_dim) > area.request_capacity() ||

@@ -13,7 +13,8 @@ uint8_t* EngineKvLayout::EnginePiece(uint32_t layer, uint32_t part, uint32_t blo
   uint64_t index = 0;
   switch (kind) {
     case EngineLayoutKind::kFlashAttn: index = uint64_t{part} * num_blocks + block; break;  // [2, nb, ...]
-    case EngineLayoutKind::kFlashInfer: index = uint64_t{block} * 2 + part; break;         // [nb, 2, ...]
+    case EngineLayoutKind::kFlashInfer:                                                    // [nb, 2, ...]
+    case EngineLayoutKind::kFlashInferHnd: index = uint64_t{block} * 2 + part; break;
     case EngineLayoutKind::kMla: index = block; break;                                     // [nb, ...]
   }
   return layers[layer] + index * slab;
@@ -26,7 +27,7 @@ KvLayoutSignature EngineKvLayout::Signature() const {
   s.block_size = block_size;
   s.pp_stage = pp_stage;
   s.kv_parts = parts();
-  s.block_format = kPoolBlockFormat;
+  s.block_format = PoolBlockFormat();
   if (kind == EngineLayoutKind::kMla) {
     // One latent per token, the same on every rank: no rank in the signature.
     s.num_kv_heads = 1;
@@ -43,6 +44,9 @@ KvLayoutSignature EngineKvLayout::Signature() const {
 }
 
 Status EngineKvLayout::Validate() const {
+  if (static_cast<uint32_t>(kind) > static_cast<uint32_t>(EngineLayoutKind::kFlashInferHnd)) {
+    return InvalidArgument("KV layout: unknown kind " + std::to_string(static_cast<uint32_t>(kind)));
+  }
   if (layers.empty()) return InvalidArgument("KV layout has no layers");
   for (size_t l = 0; l < layers.size(); ++l) {
     if (layers[l] == nullptr) return InvalidArgument("KV layout: layer " + std::to_string(l) + " has a null base pointer");

@@ -221,7 +221,10 @@ Status CpuTransfer::SparseRead(const EngineKvLayout& layout, std::span<const Blo
       for (size_t i = 0; i < tokens.size(); ++i) {
         const uint32_t t = tokens[i];
         const uint8_t* block = cache_.PayloadPtr(pins[t / layout.block_size]);
-        const uint64_t row = (uint64_t{t % layout.block_size} * heads + h) * head_bytes;
+        const uint64_t row = (layout.PoolBlockFormat() == kPoolBlockFormatHeadMajor
+                                  ? uint64_t{h} * layout.block_size + t % layout.block_size
+                                  : uint64_t{t % layout.block_size} * heads + h) *
+                             head_bytes;
         const uint64_t out = (uint64_t{h} * dst.capacity + i) * head_bytes;
         pieces_.push_back({dst.k[l] + out, block + layout.PoolPieceOffset(l, 0) + row, head_bytes});
         pieces_.push_back({dst.v[l] + out, block + layout.PoolPieceOffset(l, 1) + row, head_bytes});

@@ -77,8 +77,7 @@ std::vector<float> Query(uint32_t seed) {
 
 // The same attention computed here, over the same pool bytes.
 pnm::Partial LocalAttention(KvCache& cache, const NamespaceHandle& ns, std::span<const BlockKey> keys, uint32_t layer,
-                            const std::vector<float>& q, uint32_t budget) {
-  const pnm::Geometry g = TestGeometry();
+                            const std::vector<float>& q, uint32_t budget, const pnm::Geometry& g = TestGeometry()) {
   auto hit = cache.Lookup(ns, keys);
   EXPECT_TRUE(hit.ok() && hit->hit_blocks == keys.size());
   std::vector<pnm::PageKv> views;
@@ -201,6 +200,37 @@ TEST(NearMemoryService, AttentionAtTheDaemonEqualsLocalAttentionBitForBit) {
   EXPECT_EQ(t.service->stats().pages_pinned, 0u);
   EXPECT_EQ(*t.cache->Evict(t.ns, keys), 96u);
   EXPECT_EQ(t.service->stats().contexts_open, 0u);
+}
+
+// A namespace in pool block format 2 (an HND engine's blocks) is attended in its own order:
+// bit for bit what local attention gives reading the pages head-major, and not what reading the
+// same bytes token-major gives.
+TEST(NearMemoryService, AHeadMajorNamespaceIsAttendedInItsOwnOrder) {
+  InProcess t;
+  ASSERT_NE(t.service, nullptr);
+  KeyNamespace hnd = TestNamespace();
+  hnd.extra_key = "hnd";
+  hnd.layout.block_format = kPoolBlockFormatHeadMajor;
+  auto ns = t.cache->Namespace(hnd);
+  ASSERT_TRUE(ns.ok()) << ns.status().ToString();
+  const auto keys = PutContext(*t.cache, *ns, 48, 5);
+  auto client = Client::Open(*t.pool, 0);
+  ASSERT_TRUE(client.ok());
+  auto ctx = (*client)->OpenContext(hnd, kHeads, keys);
+  ASSERT_TRUE(ctx.ok()) << ctx.status().ToString();
+  pnm::Geometry head_major = TestGeometry();
+  head_major.head_major = true;
+  for (uint32_t budget : {0u, 128u}) {
+    SCOPED_TRACE(budget);
+    const auto q = Query(77 + budget);
+    pnm::Partial out;
+    Client::Job j = MakeJob(ctx->context, 1, q.data(), budget, &out);
+    ASSERT_TRUE((*client)->Attend({&j, 1}).ok());
+    ASSERT_TRUE(j.status.ok()) << j.status.ToString();
+    EXPECT_TRUE(SameBits(out, LocalAttention(*t.cache, *ns, keys, 1, q, budget, head_major)));
+    EXPECT_FALSE(SameBits(out, LocalAttention(*t.cache, *ns, keys, 1, q, budget)));
+  }
+  ASSERT_TRUE((*client)->Close(std::vector<uint64_t>{ctx->context}).ok());
 }
 
 TEST(NearMemoryService, BadRequestsGetTheirReasonAndChangeNothing) {

@@ -46,7 +46,8 @@ std::unique_ptr<EngineKvStore> Register(Fixture& f, const NamespaceHandle& ns, c
 TEST(EngineKvStore, RoundTripsEveryLayoutAndDtypeBetweenTwoEngines) {
   Fixture f("kvs-all");
   int n = 0;
-  for (auto kind : {EngineLayoutKind::kFlashAttn, EngineLayoutKind::kFlashInfer, EngineLayoutKind::kMla}) {
+  for (auto kind : {EngineLayoutKind::kFlashAttn, EngineLayoutKind::kFlashInfer, EngineLayoutKind::kMla,
+                    EngineLayoutKind::kFlashInferHnd}) {
     for (auto dtype : {KvDtype::kFp16, KvDtype::kBf16, KvDtype::kFp8, KvDtype::kFp32}) {
       SCOPED_TRACE(std::to_string(static_cast<int>(kind)) + "/" + std::to_string(static_cast<int>(dtype)));
       auto shape = Shape(kind, dtype, 3, 8, 2, 64);

@@ -52,7 +52,8 @@ void RoundTrip(Fixture& f, const EngineKvLayout& shape, uint32_t threads, uint64
 TEST(Transfer, RoundTripsEveryLayoutDtypeAndTpSlice) {
   Fixture f("xfer-all");
   int n = 0;
-  for (auto kind : {EngineLayoutKind::kFlashAttn, EngineLayoutKind::kFlashInfer, EngineLayoutKind::kMla}) {
+  for (auto kind : {EngineLayoutKind::kFlashAttn, EngineLayoutKind::kFlashInfer, EngineLayoutKind::kMla,
+                    EngineLayoutKind::kFlashInferHnd}) {
     for (auto dtype : {KvDtype::kFp16, KvDtype::kBf16, KvDtype::kFp8, KvDtype::kFp32}) {
       for (uint32_t tp : {1u, 2u}) {
         SCOPED_TRACE(std::to_string(static_cast<int>(kind)) + "/" + std::to_string(static_cast<int>(dtype)) + "/tp" +
@@ -69,7 +70,7 @@ TEST(Transfer, PropertyRandomShapesAndPermutations) {
   Fixture f("xfer-prop");
   std::mt19937_64 rng(7);
   for (int i = 0; i < 12; ++i) {
-    auto kind = static_cast<EngineLayoutKind>(rng() % 3);
+    auto kind = static_cast<EngineLayoutKind>(rng() % 4);
     auto dtype = static_cast<KvDtype>(rng() % 4);
     auto shape = Shape(kind, dtype, 1 + rng() % 6, 2 + rng() % 10, 1 + rng() % 4, 16 << (rng() % 3));
     shape.block_size = 1 + rng() % 32;
@@ -86,6 +87,48 @@ TEST(Transfer, MlaSignatureIsTheSameOnEveryRank) {
   auto fb = Shape(EngineLayoutKind::kFlashAttn, KvDtype::kBf16, 2, 4, 2, 64, 3, 4);
   KvLayoutSignature c = fa.Signature(), d = fb.Signature();
   EXPECT_NE(std::memcmp(&c, &d, sizeof c), 0) << "head slices of different ranks must not share keys";
+}
+
+// An HND engine's blocks are pool block format 2, which is part of the namespace: in a pool where
+// a model is registered with format 1, the same model in format 2 is a layout mismatch (said
+// plainly), and under another extra key its keys are its own, so neither engine reads the
+// other's blocks in the wrong order. A format the build does not know, or format 2 for an MLA
+// latent, is refused where the namespace registers.
+TEST(Transfer, HeadMajorBlocksHaveANamespaceOfTheirOwn) {
+  Fixture f("xfer-hnd");
+  auto nhd = Shape(EngineLayoutKind::kFlashInfer, KvDtype::kFp16, 2, 4, 2, 64);
+  auto hnd = Shape(EngineLayoutKind::kFlashInferHnd, KvDtype::kFp16, 2, 4, 2, 64);
+  EXPECT_EQ(nhd.Signature().block_format, kPoolBlockFormat);
+  EXPECT_EQ(hnd.Signature().block_format, kPoolBlockFormatHeadMajor);
+  EXPECT_EQ(nhd.PoolBlockBytes(), hnd.PoolBlockBytes());
+  const NamespaceHandle a = f.Ns(nhd, "model");
+  KeyNamespace same;
+  same.model_id = "model";
+  same.layout = hnd.Signature();
+  auto mismatch = f.cache->Namespace(same);
+  ASSERT_FALSE(mismatch.ok());
+  EXPECT_THAT(mismatch.status().message(), HasSubstr("format=2"));
+  same.extra_key = "hnd";
+  auto b = f.cache->Namespace(same);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_NE(std::memcmp(&a.seed, &b->seed, sizeof a.seed), 0) << "the formats must not share keys";
+  // Blocks written by the HND engine are not found under the NHD engine's keys.
+  EngineCache src(hnd, 41);
+  auto tokens = testing::Tokens(41, 16 * 2, 0, 0);
+  transfer::CpuTransfer t(*f.cache, {.threads = 1});
+  std::vector<uint32_t> ids{1, 3};
+  ASSERT_TRUE(t.GatherWrite(*b, src.layout, ids, KvCache::ChainKeys(*b, tokens)).ok());
+  auto miss = f.cache->Lookup(a, KvCache::ChainKeys(a, tokens));
+  ASSERT_TRUE(miss.ok());
+  EXPECT_EQ(miss->hit_blocks, 0u);
+  KeyNamespace bad;
+  bad.model_id = "other";
+  bad.layout = hnd.Signature();
+  bad.layout.block_format = 3;
+  EXPECT_THAT(f.cache->Namespace(bad).status().message(), HasSubstr("pool block format 3"));
+  bad.layout = Shape(EngineLayoutKind::kMla, KvDtype::kFp16, 2, 4, 0, 64).Signature();
+  bad.layout.block_format = kPoolBlockFormatHeadMajor;
+  EXPECT_THAT(f.cache->Namespace(bad).status().message(), HasSubstr("MLA"));
 }
 
 TEST(Transfer, InvalidRequestsFailWholeAndTouchNothing) {
@@ -142,7 +185,7 @@ TEST(Transfer, InvalidRequestsFailWholeAndTouchNothing) {
 
 TEST(Transfer, SparseReadMatchesAReferenceGather) {
   Fixture f("xfer-sparse");
-  for (auto kind : {EngineLayoutKind::kFlashAttn, EngineLayoutKind::kFlashInfer}) {
+  for (auto kind : {EngineLayoutKind::kFlashAttn, EngineLayoutKind::kFlashInfer, EngineLayoutKind::kFlashInferHnd}) {
     // Qwen-like pieces: head size 80 fp16 = 160-byte pieces.
     auto shape = Shape(kind, KvDtype::kFp16, 3, 8, 4, 80);
     EngineCache src(shape, 5 + static_cast<int>(kind));
@@ -180,7 +223,9 @@ TEST(Transfer, SparseReadMatchesAReferenceGather) {
         for (size_t i = 0; i < tok.size(); ++i) {
           uint32_t block = ids[tok[i] / 16], row = tok[i] % 16;
           for (uint32_t part = 0; part < 2; ++part) {
-            const uint8_t* want = src.layout.EnginePiece(l, part, block) + (uint64_t{row} * 4 + h) * hb;
+            // The engine's own order within a piece: HND keeps a head's rows together.
+            const uint64_t at = kind == EngineLayoutKind::kFlashInferHnd ? uint64_t{h} * 16 + row : uint64_t{row} * 4 + h;
+            const uint8_t* want = src.layout.EnginePiece(l, part, block) + at * hb;
             const uint8_t* got = (part ? vbuf : kbuf)[l].data() + (uint64_t{h} * cap + i) * hb;
             ASSERT_EQ(std::memcmp(want, got, hb), 0) << "layer " << l << " head " << h << " token " << tok[i];
           }
