@@ -52,8 +52,9 @@ void PrefetchPage(const Geometry& g, const PageKv& page, uint32_t tokens, uint32
 
 // Online softmax over one page for the query heads of KV heads [h_begin, h_end): the logits, a
 // new running max per query head, what was accumulated rescaled, then the page's values added
-// weighted by e^(logit − max). Rows are walked in the slabs' own order, front to back. Each K and V row of a head
-// is widened once for its whole group. State (max, sum, acc, logits) is indexed by query head.
+// weighted by e^(logit − max). Rows are walked in the slabs' own order, front to back. Each K and
+// V row of a head is widened once for its whole group. State (max, sum, acc, logits) is indexed
+// by query head.
 void AttendPage(const Geometry& g, const internal::Kernels& k, const float* q, float scale, const PageKv& page,
                 uint32_t tokens, uint32_t h_begin, uint32_t h_end, Scratch& s) {
   const uint32_t group = g.group(), dim = g.head_dim, stride = g.page_tokens;
