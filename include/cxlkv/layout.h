@@ -33,7 +33,6 @@ namespace cxlkv {
 
 enum class EngineLayoutKind : uint32_t { kFlashAttn = 0, kFlashInfer = 1, kMla = 2, kFlashInferHnd = 3 };
 
-
 struct EngineKvLayout {
   EngineLayoutKind kind = EngineLayoutKind::kFlashAttn;
   KvDtype dtype = KvDtype::kFp16;
