@@ -70,6 +70,9 @@ class Selection {
   std::span<const uint32_t> RankedOf(uint32_t kv_head) const {
     return {ranked_.data() + begin_[kv_head], count_[kv_head]};
   }
+  // Query heads whose seeded threshold (select.cc) turned out too high in the last SelectPages,
+  // so their pages were scanned a second time: 0 almost always; for tests and tuning.
+  uint32_t rescanned_heads() const { return rescanned_heads_; }
   // Whether every head has the one list (SamePagesForAllHeads, All).
   bool SameForAllHeads() const {
     return std::all_of(begin_.begin(), begin_.end(), [&](uint64_t b) { return b == begin_[0]; });
@@ -94,7 +97,21 @@ class Selection {
   // Per exponent and query head ([e + 128][head]), the least integer score whose bound reaches
   // the head's threshold: the selection filter (select.cc).
   std::vector<int32_t> pass_from_;
+  std::vector<float> sample_;  // per query head, the seed sample's bounds
+  uint32_t rescanned_heads_ = 0;
 };
+
+namespace internal {
+// SelectPages' seed sample: every `stride`-th scored page from `first`, whose `rank`-th best
+// bound starts a query head's threshold (select.cc). stride 0: no sample (short budgets).
+struct SeedSample {
+  uint64_t stride = 0;
+  uint64_t first = 0;
+  uint64_t rank = 0;
+};
+// For `cap` pages chosen by score among the scored pages [scored_from, scored_end).
+SeedSample SeedSampleFor(uint64_t cap, uint64_t scored_from, uint64_t scored_end);
+}  // namespace internal
 
 // The upper bound that SelectPages ranks by, for one query head (of KV head `kv_head`) and one
 // page's digest: >= the exact max of q·k over the page's keys.

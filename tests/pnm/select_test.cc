@@ -175,6 +175,96 @@ TEST(PnmSelect, EqualsTheReferenceOverRandomShapesTiesAndSpecialPages) {
   }
 }
 
+// Budgets large enough that SelectPages seeds each head's threshold from a strided sample of the
+// pages (select.cc): random shapes, both block formats, ties and special pages as above. The
+// result equals the reference, whether or not a head had to be scanned again.
+TEST(PnmSelect, SeededThresholdsGiveTheReferenceSelection) {
+  std::mt19937_64 rng(777);
+  for (int trial = 0; trial < 12; ++trial) {
+    Geometry g;
+    g.num_kv_heads = 1 + static_cast<uint32_t>(rng() % 3);
+    g.num_heads = g.num_kv_heads * (uint32_t{1} << (rng() % 3));
+    g.head_dim = 16u << (rng() % 3);
+    g.page_tokens = std::vector<uint32_t>{1, 2, 4}[rng() % 3];
+    g.dtype = trial % 2 == 0 ? KvDtype::kFp16 : KvDtype::kBf16;
+    g.head_major = trial % 3 == 0;
+    const uint64_t pages = 12000 + rng() % 20000;
+    const uint64_t tokens = pages * g.page_tokens - rng() % g.page_tokens;
+    const std::string what = "trial " + std::to_string(trial);
+    TestContext c(g, tokens);
+    c.FillNormal(rng, trial % 4 == 0 ? 0.01f : 2.0f);
+    auto digests = c.Digests();
+    ASSERT_FALSE(digests.empty()) << what;
+    const uint64_t page_bytes = DigestBytesPerPage(g);
+    for (uint64_t p = 5; p < pages; p += 7) {  // ties
+      std::copy_n(digests.begin() + static_cast<std::ptrdiff_t>((p - 5) * page_bytes), page_bytes,
+                  digests.begin() + static_cast<std::ptrdiff_t>(p * page_bytes));
+    }
+    ClearPageDigest(g, digests.data() + 9 * page_bytes);
+    auto q = testing::RandomQuery(g, rng, std::pow(10.0f, static_cast<float>(rng() % 5) - 2.0f));
+    SelectOptions o;
+    o.budget_tokens = static_cast<uint32_t>(g.page_tokens * (200 + rng() % (pages / 16)));
+    o.sink_pages = 1 + static_cast<uint32_t>(rng() % 2);
+    o.recent_pages = 1;
+    const uint64_t cap = o.budget_tokens / g.page_tokens - o.sink_pages - o.recent_pages;
+    ASSERT_GT(internal::SeedSampleFor(cap, o.sink_pages, pages - o.recent_pages).stride, 0u) << what;
+    Selection sel;
+    ASSERT_TRUE(SelectPages(g, q.data(), digests.data(), tokens, o, &sel).ok()) << what;
+    for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
+      const auto want = ReferenceSelection(g, q.data(), digests.data(), pages, o, h);
+      const auto got = sel.Of(h);
+      ASSERT_EQ(std::vector<uint32_t>(got.begin(), got.end()), want) << what << " KV head " << h;
+    }
+  }
+}
+
+// The seed is a guess from a sample: here the sampled pages are exactly the best ones, so each
+// head's seed sits above all but a few dozen pages, fewer than the budget. Every head must be
+// scanned again from −inf, and the selection is still exactly the reference.
+TEST(PnmSelect, AHeadWhoseSeedWasTooHighIsScannedAgain) {
+  Geometry g = testing::MakeGeometry(4, 2, 32, 1);
+  const uint64_t pages = 7000;
+  std::mt19937_64 rng(99);
+  TestContext c(g, pages);
+  c.FillNormal(rng, 0.1f);
+  SelectOptions o;
+  o.budget_tokens = 402;
+  o.sink_pages = 1;
+  o.recent_pages = 1;
+  const internal::SeedSample seed = internal::SeedSampleFor(400, 1, pages - 1);
+  ASSERT_GT(seed.stride, 0u);
+  uint64_t planted = 0;
+  for (uint64_t p = seed.first; p < pages - 1; p += seed.stride, ++planted) {
+    for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
+      for (uint32_t d = 0; d < g.head_dim; ++d) c.SetKey(p, h, d, 4.0f);
+    }
+  }
+  ASSERT_LT(planted, 400u);  // fewer than the budget: the seed (a planted page's bound) is too high
+  const auto digests = c.Digests();
+  std::vector<float> q(uint64_t{g.num_heads} * g.head_dim, 1.0f);
+  Selection sel;
+  ASSERT_TRUE(SelectPages(g, q.data(), digests.data(), pages, o, &sel).ok());
+  EXPECT_EQ(sel.rescanned_heads(), g.num_heads);
+  for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
+    const auto want = ReferenceSelection(g, q.data(), digests.data(), pages, o, h);
+    const auto got = sel.Of(h);
+    ASSERT_EQ(std::vector<uint32_t>(got.begin(), got.end()), want) << "KV head " << h;
+    // Every planted page is among them, and the rest of the budget came from the second scan.
+    for (uint64_t p = seed.first; p < pages - 1; p += seed.stride) {
+      EXPECT_TRUE(std::binary_search(got.begin(), got.end(), static_cast<uint32_t>(p))) << p;
+    }
+  }
+  // The same context with a query that does not favour the planted pages: no second scan.
+  std::vector<float> q2 = testing::RandomQuery(g, rng);
+  for (uint32_t i = 0; i < q2.size(); i += 2) q2[i] = -std::fabs(q2[i]);
+  ASSERT_TRUE(SelectPages(g, q2.data(), digests.data(), pages, o, &sel).ok());
+  for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
+    const auto want = ReferenceSelection(g, q2.data(), digests.data(), pages, o, h);
+    const auto got = sel.Of(h);
+    ASSERT_EQ(std::vector<uint32_t>(got.begin(), got.end()), want) << "KV head " << h;
+  }
+}
+
 // A needle key whose logit beats the largest bound any noise page can reach by `margin`, for one
 // query head of a GQA group; the group's other heads are unrelated. At budgets of 256 tokens and
 // more its page is selected, every time.
