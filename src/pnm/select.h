@@ -90,7 +90,8 @@ class Selection {
   std::vector<uint64_t> kept_;
   std::vector<uint32_t> kept_size_;
   std::vector<float> threshold_;
-  std::vector<uint8_t> taken_;  // per page, while one KV head's union is taken
+  std::vector<uint64_t> taken_;  // a bit per page, while one KV head's union is taken
+  std::vector<uint32_t> sorted_;  // per query head, how many of its buffer's best are in order
   std::vector<int16_t> query_;   // per query head, its int16 form (select.cc)
   std::vector<double> query_scale_;
   std::vector<int32_t> dots_;     // one page's integer scores, every query head
