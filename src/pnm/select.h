@@ -1,7 +1,8 @@
 // Top-K page selection (PNM §3.1, Quest): score every page's digest against the query and keep
 // the best pages under a token budget, per KV head — scoring and selection fused in one pass
 // (per query head a threshold and a bounded buffer fed while the digests stream by; no array
-// of all scores).
+// of all scores). Thresholds start from a small strided sample of the pages (select.cc), and a
+// head whose start proves too high is scanned again, so the result never depends on the sample.
 //
 // Grouped-query attention: each query head ranks pages by its own score, and its KV head
 // attends to the union of its group's choices, taken rank by rank (every head's best page,
