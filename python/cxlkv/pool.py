@@ -76,6 +76,22 @@ def stat(path: PathLike, *, watch_ms: int = 0) -> dict:
     return json.loads(_cxlkv.stat(_paths(path), watch_ms))
 
 
+def is_permuted_hnd(tensor: Any) -> bool:
+    """Whether ``tensor`` is vLLM's view of an HND cache: shaped NHD ([num_blocks, 2, block_size,
+    num_kv_heads, head_size]) but laid out HND in memory, so its strides, not its shape, say HND
+    (FlashInfer's backend allocates it so when its KV layout is HND)."""
+    if not _buffers._torch_tensor(tensor) or tensor.dim() != 5 or tensor.is_contiguous():
+        return False
+    return tensor.permute(0, 1, 3, 2, 4).is_contiguous()
+
+
+def hnd_storage(tensor: Any) -> Any:
+    """An HND cache as its memory holds it: vLLM's permuted view turned back to
+    [num_blocks, 2, num_kv_heads, block_size, head_size] (the same bytes, no copy); any other
+    tensor as given."""
+    return tensor.permute(0, 1, 3, 2, 4) if is_permuted_hnd(tensor) else tensor
+
+
 class Namespace:
     """A model's KV layout registered in the pool: keys are only meaningful within it.
 
@@ -292,6 +308,7 @@ class Pool:
                            copy_threads: int = 1) -> KvStore:
         """Registers an engine's paged KV tensors, one per layer (vLLM's ``kv_caches``), shaped as
         ``layout`` says (see LAYOUTS) with this namespace's dtype, heads, head size and block size.
+        ``flashinfer_hnd`` also takes vLLM's NHD-shaped view of an HND cache (is_permuted_hnd).
         Later calls name engine block ids. ``copy_threads`` copy workers (the caller included).
         CUDA tensors (or objects with ``__cuda_array_interface__``) go through the CUDA transfer
         path: NotSupportedError where this build has none (cxlkv.cuda_built()) or no GPU is usable."""
@@ -308,6 +325,8 @@ class Pool:
         if len(kv_caches) != ns.num_layers:
             raise _cxlkv.InvalidArgumentError(
                 f"{len(kv_caches)} layer tensors for a namespace of {ns.num_layers} layers")
+        if kind == LAYOUTS["flashinfer_hnd"]:
+            kv_caches = [hnd_storage(t) for t in kv_caches]
         descs = [_buffers.describe(t, writable=True, what=f"layer {i}'s KV tensor", with_dtype=True, allow_device=True)
                  for i, t in enumerate(kv_caches)]
         devices = {d.device for d in descs}

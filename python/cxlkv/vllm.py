@@ -25,8 +25,11 @@ step, so ``get_finished`` reports nothing pending.
 
 Configuration: ``kv_transfer_config.kv_connector_extra_config`` keys ``pool_path`` (required),
 ``node_id`` (this host's node, default 0), ``copy_threads`` (default 1), ``layout``
-(``flash_attn``, ``flashinfer`` or ``mla``; default: from the tensors' shape), ``tp_rank``
-(default: vLLM's tensor-parallel rank of this worker).
+(``flash_attn``, ``flashinfer``, ``flashinfer_hnd`` or ``mla``; default: from the tensors' shape),
+``tp_rank`` (default: vLLM's tensor-parallel rank of this worker). FlashInfer's HND caches come as
+an NHD-shaped view of HND memory; they need ``layout: flashinfer_hnd`` (a head-major namespace,
+pool block format 2, on the scheduler side too), and a worker that finds such tensors without
+it says so.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from . import _cxlkv
-from .pool import Namespace, Pool
+from .pool import Namespace, Pool, is_permuted_hnd
 
 log = logging.getLogger("cxlkv.vllm")
 
@@ -130,7 +133,8 @@ class CxlKvConnector(_ConnectorBase):  # type: ignore[misc, valid-type]
         return self.pool.namespace(self._model, dtype=self._dtype, num_layers=self._num_layers,
                                    num_kv_heads=self._kv_heads, head_size=self._head_size,
                                    block_size=self.block_size, tp_rank=tp_rank, tp_size=self._tp_size,
-                                   pp_stage=self._pp_stage, mla=self._mla)
+                                   pp_stage=self._pp_stage, mla=self._mla,
+                                   head_major=self._layout == "flashinfer_hnd")
 
     @property
     def role(self) -> Any:
@@ -220,6 +224,12 @@ class CxlKvConnector(_ConnectorBase):  # type: ignore[misc, valid-type]
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
         """vLLM's per-layer paged tensors, in layer order; registered once with the pool."""
         tensors = list(kv_caches.values())
+        if is_permuted_hnd(tensors[0]) and self._layout != "flashinfer_hnd":
+            # The scheduler side keys blocks before any tensor exists: it must be told.
+            raise _cxlkv.InvalidArgumentError(
+                "vLLM's KV caches are laid out HND (FlashInfer with the HND KV layout): set "
+                "\"layout\": \"flashinfer_hnd\" in kv_connector_extra_config, so the scheduler side keys the same "
+                "head-major namespace (pool block format 2) as the workers")
         layout = self._layout or _layout_of(tensors[0], self._mla)
         ns = self._namespace(0 if self._mla else self._tp_rank)
         self._store = self.pool.register_kv_caches(ns, tensors, layout=layout, copy_threads=self._copy_threads)

@@ -90,6 +90,29 @@ def test_hnd_tensors_need_a_head_major_namespace_and_keep_their_blocks_apart(poo
     assert pool.exists_prefix(nhd, nhd.chain_keys(tokens)) == 0  # another namespace: never read token-major
 
 
+def test_vllms_nhd_shaped_view_of_an_hnd_cache_registers_as_what_its_memory_holds(pool):
+    layers, blocks, block_size, heads, head_size = 2, 6, 4, 2, 32
+    ns = pool.namespace("m-hnd-view", dtype=torch.float16, num_layers=layers, num_kv_heads=heads,
+                        head_size=head_size, block_size=block_size, head_major=True)
+    memory = [random_tensor(layer_shape("flashinfer_hnd", blocks, block_size, heads, head_size), torch.float16, 40 + l)
+              for l in range(layers)]
+    views = [m.permute(0, 1, 3, 2, 4) for m in memory]  # [blocks, 2, block_size, heads, head_size], HND strides
+    assert all(cxlkv.pool.is_permuted_hnd(v) for v in views) and not cxlkv.pool.is_permuted_hnd(memory[0])
+    src = pool.register_kv_caches(ns, views, layout="flashinfer_hnd")
+    back = [torch.zeros_like(m) for m in memory]
+    dst = pool.register_kv_caches(ns, back, layout="flashinfer_hnd")
+    keys = ns.keys_from_hashes([os.urandom(32) for _ in range(3)])
+    assert src.put_many(keys, [5, 0, 2]).written == 3
+    assert dst.get_many_into(keys, [1, 3, 4]) == 3
+    for s, d in zip([5, 0, 2], [1, 3, 4]):
+        for m, b in zip(memory, back):
+            assert torch.equal(m[s], b[d])
+    # An NHD tensor that is merely non-contiguous is not an HND cache: it is refused, as before.
+    odd = [torch.zeros((blocks, 2, block_size, heads, 2 * head_size), dtype=torch.float16)[..., ::2]] * layers
+    with pytest.raises(cxlkv.InvalidArgumentError, match="not contiguous|shaped"):
+        pool.register_kv_caches(ns, odd, layout="flashinfer_hnd")
+
+
 def test_exists_prefix_follows_puts_and_get_stops_at_the_first_miss(pool):
     ns = pool.namespace("prefix", dtype="bf16", num_layers=2, num_kv_heads=1, head_size=16, block_size=4)
     shape = layer_shape("flash_attn", 16, 4, 1, 16)

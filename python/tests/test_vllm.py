@@ -56,10 +56,12 @@ def test_the_torch_engine_gives_the_reference_engines_tokens(weights):
     assert Engine(weights.model, EngineConfig()).generate([short], 5) == [reference(short, 5, weights.path)]
 
 
-@pytest.mark.parametrize("layout", ["flash_attn", "flashinfer"])
+@pytest.mark.parametrize("layout", ["flash_attn", "flashinfer", "flashinfer_hnd"])
 def test_a_second_engine_is_served_from_the_pool_with_the_same_tokens(weights, pool_path, layout):
     cxlkv.create_pool(pool_path, 256 << 20, overwrite=True)
     extra = {"pool_path": pool_path}
+    if layout == "flashinfer_hnd":  # vLLM's NHD-shaped view of HND memory: the scheduler must know
+        extra["layout"] = layout
     first = Engine(weights.model, EngineConfig(layout=layout), connector=CxlKvConnector, connector_extra=extra)
     second = Engine(weights.model, EngineConfig(layout=layout), connector=CxlKvConnector,
                     connector_extra=dict(extra, node_id=1))
@@ -83,6 +85,28 @@ def test_a_second_engine_is_served_from_the_pool_with_the_same_tokens(weights, p
     finally:
         first.close()
         second.close()
+
+
+def test_hnd_caches_without_the_layout_in_the_config_are_refused_with_the_fix(weights, pool_path):
+    cxlkv.create_pool(pool_path, 64 << 20, overwrite=True)
+    with pytest.raises(cxlkv.InvalidArgumentError, match='"layout": "flashinfer_hnd"'):
+        Engine(weights.model, EngineConfig(layout="flashinfer_hnd"), connector=CxlKvConnector,
+               connector_extra={"pool_path": pool_path})
+
+
+def test_hnd_and_nhd_engines_of_one_model_never_share_blocks(weights, pool_path):
+    cxlkv.create_pool(pool_path, 256 << 20, overwrite=True)
+    hnd = Engine(weights.model, EngineConfig(layout="flashinfer_hnd"), connector=CxlKvConnector,
+                 connector_extra={"pool_path": pool_path, "layout": "flashinfer_hnd"})
+    try:
+        assert hnd.generate([PROMPT], 8) == [weights.reference]
+        assert hnd.worker_conn.saved_blocks == 4
+    finally:
+        hnd.close()
+    # The same model id in the other format is a layout mismatch, not a silent reinterpretation.
+    with pytest.raises(cxlkv.VersionMismatchError, match="format=2"):
+        Engine(weights.model, EngineConfig(layout="flashinfer"), connector=CxlKvConnector,
+               connector_extra={"pool_path": pool_path})
 
 
 def test_prefill_and_decode_engine_processes_share_one_pool(weights, pool_path):

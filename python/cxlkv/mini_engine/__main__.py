@@ -21,7 +21,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--pool", help="pool region path(s): use the cxlkv vLLM connector")
     ap.add_argument("--node-id", type=int, default=0)
-    ap.add_argument("--layout", default="flash_attn", choices=["flash_attn", "flashinfer"])
+    ap.add_argument("--layout", default="flash_attn", choices=["flash_attn", "flashinfer", "flashinfer_hnd"])
     ap.add_argument("--num-blocks", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
     a = ap.parse_args(argv)
@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     if a.pool:
         from ..vllm import CxlKvConnector
         connector, extra = CxlKvConnector, {"pool_path": a.pool, "node_id": a.node_id}
+        if a.layout == "flashinfer_hnd":  # as a vLLM deployment with HND caches must configure it
+            extra["layout"] = a.layout
     cfg = EngineConfig(num_blocks=a.num_blocks, block_size=a.block_size, layout=a.layout, model_id=model.config.name)
     try:
         engine = Engine(model, cfg, connector=connector, connector_extra=extra)

@@ -34,7 +34,7 @@ from .model import TorchLlama
 class EngineConfig:
     num_blocks: int = 64
     block_size: int = 16
-    layout: str = "flash_attn"           # or "flashinfer"
+    layout: str = "flash_attn"           # or "flashinfer", or "flashinfer_hnd" (vLLM's permuted HND view)
     hash_seed: bytes = b"cxlkv-mini-engine"  # vLLM: NONE_HASH; equal seeds share blocks
     model_id: str = "tiny-llama"
 

@@ -159,6 +159,11 @@ class TorchLlama:
     def new_kv_caches(self, num_blocks: int, block_size: int, layout: str = "flash_attn",
                       dtype: torch.dtype = torch.float32) -> List[torch.Tensor]:
         c = self.config
+        if layout == "flashinfer_hnd":
+            # As vLLM's FlashInfer backend does for its HND layout: HND memory, handed out as an
+            # NHD-shaped view (the forward pass and the connector see [blocks, 2, bs, heads, hd]).
+            hnd = (num_blocks, 2, c.num_kv_heads, block_size, c.head_dim)
+            return [torch.zeros(hnd, dtype=dtype).permute(0, 1, 3, 2, 4) for _ in range(c.num_layers)]
         shape = ((2, num_blocks, block_size, c.num_kv_heads, c.head_dim) if layout == "flash_attn"
                  else (num_blocks, 2, block_size, c.num_kv_heads, c.head_dim))
         return [torch.zeros(shape, dtype=dtype) for _ in range(c.num_layers)]
