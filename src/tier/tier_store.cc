@@ -111,6 +111,14 @@ Result<std::unique_ptr<TierStore>> TierStore::Open(Pool& pool, const TierStoreOp
       if (!dev.ok()) return Status(dev.status().code(), what + dev.status().message());
       store->devices_.push_back(std::move(*dev));
     } else {
+      // Refused before the device is opened (opening probes it, and may take it exclusively).
+      DeviceFileFacts facts;
+      if (IoPlatform::Default().Stat(spec.path, &facts) == 0 && (facts.is_block_device || facts.is_char_device) &&
+          spec.catalog_dir.empty()) {
+        return InvalidArgument(what + spec.path + " is a device: its restart catalog and namespace book need a "
+                               "directory on a persistent file system: add catalog=DIR (e.g. --tier ssd:" +
+                               spec.path + ":0:catalog=/var/lib/cxlkv)");
+      }
       SsdOptions o;
       o.path = spec.path;
       o.index = static_cast<uint32_t>(i);
@@ -118,12 +126,6 @@ Result<std::unique_ptr<TierStore>> TierStore::Open(Pool& pool, const TierStoreOp
       o.slot_bytes = options.slot_bytes;
       auto dev = SsdDevice::Open(o);
       if (!dev.ok()) return Status(dev.status().code(), what + dev.status().message());
-      const SsdIoPath& io = (*dev)->io_path();
-      if ((io.block_device || io.nvme_passthrough) && spec.catalog_dir.empty()) {
-        return InvalidArgument(what + spec.path + " is a device: its restart catalog and namespace book need a "
-                               "directory on a persistent file system: add catalog=DIR (e.g. --tier ssd:" +
-                               spec.path + ":0:catalog=/var/lib/cxlkv)");
-      }
       // The restart record of the SSD's slots, beside its file or in its catalog directory
       // (catalog.h): a slot is named in the index only once the catalog says, durably, what it holds.
       const std::string state = spec.StateBase();

@@ -143,6 +143,21 @@ TEST(Tiering, AFullDevicesShareGoesWhereThereIsRoomBeforeAnythingIsDropped) {
 
 // A flipped byte in an SSD slot: that block is a counted miss, its entry dropped and its slot
 // freed; the chain's hit ends there and the blocks before it read back identical.
+// A device (block or character) keeps its restart catalog in a named directory; without one it
+// is refused before it is opened, with the fix. /dev/null stands in for an NVMe generic device
+// (a character device): opening it as one would fail with another message.
+TEST(Tiering, ADeviceWithoutACatalogDirectoryIsRefusedBeforeItIsOpened) {
+  cxlkv::testing::TempRegionPath path("tier-nocatalog");
+  ASSERT_TRUE(cxlkv::testing::CreateCachePool(path.path(), 64 << 20, 2048).ok());
+  auto o = OpenCache(path.path(), 0);
+  ASSERT_TRUE(o.cache);
+  auto refused = TierStore::Open(*o.pool, Options({Ssd("/dev/null", 16 * kSlot)}));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("is a device"), std::string::npos) << refused.status().message();
+  EXPECT_NE(refused.status().message().find("catalog=DIR"), std::string::npos) << refused.status().message();
+}
+
 TEST(Tiering, ACorruptSlotIsAMissAndItsEntryIsDropped) {
   cxlkv::testing::TempRegionPath path("tier-corrupt");
   ASSERT_TRUE(cxlkv::testing::CreateCachePool(path.path(), 64 << 20, 2048).ok());
