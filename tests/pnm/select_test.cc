@@ -124,6 +124,30 @@ std::vector<uint32_t> ReferenceSelection(const Geometry& g, const float* q, cons
   return out;
 }
 
+// Up to `kinds` KV heads, GQA ratios 1..2^(kinds-1), head_dim 16..16·2^(kinds-1), one of the
+// page sizes; fp16 and bf16 and both block formats in turn.
+Geometry RandomGeometry(std::mt19937_64& rng, int trial, uint32_t kinds, std::vector<uint32_t> page_tokens) {
+  Geometry g;
+  g.num_kv_heads = 1 + static_cast<uint32_t>(rng() % kinds);
+  g.num_heads = g.num_kv_heads * (uint32_t{1} << (rng() % kinds));
+  g.head_dim = 16u << (rng() % kinds);
+  g.page_tokens = page_tokens[rng() % page_tokens.size()];
+  g.dtype = trial % 2 == 0 ? KvDtype::kFp16 : KvDtype::kBf16;
+  g.head_major = trial % 3 == 0;
+  return g;
+}
+
+// SelectPages into `sel` equals ReferenceSelection for every KV head.
+void ExpectSelectsTheReference(const Geometry& g, const std::vector<float>& q, const std::vector<uint8_t>& digests,
+                               uint64_t tokens, const SelectOptions& o, Selection& sel, const std::string& what) {
+  ASSERT_TRUE(SelectPages(g, q.data(), digests.data(), tokens, o, &sel).ok()) << what;
+  for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
+    const auto want = ReferenceSelection(g, q.data(), digests.data(), g.PagesFor(tokens), o, h);
+    const auto got = sel.Of(h);
+    ASSERT_EQ(std::vector<uint32_t>(got.begin(), got.end()), want) << what << " KV head " << h;
+  }
+}
+
 // Random shapes, GQA ratios, budgets and both block formats, with what stresses selection's
 // integer filter and its buffers: pages that repeat another page's digest (ties), empty pages
 // (−inf), pages with a NaN key (+inf), a query head of zeros, one with an ∞ component, and
@@ -131,13 +155,7 @@ std::vector<uint32_t> ReferenceSelection(const Geometry& g, const float* q, cons
 TEST(PnmSelect, EqualsTheReferenceOverRandomShapesTiesAndSpecialPages) {
   std::mt19937_64 rng(4242);
   for (int trial = 0; trial < 40; ++trial) {
-    Geometry g;
-    g.num_kv_heads = 1 + static_cast<uint32_t>(rng() % 4);
-    g.num_heads = g.num_kv_heads * (uint32_t{1} << (rng() % 4));
-    g.head_dim = 16u << (rng() % 4);
-    g.page_tokens = std::vector<uint32_t>{1, 4, 16}[rng() % 3];
-    g.dtype = trial % 2 == 0 ? KvDtype::kFp16 : KvDtype::kBf16;
-    g.head_major = trial % 3 == 0;
+    const Geometry g = RandomGeometry(rng, trial, 4, {1, 4, 16});
     const uint64_t tokens = 1 + rng() % 6000;
     const uint64_t pages = g.PagesFor(tokens);
     const std::string what = "trial " + std::to_string(trial);
@@ -166,12 +184,7 @@ TEST(PnmSelect, EqualsTheReferenceOverRandomShapesTiesAndSpecialPages) {
     o.sink_pages = static_cast<uint32_t>(rng() % 3);
     o.recent_pages = static_cast<uint32_t>(rng() % 3);
     Selection sel;
-    ASSERT_TRUE(SelectPages(g, q.data(), digests.data(), tokens, o, &sel).ok()) << what;
-    for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
-      const auto want = ReferenceSelection(g, q.data(), digests.data(), pages, o, h);
-      const auto got = sel.Of(h);
-      ASSERT_EQ(std::vector<uint32_t>(got.begin(), got.end()), want) << what << " KV head " << h;
-    }
+    ASSERT_NO_FATAL_FAILURE(ExpectSelectsTheReference(g, q, digests, tokens, o, sel, what));
   }
 }
 
@@ -181,13 +194,7 @@ TEST(PnmSelect, EqualsTheReferenceOverRandomShapesTiesAndSpecialPages) {
 TEST(PnmSelect, SeededThresholdsGiveTheReferenceSelection) {
   std::mt19937_64 rng(777);
   for (int trial = 0; trial < 12; ++trial) {
-    Geometry g;
-    g.num_kv_heads = 1 + static_cast<uint32_t>(rng() % 3);
-    g.num_heads = g.num_kv_heads * (uint32_t{1} << (rng() % 3));
-    g.head_dim = 16u << (rng() % 3);
-    g.page_tokens = std::vector<uint32_t>{1, 2, 4}[rng() % 3];
-    g.dtype = trial % 2 == 0 ? KvDtype::kFp16 : KvDtype::kBf16;
-    g.head_major = trial % 3 == 0;
+    const Geometry g = RandomGeometry(rng, trial, 3, {1, 2, 4});
     const uint64_t pages = 12000 + rng() % 20000;
     const uint64_t tokens = pages * g.page_tokens - rng() % g.page_tokens;
     const std::string what = "trial " + std::to_string(trial);
@@ -209,12 +216,7 @@ TEST(PnmSelect, SeededThresholdsGiveTheReferenceSelection) {
     const uint64_t cap = o.budget_tokens / g.page_tokens - o.sink_pages - o.recent_pages;
     ASSERT_GT(internal::SeedSampleFor(cap, o.sink_pages, pages - o.recent_pages).stride, 0u) << what;
     Selection sel;
-    ASSERT_TRUE(SelectPages(g, q.data(), digests.data(), tokens, o, &sel).ok()) << what;
-    for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
-      const auto want = ReferenceSelection(g, q.data(), digests.data(), pages, o, h);
-      const auto got = sel.Of(h);
-      ASSERT_EQ(std::vector<uint32_t>(got.begin(), got.end()), want) << what << " KV head " << h;
-    }
+    ASSERT_NO_FATAL_FAILURE(ExpectSelectsTheReference(g, q, digests, tokens, o, sel, what));
   }
 }
 
@@ -243,12 +245,10 @@ TEST(PnmSelect, AHeadWhoseSeedWasTooHighIsScannedAgain) {
   const auto digests = c.Digests();
   std::vector<float> q(uint64_t{g.num_heads} * g.head_dim, 1.0f);
   Selection sel;
-  ASSERT_TRUE(SelectPages(g, q.data(), digests.data(), pages, o, &sel).ok());
+  ASSERT_NO_FATAL_FAILURE(ExpectSelectsTheReference(g, q, digests, pages, o, sel, "planted"));
   EXPECT_EQ(sel.rescanned_heads(), g.num_heads);
   for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
-    const auto want = ReferenceSelection(g, q.data(), digests.data(), pages, o, h);
     const auto got = sel.Of(h);
-    ASSERT_EQ(std::vector<uint32_t>(got.begin(), got.end()), want) << "KV head " << h;
     // Every planted page is among them, and the rest of the budget came from the second scan.
     for (uint64_t p = seed.first; p < pages - 1; p += seed.stride) {
       EXPECT_TRUE(std::binary_search(got.begin(), got.end(), static_cast<uint32_t>(p))) << p;
@@ -257,12 +257,7 @@ TEST(PnmSelect, AHeadWhoseSeedWasTooHighIsScannedAgain) {
   // The same context with a query that does not favour the planted pages: no second scan.
   std::vector<float> q2 = testing::RandomQuery(g, rng);
   for (uint32_t i = 0; i < q2.size(); i += 2) q2[i] = -std::fabs(q2[i]);
-  ASSERT_TRUE(SelectPages(g, q2.data(), digests.data(), pages, o, &sel).ok());
-  for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
-    const auto want = ReferenceSelection(g, q2.data(), digests.data(), pages, o, h);
-    const auto got = sel.Of(h);
-    ASSERT_EQ(std::vector<uint32_t>(got.begin(), got.end()), want) << "KV head " << h;
-  }
+  ASSERT_NO_FATAL_FAILURE(ExpectSelectsTheReference(g, q2, digests, pages, o, sel, "unplanted"));
 }
 
 // A needle key whose logit beats the largest bound any noise page can reach by `margin`, for one
