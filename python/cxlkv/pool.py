@@ -79,17 +79,25 @@ def stat(path: PathLike, *, watch_ms: int = 0) -> dict:
 def is_permuted_hnd(tensor: Any) -> bool:
     """Whether ``tensor`` is vLLM's view of an HND cache: shaped NHD ([num_blocks, 2, block_size,
     num_kv_heads, head_size]) but laid out HND in memory, so its strides, not its shape, say HND
-    (FlashInfer's backend allocates it so when its KV layout is HND)."""
+    (FlashInfer's backend allocates it so when its KV layout is HND). With one KV head or one
+    token per block both orders are the same bytes, and the view is contiguous: see hnd_storage."""
     if not _buffers._torch_tensor(tensor) or tensor.dim() != 5 or tensor.is_contiguous():
         return False
     return tensor.permute(0, 1, 3, 2, 4).is_contiguous()
 
 
-def hnd_storage(tensor: Any) -> Any:
-    """An HND cache as its memory holds it: vLLM's permuted view turned back to
-    [num_blocks, 2, num_kv_heads, block_size, head_size] (the same bytes, no copy); any other
-    tensor as given."""
-    return tensor.permute(0, 1, 3, 2, 4) if is_permuted_hnd(tensor) else tensor
+def hnd_storage(tensor: Any, block_size: int, num_kv_heads: int) -> Any:
+    """An HND cache as its memory holds it, [num_blocks, 2, num_kv_heads, block_size, head_size]:
+    vLLM's NHD-shaped view of it turned back (the same bytes, no copy); any other tensor as given.
+    A contiguous tensor already shaped HND stays as it is (when block_size equals num_kv_heads the
+    shape cannot tell the two apart, and memory order decides)."""
+    if not _buffers._torch_tensor(tensor) or tensor.dim() != 5:
+        return tensor
+    nhd_shaped = tuple(tensor.shape[2:4]) == (block_size, num_kv_heads)
+    hnd_shaped = tuple(tensor.shape[2:4]) == (num_kv_heads, block_size)
+    if nhd_shaped and not (hnd_shaped and tensor.is_contiguous()) and tensor.permute(0, 1, 3, 2, 4).is_contiguous():
+        return tensor.permute(0, 1, 3, 2, 4)
+    return tensor
 
 
 class Namespace:
@@ -326,7 +334,7 @@ class Pool:
             raise _cxlkv.InvalidArgumentError(
                 f"{len(kv_caches)} layer tensors for a namespace of {ns.num_layers} layers")
         if kind == LAYOUTS["flashinfer_hnd"]:
-            kv_caches = [hnd_storage(t) for t in kv_caches]
+            kv_caches = [hnd_storage(t, ns.block_size, ns.num_kv_heads) for t in kv_caches]
         descs = [_buffers.describe(t, writable=True, what=f"layer {i}'s KV tensor", with_dtype=True, allow_device=True)
                  for i, t in enumerate(kv_caches)]
         devices = {d.device for d in descs}

@@ -107,6 +107,19 @@ def test_vllms_nhd_shaped_view_of_an_hnd_cache_registers_as_what_its_memory_hold
     for s, d in zip([5, 0, 2], [1, 3, 4]):
         for m, b in zip(memory, back):
             assert torch.equal(m[s], b[d])
+    # One KV head (a TP rank of an MQA model): both orders are the same bytes and the view is
+    # contiguous, still shaped NHD; it registers as HND all the same.
+    one = pool.namespace("m-hnd-view-1", dtype=torch.float16, num_layers=layers, num_kv_heads=1,
+                         head_size=head_size, block_size=block_size, head_major=True)
+    one_memory = [random_tensor(layer_shape("flashinfer_hnd", blocks, block_size, 1, head_size), torch.float16, 50 + l)
+                  for l in range(layers)]
+    one_src = pool.register_kv_caches(one, [m.permute(0, 1, 3, 2, 4) for m in one_memory], layout="flashinfer_hnd")
+    one_back = [torch.zeros_like(m) for m in one_memory]
+    one_dst = pool.register_kv_caches(one, one_back, layout="flashinfer_hnd")
+    one_keys = one.keys_from_hashes([os.urandom(32) for _ in range(3)])
+    assert one_src.put_many(one_keys, [5, 0, 2]).written == 3
+    assert one_dst.get_many_into(one_keys, [1, 3, 4]) == 3
+    assert all(torch.equal(m[5], b[1]) for m, b in zip(one_memory, one_back))
     # An NHD tensor that is merely non-contiguous is not an HND cache: it is refused, as before.
     odd = [torch.zeros((blocks, 2, block_size, heads, 2 * head_size), dtype=torch.float16)[..., ::2]] * layers
     with pytest.raises(cxlkv.InvalidArgumentError, match="not contiguous|shaped"):
