@@ -137,6 +137,21 @@ Geometry RandomGeometry(std::mt19937_64& rng, int trial, uint32_t kinds, std::ve
   return g;
 }
 
+// The context's keys normal (tiny or wide by trial), and their digests with ties: from page
+// `gap` on, every `every`-th page's digest is a copy of the one `gap` pages earlier.
+std::vector<uint8_t> NoisyDigestsWithTies(TestContext& c, std::mt19937_64& rng, int trial, uint64_t gap,
+                                          uint64_t every) {
+  c.FillNormal(rng, trial % 4 == 0 ? 0.01f : 2.0f);
+  std::vector<uint8_t> digests = c.Digests();
+  const uint64_t page_bytes = DigestBytesPerPage(c.geometry());
+  const uint64_t pages = c.geometry().PagesFor(c.tokens());
+  for (uint64_t p = gap; p < pages && !digests.empty(); p += every) {
+    std::copy_n(digests.begin() + static_cast<std::ptrdiff_t>((p - gap) * page_bytes), page_bytes,
+                digests.begin() + static_cast<std::ptrdiff_t>(p * page_bytes));
+  }
+  return digests;
+}
+
 // SelectPages into `sel` equals ReferenceSelection for every KV head.
 void ExpectSelectsTheReference(const Geometry& g, const std::vector<float>& q, const std::vector<uint8_t>& digests,
                                uint64_t tokens, const SelectOptions& o, Selection& sel, const std::string& what) {
@@ -160,14 +175,9 @@ TEST(PnmSelect, EqualsTheReferenceOverRandomShapesTiesAndSpecialPages) {
     const uint64_t pages = g.PagesFor(tokens);
     const std::string what = "trial " + std::to_string(trial);
     TestContext c(g, tokens);
-    c.FillNormal(rng, trial % 4 == 0 ? 0.01f : 2.0f);
-    auto digests = c.Digests();
+    auto digests = NoisyDigestsWithTies(c, rng, trial, 2, 3);
     ASSERT_FALSE(digests.empty()) << what;
     const uint64_t page_bytes = DigestBytesPerPage(g);
-    for (uint64_t p = 2; p < pages; p += 3) {  // ties: a copy of an earlier page's digest
-      std::copy_n(digests.begin() + static_cast<std::ptrdiff_t>((p - 2) * page_bytes), page_bytes,
-                  digests.begin() + static_cast<std::ptrdiff_t>(p * page_bytes));
-    }
     if (pages > 7) ClearPageDigest(g, digests.data() + 7 * page_bytes);  // empty: never chosen by score
     if (pages > 11) {  // a NaN key in page 11's first head: unbounded, always chosen
       c.SetKey(11 * g.page_tokens, 0, 0, std::nanf(""));
@@ -199,15 +209,9 @@ TEST(PnmSelect, SeededThresholdsGiveTheReferenceSelection) {
     const uint64_t tokens = pages * g.page_tokens - rng() % g.page_tokens;
     const std::string what = "trial " + std::to_string(trial);
     TestContext c(g, tokens);
-    c.FillNormal(rng, trial % 4 == 0 ? 0.01f : 2.0f);
-    auto digests = c.Digests();
+    auto digests = NoisyDigestsWithTies(c, rng, trial, 5, 7);
     ASSERT_FALSE(digests.empty()) << what;
-    const uint64_t page_bytes = DigestBytesPerPage(g);
-    for (uint64_t p = 5; p < pages; p += 7) {  // ties
-      std::copy_n(digests.begin() + static_cast<std::ptrdiff_t>((p - 5) * page_bytes), page_bytes,
-                  digests.begin() + static_cast<std::ptrdiff_t>(p * page_bytes));
-    }
-    ClearPageDigest(g, digests.data() + 9 * page_bytes);
+    ClearPageDigest(g, digests.data() + 9 * DigestBytesPerPage(g));
     auto q = testing::RandomQuery(g, rng, std::pow(10.0f, static_cast<float>(rng() % 5) - 2.0f));
     SelectOptions o;
     o.budget_tokens = static_cast<uint32_t>(g.page_tokens * (200 + rng() % (pages / 16)));
