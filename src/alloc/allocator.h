@@ -102,9 +102,12 @@ class Allocator {
   void TestHookBeforeRecoveryLock(std::function<void()> hook);
   // Test hooks of DrainRemoteFrees: `before` runs before a drain takes the node's drain lock
   // (a test holds a process's drains back with it); `after_claim` after a ring's entries are
-  // claimed and its head is published, before any is applied (a test kills the drainer there).
-  // Either may be empty. Safe to set while the process's drains run.
-  void TestHookDrain(std::function<void()> before, std::function<void()> after_claim);
+  // claimed and its head is published, before any is applied (a test kills the drainer there);
+  // `before_fence` once a non-empty ring's head and tail are read, before the drainer is fenced
+  // and claims them (a test pauses the drainer there). Any may be empty. Safe to set while the
+  // process's drains run.
+  void TestHookDrain(std::function<void()> before, std::function<void()> after_claim,
+                     std::function<void()> before_fence = {});
   // Allocator-lock acquisitions by this process (tests count lock round trips).
   uint64_t lock_acquisitions() const { return lock_acquisitions_.load(std::memory_order_relaxed); }
   // Reachability for recovery: a provider appends the raw offsets of every published object.
@@ -234,7 +237,7 @@ class Allocator {
   std::function<void()> test_before_recovery_lock_;  // guarded by test_hooks_mu_
   std::mutex test_hooks_mu_;  // guards the drain and recovery hooks (set by a test thread, run by others)
   std::atomic<bool> test_hooked_{false};  // any of the guarded hooks is set
-  std::function<void()> test_before_drain_, test_after_drain_claim_;
+  std::function<void()> test_before_drain_, test_after_drain_claim_, test_before_drain_fence_;
   std::mutex providers_mu_;
   std::vector<std::function<void(std::vector<uint64_t>&)>> providers_;
 };

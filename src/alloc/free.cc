@@ -197,11 +197,14 @@ Result<bool> Allocator::PushRemoteFree(OwnerWord owner, ObjectOffset off) {
   return true;
 }
 
-void Allocator::TestHookDrain(std::function<void()> before, std::function<void()> after_claim) {
+void Allocator::TestHookDrain(std::function<void()> before, std::function<void()> after_claim,
+                              std::function<void()> before_fence) {
   std::lock_guard<std::mutex> g(test_hooks_mu_);
   test_before_drain_ = std::move(before);
   test_after_drain_claim_ = std::move(after_claim);
-  test_hooked_.store(test_before_drain_ || test_after_drain_claim_ || test_before_recovery_lock_);
+  test_before_drain_fence_ = std::move(before_fence);
+  test_hooked_.store(test_before_drain_ || test_after_drain_claim_ || test_before_drain_fence_ ||
+                     test_before_recovery_lock_);
 }
 
 void Allocator::DrainRemoteFrees() {
@@ -257,6 +260,7 @@ void Allocator::DrainRemoteFrees() {
     // the node's next drainer (FinishDrainClaim); at most the entry it was applying is lost.
     // Fenced: a node silent past its lease may have been presumed dead, its rings and heap
     // taken over by a recoverer; it leaves them alone (they are the recoverer's now).
+    hook(&Allocator::test_before_drain_fence_);
     if (!node_.Fence("remote-free drain").ok()) return;
     claim.count = 0;  // not valid while it is written
     claim.incarnation = node_.incarnation();

@@ -69,7 +69,8 @@ void Allocator::WaitForDrainerOfAnotherLife(uint32_t dead, uint32_t inc) {
 void Allocator::TestHookBeforeRecoveryLock(std::function<void()> hook) {
   std::lock_guard<std::mutex> g(test_hooks_mu_);
   test_before_recovery_lock_ = std::move(hook);
-  test_hooked_.store(test_before_drain_ || test_after_drain_claim_ || test_before_recovery_lock_);
+  test_hooked_.store(test_before_drain_ || test_after_drain_claim_ || test_before_drain_fence_ ||
+                     test_before_recovery_lock_);
 }
 
 void Allocator::Recover(uint32_t dead, uint64_t incarnation) {

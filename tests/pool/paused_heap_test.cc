@@ -1,10 +1,11 @@
-// A heap operation of a process paused (SIGSTOP) past its lease: its node's life is recovered
-// meanwhile and its chunks may be handed to another node, so the stores it was about to make
-// must be refused when it resumes (SIGCONT), not land in what is someone else's by then. Real
-// processes on one region, also under the non-coherent simulator.
+// A heap operation or a remote-free drain of a process paused (SIGSTOP) past its lease: its
+// node's life is recovered meanwhile and its chunks may be handed to another node, so the stores
+// it was about to make must be refused when it resumes (SIGCONT), not land in what is someone
+// else's by then. Real processes on one region, also under the non-coherent simulator.
 #include <signal.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <thread>
 #include <vector>
@@ -19,7 +20,9 @@ namespace {
 
 using testing::Allocated;
 using testing::Child;
+using testing::ExpectEverythingReturned;
 using testing::ExpectNoProblems;
+using testing::FreeChunks;
 using testing::Get;
 using testing::OpenOrNull;
 using testing::Put;
@@ -99,6 +102,116 @@ TEST(PausedHeap, AnAllocationPausedPastTheLeaseIsRefusedUnderTheNonCoherentSimul
   for (uint64_t seed : {7u, 131u}) {
     SCOPED_TRACE("seed " + std::to_string(seed));
     PausedHeapAllocation(seed);
+  }
+}
+
+// Node 1 frees node 2's objects through node 2's ring. Node 2 (one process) starts draining them:
+// it announces the drain, reads the ring's head and tail, and is stopped (SIGSTOP) before its
+// fence. Past its lease node 0 recovers node 2's life — the announcement is that very life's, so
+// the recovery does not wait for it — consumes the ring, and allocates objects of the same class,
+// likely in the very slots. Node 2 resumes (SIGCONT) holding the ring's old head and tail: its
+// claim must free nothing (applied, it would free node 0's objects a second time), and the node
+// rejoins as a new life. Every object of node 0 stays allocated, everything comes back, and
+// `check` is clean. Three checks each refuse the stale claim: the drain's fence, the owner word's
+// life in ApplyRemoteFree, the heap free's own fence; with all three removed this test fails.
+void PausedAnnouncedDrain(uint64_t seed) {
+  constexpr uint64_t kObjects = 8;
+  testing::TempRegionPath path("paused-drain");
+  PoolCreateOptions co;
+  co.size = kRegionBytes;
+  co.max_nodes = 4;
+  ASSERT_TRUE(Pool::Create({path.path()}, co).ok());
+  const std::vector<std::string> paths = {path.path()};
+  const uint64_t total = FreeChunks(paths);
+  Child drainer = Child::Fork([&](int in, int out) {
+    auto p = OpenOrNull(paths, 2, seed ? seed + 2 : 0);
+    if (!p) return 1;
+    std::atomic<bool> released{false}, resumed{false};
+    std::atomic<int> announced{0};
+    p->impl().allocator->TestHookDrain(
+        [&] {  // drains wait until node 1's frees are all in the ring
+          while (!released.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        },
+        nullptr,
+        [&] {
+          if (announced.fetch_add(1) != 0) return;
+          uint64_t go;
+          if (Put(out, 2)) (void)Get(in, &go);  // the parent stops this process, then resumes it
+          resumed.store(true);
+        });
+    for (uint64_t i = 0; i < kObjects; ++i) {
+      auto off = p->Alloc(4096);
+      if (!off.ok() || !Put(out, *off)) return 2;
+    }
+    uint64_t go;
+    if (!Get(in, &go)) return 3;
+    released.store(true);
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (!resumed.load() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    CHILD_CHECK(resumed.load(), "the drain never resumed");
+    deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (p->impl().node->new_lives() < 2 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    CHILD_CHECK(p->impl().node->new_lives() >= 2, "no new life after the pause");
+    p->impl().allocator->TestHookDrain(nullptr, nullptr, nullptr);
+    return 0;
+  });
+  Child freer = Child::Fork([&](int in, int out) {
+    auto p = OpenOrNull(paths, 1, seed ? seed + 1 : 0);
+    if (!p) return 1;
+    for (uint64_t i = 0; i < kObjects; ++i) {
+      uint64_t off;
+      if (!Get(in, &off)) return 2;
+      Status s = p->Free(off);
+      CHILD_CHECK(s.ok(), "free: %s", s.ToString().c_str());
+    }
+    return Put(out, 1) ? 0 : 4;
+  });
+  auto survivor = OpenOrNull(paths, 0, seed);  // manages the pool, recovers node 2
+  ASSERT_TRUE(survivor);
+  std::vector<uint64_t> offs(kObjects);
+  for (uint64_t& off : offs) ASSERT_TRUE(drainer.Receive(&off));
+  for (uint64_t off : offs) ASSERT_TRUE(freer.Send(off));
+  uint64_t ack = 0;
+  ASSERT_TRUE(freer.Receive(&ack));
+  EXPECT_EQ(freer.Wait(), 0);
+  ASSERT_TRUE(drainer.Send(1));  // node 2 may drain now
+  ASSERT_TRUE(drainer.Receive(&ack)) << "node 2 never started draining the frees";
+  ::kill(drainer.pid, SIGSTOP);
+  auto allocated = [&] {
+    uint64_t n = 0;
+    for (uint64_t off : offs) n += Allocated(paths, off) ? 1 : 0;
+    return n;
+  };
+  // Node 2 is silent past its lease: node 0 recovers its life, frees and heap alike.
+  const auto start = std::chrono::steady_clock::now();
+  while (allocated() != 0 && std::chrono::steady_clock::now() - start < std::chrono::seconds(30)) SleepLeases(0.25);
+  EXPECT_EQ(allocated(), 0u) << "node 2's life was not recovered while it was stopped";
+  std::vector<uint64_t> mine;
+  for (int i = 0; i < 16; ++i) {
+    auto off = survivor->Alloc(4096);
+    ASSERT_TRUE(off.ok()) << off.status().ToString();
+    mine.push_back(*off);
+  }
+  ::kill(drainer.pid, SIGCONT);
+  ASSERT_TRUE(drainer.Send(1));
+  EXPECT_EQ(drainer.Wait(), 0) << "seed " << seed;
+  for (uint64_t off : mine) {
+    EXPECT_TRUE(Allocated(paths, off)) << "node 0's object 0x" << std::hex << off << " was freed by a stale drain";
+  }
+  for (uint64_t off : mine) ASSERT_TRUE(survivor->Free(off).ok());
+  ExpectEverythingReturned(survivor, paths, total);
+}
+
+TEST(PausedDrain, ADrainPausedPastTheLeaseBeforeItsFenceFreesNothingOnResuming) { PausedAnnouncedDrain(0); }
+
+TEST(PausedDrain, ADrainPausedPastTheLeaseFreesNothingUnderTheNonCoherentSimulator) {
+  for (uint64_t seed : {19u, 173u}) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    PausedAnnouncedDrain(seed);
   }
 }
 
