@@ -13,15 +13,6 @@ namespace cxlkv::pnm {
 
 namespace {
 
-// ceil(x · 2^-e) for x an fp32 value and |x| <= 127·2^e, given 2^-e: the product is exact in
-// double, and truncation then one step up is ceil without a libm call (this runs per dimension).
-int8_t CeilScaled(double x, double inv_scale) {
-  const double y = x * inv_scale;
-  auto t = static_cast<int32_t>(y);  // toward zero
-  if (static_cast<double>(t) < y) ++t;
-  return static_cast<int8_t>(t);
-}
-
 // ceil(v / 2^k) for a stored value: an arithmetic shift floors, so negate around it.
 int8_t ShiftUp(int8_t v, int k) { return static_cast<int8_t>(-((-int{v}) >> std::min(k, 31))); }
 
@@ -52,7 +43,7 @@ void ExtendPageDigest(const Geometry& g, const PageKv& page, uint32_t from, uint
   lo.assign(width, std::numeric_limits<float>::infinity());
   hi.assign(width, -std::numeric_limits<float>::infinity());
   probe.assign(width, 0.0f);
-  // The rows' min and max in fp32 first (loops the compiler vectorizes), quantized once after.
+  // The rows' min and max in fp32 first (the kernel table's fold), quantized once after.
   // x·0 is NaN exactly when x is NaN or ±inf, and NaN stays in a sum: `probe` finds them.
   const auto* slab = static_cast<const uint8_t*>(page.k);
   for (uint32_t t = from; t < to; ++t) {
@@ -63,16 +54,13 @@ void ExtendPageDigest(const Geometry& g, const PageKv& page, uint32_t from, uint
     } else {
       k.to_float(g.dtype, slab + t * g.RowBytes(), row.data(), width);
     }
-    for (uint32_t j = 0; j < width; ++j) {
-      lo[j] = row[j] < lo[j] ? row[j] : lo[j];
-      hi[j] = row[j] > hi[j] ? row[j] : hi[j];
-      probe[j] += row[j] * 0.0f;
-    }
+    k.fold_bounds(row.data(), width, lo.data(), hi.data(), probe.data());
   }
   for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
-    float sum = 0;
-    for (uint32_t d = 0; d < dim; ++d) sum += probe[uint64_t{h} * dim + d];
-    const bool finite = sum == 0;
+    const float* flo = lo.data() + uint64_t{h} * dim;
+    const float* fhi = hi.data() + uint64_t{h} * dim;
+    float max_abs = 0;
+    const bool finite = k.bounds_extent(flo, fhi, probe.data() + uint64_t{h} * dim, dim, &max_abs);
     auto* values = reinterpret_cast<int8_t*>(digest + DigestHeaderBytes(g) + uint64_t{h} * 2 * dim);
     const int old_e = static_cast<int8_t>(digest[h]);
     if (old_e == kDigestUnbounded) continue;
@@ -81,27 +69,13 @@ void ExtendPageDigest(const Geometry& g, const PageKv& page, uint32_t from, uint
       digest[h] = static_cast<uint8_t>(kDigestUnbounded);
       continue;
     }
-    const float* flo = lo.data() + uint64_t{h} * dim;
-    const float* fhi = hi.data() + uint64_t{h} * dim;
-    double m = 0;
-    for (uint32_t d = 0; d < dim; ++d) m = std::max({m, std::fabs(double{flo[d]}), std::fabs(double{fhi[d]})});
-    int e = ExponentFor(m);
+    int e = ExponentFor(max_abs);
     if (old_e != kDigestEmpty && e <= old_e) {
       e = old_e;
     } else if (old_e != kDigestEmpty) {
       for (uint32_t j = 0; j < 2 * dim; ++j) values[j] = ShiftUp(values[j], e - old_e);
     }
-    const double inv_scale = std::ldexp(1.0, -e);
-    for (uint32_t d = 0; d < dim; ++d) {
-      const int8_t up = CeilScaled(fhi[d], inv_scale), nlo = CeilScaled(-double{flo[d]}, inv_scale);
-      if (old_e == kDigestEmpty) {
-        values[2 * d] = up;
-        values[2 * d + 1] = nlo;
-      } else {
-        values[2 * d] = std::max(values[2 * d], up);
-        values[2 * d + 1] = std::max(values[2 * d + 1], nlo);
-      }
-    }
+    k.quantize_bounds(flo, fhi, dim, std::ldexp(1.0, -e), old_e != kDigestEmpty, values);
     digest[h] = static_cast<uint8_t>(static_cast<int8_t>(e));
   }
 }

@@ -39,6 +39,18 @@ struct Kernels {
   const char* name;
   // dst[i] = float(src[i]) for n elements of dtype (fp16, bf16 or fp32). REQUIRES: n % 16 == 0.
   void (*to_float)(KvDtype dtype, const void* src, float* dst, uint32_t n);
+  // Folds one row of keys into a digest's running bounds, per element: lo = row < lo ? row : lo,
+  // hi = row > hi ? row : hi (a NaN row element leaves both), probe += row·0 (NaN exactly when
+  // the element is NaN or ±inf). Every table gives the same bits. REQUIRES: n % 16 == 0.
+  void (*fold_bounds)(const float* row, uint32_t n, float* lo, float* hi, float* probe);
+  // The folded bounds of one KV head: returns whether every probe is 0 (no NaN or ±inf key),
+  // and sets *max_abs to the largest |lo[d]| or |hi[d]| (exact). REQUIRES: n % 16 == 0.
+  bool (*bounds_extent)(const float* lo, const float* hi, const float* probe, uint32_t n, float* max_abs);
+  // A digest head's values (digest.h) from its bounds: values[2d] = ceil(hi[d]·inv_scale) and
+  // values[2d + 1] = ceil(−lo[d]·inv_scale), products in double (exact for a power-of-two scale);
+  // with `merge`, each the larger of it and the value already stored. Every table gives the
+  // same bits. REQUIRES: n % 16 == 0, every |bound·inv_scale| <= 127.
+  void (*quantize_bounds)(const float* lo, const float* hi, uint32_t n, double inv_scale, bool merge, int8_t* values);
   // Σ a[i] * b[i]. REQUIRES: n % 16 == 0.
   float (*dot)(const float* a, const float* b, uint32_t n);
   // y[i] += a * x[i]. REQUIRES: n % 16 == 0.
@@ -69,6 +81,16 @@ struct Kernels {
   void (*attend_page)(KvDtype dtype, const PageHead& page, const float* q, uint32_t heads, uint32_t n, float scale,
                       float* logits, uint32_t stride, float* max, float* sum, float* acc);
 };
+
+// The digest-building kernels of the tables (digest_kernels.cc). The AVX2 and AVX-512 ones
+// REQUIRE ForIsa(kAvx2) and ForIsa(kAvx512).
+void FoldBoundsScalar(const float* row, uint32_t n, float* lo, float* hi, float* probe);
+void FoldBoundsAvx2(const float* row, uint32_t n, float* lo, float* hi, float* probe);
+void FoldBoundsAvx512(const float* row, uint32_t n, float* lo, float* hi, float* probe);
+bool BoundsExtentScalar(const float* lo, const float* hi, const float* probe, uint32_t n, float* max_abs);
+bool BoundsExtentAvx512(const float* lo, const float* hi, const float* probe, uint32_t n, float* max_abs);
+void QuantizeBoundsScalar(const float* lo, const float* hi, uint32_t n, double inv_scale, bool merge, int8_t* values);
+void QuantizeBoundsAvx512(const float* lo, const float* hi, uint32_t n, double inv_scale, bool merge, int8_t* values);
 
 // The AVX-512 table's exp_sum and attend_page (in attend_kernels.cc). REQUIRES: ForIsa(kAvx512).
 float ExpSumAvx512(float* x, uint32_t n, float shift);

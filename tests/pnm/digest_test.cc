@@ -1,10 +1,12 @@
 // The near-memory attention's kernels and page digests: every ISA's kernels agree (the digests'
-// integer scores exactly), bf16 conversions round outward, a digest grown row by row equals one
+// integer scores and bounds exactly), bf16 conversions round outward, a digest grown row by row equals one
 // built at once (exponent shifts included), and every page score is an upper bound on the page's
 // true largest q·k, for adversarial queries too.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 
@@ -111,6 +113,71 @@ TEST(PnmKernels, EveryIsaComputesTheDigestDotExactly) {
         for (uint32_t i = 0; i < heads; ++i) ASSERT_EQ(out[i], reference(q, i, v)) << "head " << i;
         k->digest_dot(worst_q.data(), heads, worst.data(), dim, out.data());
         for (uint32_t i = 0; i < heads; ++i) ASSERT_EQ(out[i], int64_t{dim} * internal::kDigestQueryMax * 127);
+      }
+    }
+  }
+}
+
+// Building a digest's bounds: the fold of key rows (signed zeros, subnormals, NaN and ±inf
+// included), the head's extent, and the int8 values (fresh and merged into stored ones) are
+// the same bits in every ISA, and the values are ceil(bound · 2^-e) exactly.
+TEST(PnmKernels, EveryIsaBuildsDigestBoundsAlike) {
+  std::mt19937_64 rng(29);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  auto pick = [&](bool with_nonfinite) {
+    switch (rng() % 16) {
+      case 0: return 0.0f;
+      case 1: return -0.0f;
+      case 2: return std::numeric_limits<float>::denorm_min() * static_cast<float>(rng() % 1000 + 1);
+      case 3: return with_nonfinite ? std::numeric_limits<float>::quiet_NaN() : 1.0f;
+      case 4: return with_nonfinite ? -std::numeric_limits<float>::infinity() : -1.0f;
+      default: return std::ldexp(unit(rng), static_cast<int>(rng() % 40) - 20);
+    }
+  };
+  for (uint32_t dim : {16u, 64u, 128u, 1024u}) {
+    for (bool with_nonfinite : {false, true}) {
+      const uint32_t rows = 1 + static_cast<uint32_t>(rng() % 17);
+      std::vector<float> keys(uint64_t{rows} * dim);
+      for (auto& x : keys) x = pick(with_nonfinite && rng() % 64 == 0);
+      std::vector<int8_t> stored(2 * dim);
+      for (auto& v : stored) v = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
+      // The scalar table is the reference, itself checked against std::ceil below.
+      const Kernels* ref = internal::ForIsa(Isa::kScalar);
+      std::vector<float> lo0(dim, std::numeric_limits<float>::infinity()), hi0(dim, -lo0[0]), probe0(dim, 0.0f);
+      for (uint32_t r = 0; r < rows; ++r) ref->fold_bounds(keys.data() + uint64_t{r} * dim, dim, lo0.data(), hi0.data(), probe0.data());
+      float max0 = -1;
+      const bool finite0 = ref->bounds_extent(lo0.data(), hi0.data(), probe0.data(), dim, &max0);
+      ASSERT_EQ(finite0, !with_nonfinite || std::all_of(keys.begin(), keys.end(), [](float x) { return std::isfinite(x); }));
+      int e = -127;
+      while (finite0 && std::ldexp(127.0, e) < max0) ++e;
+      const double inv_scale = std::ldexp(1.0, -e);
+      std::vector<int8_t> fresh0(2 * dim), merged0 = stored;
+      if (finite0) {
+        ref->quantize_bounds(lo0.data(), hi0.data(), dim, inv_scale, false, fresh0.data());
+        ref->quantize_bounds(lo0.data(), hi0.data(), dim, inv_scale, true, merged0.data());
+        for (uint32_t d = 0; d < dim; ++d) {
+          ASSERT_EQ(fresh0[2 * d], std::ceil(double{hi0[d]} * inv_scale)) << "dim " << d;
+          ASSERT_EQ(fresh0[2 * d + 1], std::ceil(-double{lo0[d]} * inv_scale)) << "dim " << d;
+          ASSERT_EQ(merged0[2 * d], std::max(stored[2 * d], fresh0[2 * d]));
+          ASSERT_EQ(merged0[2 * d + 1], std::max(stored[2 * d + 1], fresh0[2 * d + 1]));
+        }
+      }
+      for (const Kernels* k : AvailableKernels()) {
+        SCOPED_TRACE(std::string(k->name) + " dim " + std::to_string(dim));
+        std::vector<float> lo(dim, std::numeric_limits<float>::infinity()), hi(dim, -lo[0]), probe(dim, 0.0f);
+        for (uint32_t r = 0; r < rows; ++r) k->fold_bounds(keys.data() + uint64_t{r} * dim, dim, lo.data(), hi.data(), probe.data());
+        ASSERT_EQ(0, std::memcmp(lo.data(), lo0.data(), dim * sizeof(float)));
+        ASSERT_EQ(0, std::memcmp(hi.data(), hi0.data(), dim * sizeof(float)));
+        for (uint32_t d = 0; d < dim; ++d) ASSERT_EQ(std::isnan(probe[d]), std::isnan(probe0[d])) << "dim " << d;
+        float max_abs = -1;
+        ASSERT_EQ(k->bounds_extent(lo.data(), hi.data(), probe.data(), dim, &max_abs), finite0);
+        if (!finite0) continue;
+        ASSERT_EQ(max_abs, max0);
+        std::vector<int8_t> fresh(2 * dim), merged = stored;
+        k->quantize_bounds(lo.data(), hi.data(), dim, inv_scale, false, fresh.data());
+        k->quantize_bounds(lo.data(), hi.data(), dim, inv_scale, true, merged.data());
+        ASSERT_EQ(fresh, fresh0);
+        ASSERT_EQ(merged, merged0);
       }
     }
   }
