@@ -157,13 +157,19 @@ constexpr uint64_t kAhead = 4;
 
 namespace internal {
 
-SeedSample SeedSampleFor(uint64_t cap, uint64_t scored_from, uint64_t scored_end) {
-  // A rank of about 32 in the sample: the count of pages above the seed then varies by about
-  // 1/sqrt(32) = 18% on unordered scores, and expecting 1.6·cap of them puts cap 3σ below.
+SeedSample SeedSampleFor(uint64_t cap, uint64_t scored_from, uint64_t scored_end, uint32_t query_heads) {
+  // A rank of about 32 in the sample: a query head's count of pages above its seed then varies
+  // by about 1/sqrt(32) = 18% on unordered scores. A head whose count falls short of cap is
+  // scanned again (its KV head only), and a call pays that when any of its heads does, so the
+  // margin grows with the head count. Measured on random keys: expecting 1.6·cap (cap 2.1σ
+  // below), some head rescanned in 4% of the calls of 8 query heads at 1M tokens but in 84% of
+  // those of 32 at 128K; expecting 2·cap there, in none of 45, at 10% less time per page. A
+  // larger margin admits more pages: 1.6·cap up to 8 query heads, rising to 2·cap at 32.
   // Below a stride of 8 the sample costs more of a scan than the seed saves (and short budgets
   // admit few pages anyway: about 14% of pairs at 32K, budget 1/32).
   constexpr uint64_t kSampleRank = 32;
-  const uint64_t stride = cap * 16 / (10 * kSampleRank);  // 1.6·cap / rank
+  const uint64_t tenths = std::clamp<uint64_t>((960 + 10 * uint64_t{query_heads}) / 64, 16, 20);  // margin·10
+  const uint64_t stride = (cap * tenths + 10 * kSampleRank - 1) / (10 * kSampleRank);  // rounded up
   if (stride < 8 || scored_end - scored_from < 4 * stride * kSampleRank) return {};
   return {stride, scored_from + stride / 2, kSampleRank};
 }
@@ -259,6 +265,8 @@ Status SelectPages(const Geometry& g, const float* q, const uint8_t* digests, ui
         admit(first + i, p, BoundFrom(dot, scale[first + i], e, dim));
       }
     };
+    out->scan_kv_.assign(kv_heads, 1);
+    const uint8_t* scan_kv = out->scan_kv_.data();
     auto scan = [&] {
       for (uint64_t p = sinks; p < recent_from; ++p) {
         const uint8_t* page = digests + p * page_bytes;
@@ -268,6 +276,7 @@ Status SelectPages(const Geometry& g, const float* q, const uint8_t* digests, ui
         const uint8_t* ahead = p + kAhead < recent_from ? digests + (p + kAhead) * page_bytes : nullptr;
         if (ahead != nullptr) __builtin_prefetch(ahead, 0, 1);
         for (uint32_t h = 0; h < kv_heads; ++h) {  // the group's scores at once
+          if (scan_kv[h] == 0) continue;
           const uint32_t first = h * group;
           if (ahead != nullptr) {
             const uint8_t* from = ahead + header + h * head_bytes;  // not line-aligned: every line it touches
@@ -283,18 +292,25 @@ Status SelectPages(const Geometry& g, const float* q, const uint8_t* digests, ui
     // scores about cap·(1 + ln(pages/cap)) pages pass it on the way (19% of page and query head
     // pairs at 1M tokens, budget 1/32), each paying for a bound, a buffer slot and a mispredicted
     // branch. So first a strided sample of the scored pages is bounded, and each head starts at
-    // its sample's `rank`-th best bound, which about 1.6·cap pages reach: nearly every page then
-    // fails the first compare. A seed is a guess, never trusted: a head that ends with fewer than
-    // cap pages kept (its seed was above its cap-th best score) is scanned again from −inf, so the
-    // result is the exact top cap either way.
-    const internal::SeedSample seed = internal::SeedSampleFor(cap, sinks, recent_from);
+    // its sample's `rank`-th best bound, which 1.6–2·cap pages reach (SeedSampleFor): nearly
+    // every page then fails the first compare. A seed is a guess, never trusted: a head that ends
+    // with fewer than cap pages kept (its seed was above its cap-th best score) is scanned again
+    // from −inf, so the result is the exact top cap either way.
+    const internal::SeedSample seed = internal::SeedSampleFor(cap, sinks, recent_from, heads);
     if (seed.stride > 0) {
       std::vector<float>& sample = out->sample_;
       const uint64_t n = (recent_from - seed.first + seed.stride - 1) / seed.stride;
       sample.resize(n * heads);
       for (uint64_t i = 0; i < n; ++i) {
         const uint8_t* page = digests + (seed.first + i * seed.stride) * page_bytes;
-        if (i + 1 < n) __builtin_prefetch(page + seed.stride * page_bytes, 0, 1);
+        // Sample pages are far apart, so no prefetcher follows them: every line of the page two
+        // ahead is asked for (a page is 33 lines at 8 KV heads; the first alone left the rest to
+        // arrive one miss at a time).
+        if (i + 2 < n) {
+          const uint8_t* ahead = page + 2 * seed.stride * page_bytes;
+          const uint8_t* line = ahead - reinterpret_cast<uintptr_t>(ahead) % 64;
+          for (; line < ahead + page_bytes; line += 64) __builtin_prefetch(line, 0, 1);
+        }
         for (uint32_t h = 0; h < kv_heads; ++h) {
           head_scores(page, h);
           const int8_t e = static_cast<int8_t>(page[h]);
@@ -314,10 +330,14 @@ Status SelectPages(const Geometry& g, const float* q, const uint8_t* digests, ui
     scan();
     if (seed.stride > 0) {
       // Heads whose seed was too high start over; the others are shut out of the second scan
-      // (no integer score reaches INT32_MAX: |score| < 2^31 - 1, see kPassUnknown).
+      // (no integer score reaches INT32_MAX: |score| < 2^31 - 1, see kPassUnknown), and only the
+      // KV heads of their groups are scored again. Scoring every KV head again cost a whole second
+      // scan, and some head rescans in most calls of 32 query heads (each about 3% at 128K).
+      std::fill(out->scan_kv_.begin(), out->scan_kv_.end(), uint8_t{0});  // the scan's pointer stays valid
       for (uint32_t head = 0; head < heads; ++head) {
         const bool again = kept_size[head] < cap;
         out->rescanned_heads_ += again ? 1 : 0;
+        if (again) out->scan_kv_[head / group] = 1;
         if (again) {
           threshold[head] = -std::numeric_limits<float>::infinity();
           kept_size[head] = 0;

@@ -101,6 +101,7 @@ class Selection {
   std::vector<int32_t> pass_from_;
   std::vector<float> sample_;  // per query head, the seed sample's bounds
   uint32_t rescanned_heads_ = 0;
+  std::vector<uint8_t> scan_kv_;  // per KV head, whether the scan scores it (the second: only rescanned groups)
 };
 
 namespace internal {
@@ -111,8 +112,9 @@ struct SeedSample {
   uint64_t first = 0;
   uint64_t rank = 0;
 };
-// For `cap` pages chosen by score among the scored pages [scored_from, scored_end).
-SeedSample SeedSampleFor(uint64_t cap, uint64_t scored_from, uint64_t scored_end);
+// For `cap` pages chosen by score among the scored pages [scored_from, scored_end), for a call
+// of `query_heads` query heads.
+SeedSample SeedSampleFor(uint64_t cap, uint64_t scored_from, uint64_t scored_end, uint32_t query_heads);
 }  // namespace internal
 
 // The upper bound that SelectPages ranks by, for one query head (of KV head `kv_head`) and one

@@ -218,7 +218,7 @@ TEST(PnmSelect, SeededThresholdsGiveTheReferenceSelection) {
     o.sink_pages = 1 + static_cast<uint32_t>(rng() % 2);
     o.recent_pages = 1;
     const uint64_t cap = o.budget_tokens / g.page_tokens - o.sink_pages - o.recent_pages;
-    ASSERT_GT(internal::SeedSampleFor(cap, o.sink_pages, pages - o.recent_pages).stride, 0u) << what;
+    ASSERT_GT(internal::SeedSampleFor(cap, o.sink_pages, pages - o.recent_pages, g.num_heads).stride, 0u) << what;
     Selection sel;
     ASSERT_NO_FATAL_FAILURE(ExpectSelectsTheReference(g, q, digests, tokens, o, sel, what));
   }
@@ -237,7 +237,7 @@ TEST(PnmSelect, AHeadWhoseSeedWasTooHighIsScannedAgain) {
   o.budget_tokens = 402;
   o.sink_pages = 1;
   o.recent_pages = 1;
-  const internal::SeedSample seed = internal::SeedSampleFor(400, 1, pages - 1);
+  const internal::SeedSample seed = internal::SeedSampleFor(400, 1, pages - 1, g.num_heads);
   ASSERT_GT(seed.stride, 0u);
   uint64_t planted = 0;
   for (uint64_t p = seed.first; p < pages - 1; p += seed.stride, ++planted) {
@@ -262,6 +262,29 @@ TEST(PnmSelect, AHeadWhoseSeedWasTooHighIsScannedAgain) {
   std::vector<float> q2 = testing::RandomQuery(g, rng);
   for (uint32_t i = 0; i < q2.size(); i += 2) q2[i] = -std::fabs(q2[i]);
   ASSERT_NO_FATAL_FAILURE(ExpectSelectsTheReference(g, q2, digests, pages, o, sel, "unplanted"));
+}
+
+// The second scan scores only the KV heads whose group has a head to scan again: here the
+// sample's pages are the best ones for KV head 1 alone, so its group rescans and KV head 0's
+// does not, and both selections are still exactly the reference.
+TEST(PnmSelect, OnlyTheGroupsWhoseSeedWasTooHighAreScannedAgain) {
+  Geometry g = testing::MakeGeometry(4, 2, 32, 1);
+  const uint64_t pages = 7000;
+  std::mt19937_64 rng(101);
+  TestContext c(g, pages);
+  c.FillNormal(rng, 0.1f);
+  SelectOptions o;
+  o.budget_tokens = 402;
+  const internal::SeedSample seed = internal::SeedSampleFor(400, 1, pages - 1, g.num_heads);
+  ASSERT_GT(seed.stride, 0u);
+  for (uint64_t p = seed.first; p < pages - 1; p += seed.stride) {
+    for (uint32_t d = 0; d < g.head_dim; ++d) c.SetKey(p, 1, d, 4.0f);
+  }
+  const auto digests = c.Digests();
+  std::vector<float> q(uint64_t{g.num_heads} * g.head_dim, 1.0f);
+  Selection sel;
+  ASSERT_NO_FATAL_FAILURE(ExpectSelectsTheReference(g, q, digests, pages, o, sel, "planted on KV head 1"));
+  EXPECT_EQ(sel.rescanned_heads(), g.group());
 }
 
 // A needle key whose logit beats the largest bound any noise page can reach by `margin`, for one
