@@ -471,21 +471,21 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void DigestDotAvx512Vnni(
 
 constexpr Kernels kScalar{Isa::kScalar,   "scalar",        ToFloatScalar,   FoldBoundsScalar, BoundsExtentScalar,
                           QuantizeBoundsScalar, DotScalar,
-                          AxpyScalar,     DigestDotScalar, GroupDotScalar, GroupAxpyScalar,  ExpSumScalar,
+                          AxpyScalar,     DigestDotScalar, nullptr, GroupDotScalar, GroupAxpyScalar,  ExpSumScalar,
                           nullptr};
 // The AVX2 table finishes digests with the scalar kernels (a head's 128 dimensions once per
 // page, against the fold's once per key row).
 constexpr Kernels kAvx2{Isa::kAvx2,   "avx2",        ToFloatAvx2,   FoldBoundsAvx2, BoundsExtentScalar,
                         QuantizeBoundsScalar, DotAvx2,
-                        AxpyAvx2,     DigestDotAvx2, GroupDotAvx2, GroupAxpyAvx2,  ExpSumAvx2,
+                        AxpyAvx2,     DigestDotAvx2, nullptr, GroupDotAvx2, GroupAxpyAvx2,  ExpSumAvx2,
                         nullptr};
 constexpr Kernels kAvx512{Isa::kAvx512,   "avx512",        ToFloatAvx512,   FoldBoundsAvx512, BoundsExtentAvx512,
                           QuantizeBoundsAvx512, DotAvx512,
-                          AxpyAvx512,     DigestDotAvx512, GroupDotAvx512, GroupAxpyAvx512,  ExpSumAvx512,
+                          AxpyAvx512,     DigestDotAvx512, nullptr, GroupDotAvx512, GroupAxpyAvx512,  ExpSumAvx512,
                           AttendPageAvx512};
 constexpr Kernels kAvx512Vnni{Isa::kAvx512Vnni, "avx512vnni",        ToFloatAvx512,   FoldBoundsAvx512, BoundsExtentAvx512,
                               QuantizeBoundsAvx512, DotAvx512,
-                              AxpyAvx512,       DigestDotAvx512Vnni, GroupDotAvx512, GroupAxpyAvx512,  ExpSumAvx512,
+                              AxpyAvx512,       DigestDotAvx512Vnni, DigestDotBlockAvx512Vnni, GroupDotAvx512, GroupAxpyAvx512,  ExpSumAvx512,
                               AttendPageAvx512};
 
 const Kernels& Choose() {

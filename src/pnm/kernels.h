@@ -60,6 +60,12 @@ struct Kernels {
   // int8 digest values (|v| <= 127). Exact in int32 for n <= 1024, so every table gives the same
   // result. REQUIRES: n % 16 == 0.
   void (*digest_dot)(const int16_t* q, uint32_t heads, const int8_t* rows, uint32_t n, int32_t* out);
+  // digest_dot over `pages` digests at rows + p·stride: out[p·heads + i], the same sums. The
+  // query stays in registers across the pages where it fits (n <= 128, two heads at a time):
+  // loading it again for every page held digest_dot to the load ports. Null where the table has
+  // none: SelectPages then calls digest_dot page by page.
+  void (*digest_dot_block)(const int16_t* q, uint32_t heads, const int8_t* rows, uint64_t stride, uint32_t pages,
+                           uint32_t n, int32_t* out);
 
   // The group kernels: one row of KV (dtype) read and widened once for the `heads` query heads
   // of a GQA group, whose vectors are consecutive (q[i·n .. i·n + n)). REQUIRES: n % 16 == 0.
@@ -91,6 +97,9 @@ bool BoundsExtentScalar(const float* lo, const float* hi, const float* probe, ui
 bool BoundsExtentAvx512(const float* lo, const float* hi, const float* probe, uint32_t n, float* max_abs);
 void QuantizeBoundsScalar(const float* lo, const float* hi, uint32_t n, double inv_scale, bool merge, int8_t* values);
 void QuantizeBoundsAvx512(const float* lo, const float* hi, uint32_t n, double inv_scale, bool merge, int8_t* values);
+// The VNNI table's digest_dot_block (digest_kernels.cc). REQUIRES: ForIsa(kAvx512Vnni).
+void DigestDotBlockAvx512Vnni(const int16_t* q, uint32_t heads, const int8_t* rows, uint64_t stride, uint32_t pages,
+                              uint32_t n, int32_t* out);
 
 // The AVX-512 table's exp_sum and attend_page (in attend_kernels.cc). REQUIRES: ForIsa(kAvx512).
 float ExpSumAvx512(float* x, uint32_t n, float shift);

@@ -101,6 +101,7 @@ class Selection {
   std::vector<int32_t> pass_from_;
   std::vector<float> sample_;  // per query head, the seed sample's bounds
   uint32_t rescanned_heads_ = 0;
+  std::vector<int32_t> block_dots_;  // a block of pages' integer scores for one KV head's group
   std::vector<uint8_t> scan_kv_;  // per KV head, whether the scan scores it (the second: only rescanned groups)
 };
 

@@ -118,6 +118,42 @@ TEST(PnmKernels, EveryIsaComputesTheDigestDotExactly) {
   }
 }
 
+// digest_dot_block, where a table has it, gives every page's sums exactly as digest_dot: head
+// sizes whose query stays in registers and others, odd head counts, odd page counts, rows at a
+// stride, the largest products.
+TEST(PnmKernels, TheBlockDigestDotEqualsThePageByPageOne) {
+  std::mt19937_64 rng(23);
+  std::uniform_int_distribution<int> value(-127, 127), query(0, internal::kDigestQueryMax);
+  for (uint32_t dim : {16u, 32u, 48u, 64u, 128u, 256u}) {
+    for (uint32_t heads : {1u, 2u, 3u, 4u, 8u}) {
+      for (uint32_t pages : {1u, 2u, 5u, 16u}) {
+        const uint64_t stride = 2 * dim + 16 * (rng() % 4);
+        std::vector<int8_t> rows(pages * stride);
+        for (auto& x : rows) x = static_cast<int8_t>(value(rng));
+        std::vector<int16_t> q(uint64_t{heads} * 2 * dim);
+        for (uint32_t j = 0; j < q.size(); j += 2) {
+          const int16_t m = static_cast<int16_t>(query(rng));
+          q[j] = rng() & 1 ? m : 0;
+          q[j + 1] = q[j] == 0 ? m : 0;
+        }
+        if (pages == 16) {  // the largest sums: every product at 16383 × 127
+          for (uint64_t j = 0; j < rows.size(); ++j) rows[j] = j % 2 == 0 ? 127 : -127;
+          for (uint32_t j = 0; j < q.size(); j += 2) q[j] = internal::kDigestQueryMax, q[j + 1] = 0;
+        }
+        for (const Kernels* k : AvailableKernels()) {
+          if (k->digest_dot_block == nullptr) continue;
+          SCOPED_TRACE(std::string(k->name) + " dim " + std::to_string(dim) + " heads " + std::to_string(heads) +
+                       " pages " + std::to_string(pages));
+          std::vector<int32_t> got(uint64_t{pages} * heads, -1), want(uint64_t{pages} * heads, -2);
+          k->digest_dot_block(q.data(), heads, rows.data(), stride, pages, dim, got.data());
+          for (uint32_t p = 0; p < pages; ++p) k->digest_dot(q.data(), heads, rows.data() + p * stride, dim, want.data() + p * heads);
+          ASSERT_EQ(got, want);
+        }
+      }
+    }
+  }
+}
+
 // Building a digest's bounds: the fold of key rows (signed zeros, subnormals, NaN and ±inf
 // included), the head's extent, and the int8 values (fresh and merged into stored ones) are
 // the same bits in every ISA, and the values are ceil(bound · 2^-e) exactly.
