@@ -160,10 +160,12 @@ __attribute__((target("avx512f,avx512bw"))) inline void Sums4(__m512i a0, __m512
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), x);
 }
 
-// Two query heads (qa, qb: kChunks vectors of 32 int16 each, in registers) against every page,
-// two pages at a time: four accumulators reduced together. out[p·heads] and out[p·heads + 1].
+// Two query heads (qa, qb: kChunks vectors of 32 int16 each) against every page, two pages at a
+// time: four accumulators reduced together. out[p·heads] and out[p·heads + 1]. Always inlined:
+// called, it took qa and qb from the caller's stack for every multiply-add, and the query was
+// loaded per page again.
 template <uint32_t kChunks>
-CXLKV_VNNI void TwoHeadsOverPages(const __m512i* qa, const __m512i* qb,
+CXLKV_VNNI inline __attribute__((always_inline)) void TwoHeadsOverPages(const __m512i* qa, const __m512i* qb,
                                                                              const int8_t* rows, uint64_t stride,
                                                                              uint32_t pages, uint32_t heads,
                                                                              int32_t* out) {
