@@ -12,6 +12,7 @@
 
 #include <gtest/gtest.h>
 
+#include "child.h"
 #include "pool_test_util.h"
 
 namespace cxlkv::testing {
@@ -59,6 +60,22 @@ inline void ExpectEverythingReturned(std::unique_ptr<Pool>& survivor, const std:
   survivor.reset();
   EXPECT_EQ(FreeChunks(paths), total_free_chunks) << "chunks leaked";
   ExpectNoProblems(paths);
+}
+
+// A process that opens the pool as `node` and frees each of `count` offsets the parent sends
+// (through the owner's ring where another node owns it), then reports 1. Exit 0: all freed.
+inline Child ForkFreer(const std::vector<std::string>& paths, uint32_t node, uint64_t sim_seed, uint64_t count) {
+  return Child::Fork([&paths, node, sim_seed, count](int in, int out) {
+    auto p = OpenOrNull(paths, node, sim_seed);
+    if (!p) return 1;
+    for (uint64_t i = 0; i < count; ++i) {
+      uint64_t off;
+      if (!Get(in, &off)) return 2;
+      Status s = p->Free(off);
+      CHILD_CHECK(s.ok(), "free: %s", s.ToString().c_str());
+    }
+    return Put(out, 1) ? 0 : 4;
+  });
 }
 
 }  // namespace cxlkv::testing

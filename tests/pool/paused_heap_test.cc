@@ -159,17 +159,7 @@ void PausedAnnouncedDrain(uint64_t seed) {
     p->impl().allocator->TestHookDrain(nullptr, nullptr, nullptr);
     return 0;
   });
-  Child freer = Child::Fork([&](int in, int out) {
-    auto p = OpenOrNull(paths, 1, seed ? seed + 1 : 0);
-    if (!p) return 1;
-    for (uint64_t i = 0; i < kObjects; ++i) {
-      uint64_t off;
-      if (!Get(in, &off)) return 2;
-      Status s = p->Free(off);
-      CHILD_CHECK(s.ok(), "free: %s", s.ToString().c_str());
-    }
-    return Put(out, 1) ? 0 : 4;
-  });
+  Child freer = testing::ForkFreer(paths, 1, seed ? seed + 1 : 0, kObjects);
   auto survivor = OpenOrNull(paths, 0, seed);  // manages the pool, recovers node 2
   ASSERT_TRUE(survivor);
   std::vector<uint64_t> offs(kObjects);

@@ -185,17 +185,7 @@ bool DrainerKilledAfterClaiming(uint64_t sim_seed) {
     p->impl().allocator->TestHookDrain(nullptr, nullptr);
     return 0;
   });
-  Child freer = Child::Fork([&](int in, int out) {
-    auto p = OpenOrNull(paths, 1, sim_seed ? sim_seed + 1 : 0);
-    if (!p) return 1;
-    for (uint64_t i = 0; i < kObjects; ++i) {
-      uint64_t off;
-      if (!Get(in, &off)) return 2;
-      Status s = p->Free(off);
-      CHILD_CHECK(s.ok(), "free: %s", s.ToString().c_str());
-    }
-    return Put(out, 1) ? 0 : 4;
-  });
+  Child freer = testing::ForkFreer(paths, 1, sim_seed ? sim_seed + 1 : 0, kObjects);
   auto survivor = OpenOrNull(paths, 0, sim_seed);
   EXPECT_TRUE(survivor);
   // Whatever happens below, node 2's second process is let go and leaves: nothing stays blocked.
