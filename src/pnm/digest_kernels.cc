@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "pnm/int_sums.h"
 #include "pnm/kernels.h"
 
 namespace cxlkv::pnm::internal {
@@ -149,17 +150,6 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512i Widen32(const int8_t*
   return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// The four sums of a0..a3 into out[0..4) (integers: any order gives the same sums).
-__attribute__((target("avx512f,avx512bw"))) inline void Sums4(__m512i a0, __m512i a1, __m512i a2, __m512i a3,
-                                                             int32_t* out) {
-  const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
-  const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
-  const __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
-  const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
-  const __m128i x = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), x);
-}
-
 // Two query heads (qa, qb: kChunks vectors of 32 int16 each) against every page, two pages at a
 // time: four accumulators reduced together. out[p·heads] and out[p·heads + 1]. Always inlined:
 // called, it took qa and qb from the caller's stack for every multiply-add, and the query was
@@ -183,7 +173,7 @@ CXLKV_VNNI inline __attribute__((always_inline)) void TwoHeadsOverPages(const __
       b1 = MulAdd(b1, v1, qb[c]);
     }
     alignas(16) int32_t sums[4];
-    Sums4(a0, b0, a1, b1, sums);
+    StoreSums4(a0, b0, a1, b1, sums);
     out[uint64_t{p} * heads] = sums[0];
     out[uint64_t{p} * heads + 1] = sums[1];
     out[uint64_t{p + 1} * heads] = sums[2];
@@ -199,7 +189,7 @@ CXLKV_VNNI inline __attribute__((always_inline)) void TwoHeadsOverPages(const __
       b0 = MulAdd(b0, v0, qb[c]);
     }
     alignas(16) int32_t sums[4];
-    Sums4(a0, b0, a0, b0, sums);
+    StoreSums4(a0, b0, a0, b0, sums);
     out[uint64_t{p} * heads] = sums[0];
     out[uint64_t{p} * heads + 1] = sums[1];
   }
@@ -232,39 +222,25 @@ CXLKV_VNNI void DigestDotBlockT(const int16_t* q, uint32_t heads,
   }
 }
 
-// Head sizes whose two heads' query fits in registers (2·n/32 vectors each); others go page by
-// page through the same arithmetic, the query loaded per page.
-CXLKV_VNNI void DigestDotBlockAny(const int16_t* q, uint32_t heads,
-                                                                             const int8_t* rows, uint64_t stride,
-                                                                             uint32_t pages, uint32_t n,
-                                                                             int32_t* out) {
-  switch (n) {
-    case 128:
-      return DigestDotBlockT<8>(q, heads, rows, stride, pages, out);
-    case 64:
-      return DigestDotBlockT<4>(q, heads, rows, stride, pages, out);
-    case 32:
-      return DigestDotBlockT<2>(q, heads, rows, stride, pages, out);
-    default:
-      break;
-  }
-  const uint32_t len = 2 * n;
-  for (uint32_t p = 0; p < pages; ++p) {
-    const int8_t* r = rows + p * stride;
-    for (uint32_t i = 0; i < heads; ++i) {
-      const int16_t* qi = q + uint64_t{i} * len;
-      __m512i a = _mm512_setzero_si512();
-      for (uint32_t j = 0; j < len; j += 32) a = MulAdd(a, Widen32(r + j), _mm512_loadu_si512(qi + j));
-      out[uint64_t{p} * heads + i] = _mm512_reduce_add_epi32(a);
-    }
-  }
-}
-
 }  // namespace
 
-CXLKV_VNNI void DigestDotBlockAvx512Vnni(const int16_t* q, uint32_t heads, const int8_t* rows, uint64_t stride,
+// Head sizes whose two heads' query fits in registers (n/16 vectors each); others are left to
+// digest_dot, page by page.
+CXLKV_VNNI bool DigestDotBlockAvx512Vnni(const int16_t* q, uint32_t heads, const int8_t* rows, uint64_t stride,
                                          uint32_t pages, uint32_t n, int32_t* out) {
-  DigestDotBlockAny(q, heads, rows, stride, pages, n, out);
+  switch (n) {
+    case 128:
+      DigestDotBlockT<8>(q, heads, rows, stride, pages, out);
+      return true;
+    case 64:
+      DigestDotBlockT<4>(q, heads, rows, stride, pages, out);
+      return true;
+    case 32:
+      DigestDotBlockT<2>(q, heads, rows, stride, pages, out);
+      return true;
+    default:
+      return false;
+  }
 }
 #undef CXLKV_VNNI
 

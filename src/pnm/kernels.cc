@@ -9,6 +9,7 @@
 #include <cstring>
 #include <string_view>
 
+#include "pnm/int_sums.h"
 #include "region/cpu.h"
 
 namespace cxlkv::pnm::internal {
@@ -393,19 +394,7 @@ CXLKV_AVX512 void GroupAxpyAvx512(KvDtype dtype, const void* row, const float* w
   }
 }
 
-// out[0..4) = the sums of a0..a3's lanes, at once: interleave and add within 128-bit lanes until
-// each lane holds [a0, a1, a2, a3] partials, then fold the lanes (integers: any order gives the
-// same sum). Shared by both digest dot products (the VNNI one's target includes this one's).
-__attribute__((target("avx512f,avx512bw"))) inline void StoreSums4(__m512i a0, __m512i a1, __m512i a2, __m512i a3,
-                                                                  int32_t* out) {
-  const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
-  const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
-  const __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
-  const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
-  const __m128i x = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), x);
-}
-
+// StoreSums4 (int_sums.h) reduces four heads' accumulators at once.
 // 32 digest values widened to int16 once for every head (AVX-512BW).
 __attribute__((target("avx512f,avx512bw"))) void DigestDotAvx512(const int16_t* q, uint32_t heads,
                                                                   const int8_t* rows, uint32_t n, int32_t* out) {

@@ -60,11 +60,12 @@ struct Kernels {
   // int8 digest values (|v| <= 127). Exact in int32 for n <= 1024, so every table gives the same
   // result. REQUIRES: n % 16 == 0.
   void (*digest_dot)(const int16_t* q, uint32_t heads, const int8_t* rows, uint32_t n, int32_t* out);
-  // digest_dot over `pages` digests at rows + p·stride: out[p·heads + i], the same sums. The
-  // query stays in registers across the pages where it fits (n <= 128, two heads at a time):
-  // loading it again for every page held digest_dot to the load ports. Null where the table has
-  // none: SelectPages then calls digest_dot page by page.
-  void (*digest_dot_block)(const int16_t* q, uint32_t heads, const int8_t* rows, uint64_t stride, uint32_t pages,
+  // digest_dot over `pages` digests at rows + p·stride: out[p·heads + i], the same sums, with
+  // the query held in registers across the pages (two heads at a time): loading it again for
+  // every page held digest_dot to the load ports. Returns false, having written nothing, for a
+  // head size it does not hold (it holds 32, 64 and 128). Null where the table has none. Either
+  // way SelectPages then calls digest_dot page by page.
+  bool (*digest_dot_block)(const int16_t* q, uint32_t heads, const int8_t* rows, uint64_t stride, uint32_t pages,
                            uint32_t n, int32_t* out);
 
   // The group kernels: one row of KV (dtype) read and widened once for the `heads` query heads
@@ -98,7 +99,7 @@ bool BoundsExtentAvx512(const float* lo, const float* hi, const float* probe, ui
 void QuantizeBoundsScalar(const float* lo, const float* hi, uint32_t n, double inv_scale, bool merge, int8_t* values);
 void QuantizeBoundsAvx512(const float* lo, const float* hi, uint32_t n, double inv_scale, bool merge, int8_t* values);
 // The VNNI table's digest_dot_block (digest_kernels.cc). REQUIRES: ForIsa(kAvx512Vnni).
-void DigestDotBlockAvx512Vnni(const int16_t* q, uint32_t heads, const int8_t* rows, uint64_t stride, uint32_t pages,
+bool DigestDotBlockAvx512Vnni(const int16_t* q, uint32_t heads, const int8_t* rows, uint64_t stride, uint32_t pages,
                               uint32_t n, int32_t* out);
 
 // The AVX-512 table's exp_sum and attend_page (in attend_kernels.cc). REQUIRES: ForIsa(kAvx512).

@@ -291,9 +291,7 @@ Status SelectPages(const Geometry& g, const float* q, const uint8_t* digests, ui
           }
           const int16_t* hq = quantized + uint64_t{h} * group * 2 * dim;
           const auto* rows = reinterpret_cast<const int8_t*>(block + header + h * head_bytes);
-          if (k.digest_dot_block != nullptr) {
-            k.digest_dot_block(hq, group, rows, page_bytes, np, dim, block_dots);
-          } else {
+          if (k.digest_dot_block == nullptr || !k.digest_dot_block(hq, group, rows, page_bytes, np, dim, block_dots)) {
             for (uint32_t j = 0; j < np; ++j) k.digest_dot(hq, group, rows + j * page_bytes, dim, block_dots + j * group);
           }
           for (uint32_t j = 0; j < np; ++j) filter(p0 + j, block + j * page_bytes, h, block_dots + uint64_t{j} * group);

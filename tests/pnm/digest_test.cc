@@ -118,9 +118,9 @@ TEST(PnmKernels, EveryIsaComputesTheDigestDotExactly) {
   }
 }
 
-// digest_dot_block, where a table has it, gives every page's sums exactly as digest_dot: head
-// sizes whose query stays in registers and others, odd head counts, odd page counts, rows at a
-// stride, the largest products.
+// digest_dot_block, where a table has it, gives every page's sums exactly as digest_dot for the
+// head sizes it holds in registers and declines the others: odd head counts, odd page counts,
+// rows at a stride, the largest products.
 TEST(PnmKernels, TheBlockDigestDotEqualsThePageByPageOne) {
   std::mt19937_64 rng(23);
   std::uniform_int_distribution<int> value(-127, 127), query(0, internal::kDigestQueryMax);
@@ -145,7 +145,9 @@ TEST(PnmKernels, TheBlockDigestDotEqualsThePageByPageOne) {
           SCOPED_TRACE(std::string(k->name) + " dim " + std::to_string(dim) + " heads " + std::to_string(heads) +
                        " pages " + std::to_string(pages));
           std::vector<int32_t> got(uint64_t{pages} * heads, -1), want(uint64_t{pages} * heads, -2);
-          k->digest_dot_block(q.data(), heads, rows.data(), stride, pages, dim, got.data());
+          const bool held = dim == 32 || dim == 64 || dim == 128;  // the sizes it keeps in registers
+          ASSERT_EQ(k->digest_dot_block(q.data(), heads, rows.data(), stride, pages, dim, got.data()), held);
+          if (!held) continue;
           for (uint32_t p = 0; p < pages; ++p) k->digest_dot(q.data(), heads, rows.data() + p * stride, dim, want.data() + p * heads);
           ASSERT_EQ(got, want);
         }
