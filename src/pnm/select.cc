@@ -251,19 +251,48 @@ Status SelectPages(const Geometry& g, const float* q, const uint8_t* digests, ui
     // The filter: one integer compare per query head against the least score that can reach
     // its threshold at this exponent. Below it, the page head's bound is below the threshold
     // exactly (PassFrom searches with the bound itself), so only the pages that pass pay for
-    // the float bound.
-    auto filter = [&](uint64_t p, const uint8_t* page, uint32_t h, const int32_t* head_dots) {
+    // the float bound. `pass` takes one (page, query head) pair that passed a compare, perhaps
+    // against a threshold since raised: it compares again.
+    auto pass = [&](uint64_t p, const uint8_t* page, uint32_t head, int32_t dot) {
+      const int8_t e = static_cast<int8_t>(page[head / group]);
+      int32_t& from = pass_from[(e + 128) * heads + head];
+      if (dot < from) return;
+      if (from == kPassUnknown) {
+        from = PassFrom(scale[head], e, dim, threshold[head]);
+        if (dot < from) return;
+      }
+      admit(head, p, BoundFrom(dot, scale[head], e, dim));
+    };
+    // A block's compares first, without a branch, into a mask; then the few pairs that passed
+    // (about 5% at 1M tokens, budget 1/32), in page order. A branch on every compare, which
+    // mispredicts on most pairs that pass, cost a quarter of the scan: cold, per page and KV
+    // head, 30 → 26 ns at 1M tokens (2 KV heads) and 34 → 30 at 128K (8), AMD VM. Thresholds
+    // only rise while a block is filtered, so a pair that failed the mask's compare fails the
+    // current one too; `pass` compares the others again. Above a group of 64, page by page.
+    const uint32_t mask_pages = group <= 64 ? 64 / group : 0;
+    auto filter_block = [&](uint64_t p0, const uint8_t* block, uint32_t np, uint32_t h, const int32_t* dots_of) {
       const uint32_t first = h * group;
-      const int8_t e = static_cast<int8_t>(page[h]);
-      int32_t* from = pass_from + (e + 128) * heads + first;
-      for (uint32_t i = 0; i < group; ++i) {
-        const int32_t dot = head_dots[i];
-        if (dot < from[i]) continue;
-        if (from[i] == kPassUnknown) {
-          from[i] = PassFrom(scale[first + i], e, dim, threshold[first + i]);
-          if (dot < from[i]) continue;
+      if (mask_pages == 0) {
+        for (uint32_t j = 0; j < np; ++j) {
+          for (uint32_t i = 0; i < group; ++i) pass(p0 + j, block + j * page_bytes, first + i, dots_of[uint64_t{j} * group + i]);
         }
-        admit(first + i, p, BoundFrom(dot, scale[first + i], e, dim));
+        return;
+      }
+      for (uint32_t j0 = 0; j0 < np; j0 += mask_pages) {
+        const uint32_t end = std::min(np, j0 + mask_pages);
+        uint64_t mask = 0;
+        for (uint32_t j = j0; j < end; ++j) {
+          const int8_t e = static_cast<int8_t>(block[j * page_bytes + h]);
+          const int32_t* from = pass_from + (e + 128) * heads + first;
+          const int32_t* d = dots_of + uint64_t{j} * group;
+          const uint32_t at = (j - j0) * group;
+          for (uint32_t i = 0; i < group; ++i) mask |= uint64_t{d[i] >= from[i]} << (at + i);
+        }
+        for (; mask != 0; mask &= mask - 1) {
+          const uint32_t bit = static_cast<uint32_t>(std::countr_zero(mask));
+          const uint32_t j = j0 + bit / group, i = bit % group;
+          pass(p0 + j, block + j * page_bytes, first + i, dots_of[uint64_t{j} * group + i]);
+        }
       }
     };
     out->scan_kv_.assign(kv_heads, 1);
@@ -294,7 +323,7 @@ Status SelectPages(const Geometry& g, const float* q, const uint8_t* digests, ui
           if (k.digest_dot_block == nullptr || !k.digest_dot_block(hq, group, rows, page_bytes, np, dim, block_dots)) {
             for (uint32_t j = 0; j < np; ++j) k.digest_dot(hq, group, rows + j * page_bytes, dim, block_dots + j * group);
           }
-          for (uint32_t j = 0; j < np; ++j) filter(p0 + j, block + j * page_bytes, h, block_dots + uint64_t{j} * group);
+          filter_block(p0, block, np, h, block_dots);
         }
       }
     };

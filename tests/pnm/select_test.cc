@@ -224,6 +224,39 @@ TEST(PnmSelect, SeededThresholdsGiveTheReferenceSelection) {
   }
 }
 
+// The scan's filter takes a block's compares into a 64-bit mask, 64 / group pages at a time, and
+// falls back to a page at a time above a group of 64: GQA ratios that split a block unevenly (3,
+// 7, 12) and one past the mask (72), unseeded and seeded budgets. Equal to the reference.
+TEST(PnmSelect, EveryGroupWidthFiltersAlike) {
+  std::mt19937_64 rng(515);
+  int trial = 0;
+  for (const uint32_t group : {3u, 7u, 12u, 72u}) {
+    for (const bool seeded : {false, true}) {
+      Geometry g = testing::MakeGeometry(group * 2, 2, 16, 1 + static_cast<uint32_t>(rng() % 4));
+      g.dtype = trial % 2 == 0 ? KvDtype::kFp16 : KvDtype::kBf16;
+      g.head_major = trial % 3 == 0;
+      const uint64_t pages = seeded ? 9000 + rng() % 2000 : 500 + rng() % 1500;
+      const uint64_t tokens = pages * g.page_tokens - rng() % g.page_tokens;
+      const std::string what = "group " + std::to_string(group) + (seeded ? ", seeded" : "");
+      TestContext c(g, tokens);
+      auto digests = NoisyDigestsWithTies(c, rng, trial, 2, 3);
+      ASSERT_FALSE(digests.empty()) << what;
+      auto q = testing::RandomQuery(g, rng);
+      SelectOptions o;
+      o.budget_tokens = static_cast<uint32_t>(g.page_tokens * (seeded ? 300 + rng() % 200 : 2 + rng() % (pages / 40)));
+      o.sink_pages = 1;
+      o.recent_pages = 1;
+      if (seeded) {
+        const uint64_t cap = o.budget_tokens / g.page_tokens - 2;
+        ASSERT_GT(internal::SeedSampleFor(cap, 1, pages - 1, g.num_heads).stride, 0u) << what;
+      }
+      Selection sel;
+      ASSERT_NO_FATAL_FAILURE(ExpectSelectsTheReference(g, q, digests, tokens, o, sel, what));
+      ++trial;
+    }
+  }
+}
+
 // The seed is a guess from a sample: here the sampled pages are exactly the best ones, so each
 // head's seed sits above all but a few dozen pages, fewer than the budget. Every head must be
 // scanned again from −inf, and the selection is still exactly the reference.
