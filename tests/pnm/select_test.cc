@@ -257,67 +257,74 @@ TEST(PnmSelect, EveryGroupWidthFiltersAlike) {
   }
 }
 
+// A context of 7000 one-token pages (4 query heads over 2 KV heads) with normal keys, and the
+// budget of the two tests below: 400 pages by score, one sink and one recent page. Plant() sets
+// every key of the seed sample's pages to 4.0 for the given KV heads: for a query of ones they
+// are then those heads' best pages, so each head's seed (its sample's best bounds) sits above
+// all but the planted pages.
+struct PlantedSeedContext {
+  static constexpr uint64_t kPages = 7000;
+  Geometry g = testing::MakeGeometry(4, 2, 32, 1);
+  TestContext c{g, kPages};
+  SelectOptions o;
+  internal::SeedSample seed = internal::SeedSampleFor(400, 1, kPages - 1, g.num_heads);
+  std::vector<float> ones = std::vector<float>(uint64_t{g.num_heads} * g.head_dim, 1.0f);
+
+  explicit PlantedSeedContext(std::mt19937_64& rng) {
+    c.FillNormal(rng, 0.1f);
+    o.budget_tokens = 402;
+    o.sink_pages = 1;
+    o.recent_pages = 1;
+  }
+  // Returns how many pages were planted.
+  uint64_t Plant(std::initializer_list<uint32_t> kv_heads) {
+    uint64_t planted = 0;
+    for (uint64_t p = seed.first; p < kPages - 1; p += seed.stride, ++planted) {
+      for (uint32_t h : kv_heads) {
+        for (uint32_t d = 0; d < g.head_dim; ++d) c.SetKey(p, h, d, 4.0f);
+      }
+    }
+    return planted;
+  }
+};
+
 // The seed is a guess from a sample: here the sampled pages are exactly the best ones, so each
 // head's seed sits above all but a few dozen pages, fewer than the budget. Every head must be
 // scanned again from −inf, and the selection is still exactly the reference.
 TEST(PnmSelect, AHeadWhoseSeedWasTooHighIsScannedAgain) {
-  Geometry g = testing::MakeGeometry(4, 2, 32, 1);
-  const uint64_t pages = 7000;
   std::mt19937_64 rng(99);
-  TestContext c(g, pages);
-  c.FillNormal(rng, 0.1f);
-  SelectOptions o;
-  o.budget_tokens = 402;
-  o.sink_pages = 1;
-  o.recent_pages = 1;
-  const internal::SeedSample seed = internal::SeedSampleFor(400, 1, pages - 1, g.num_heads);
-  ASSERT_GT(seed.stride, 0u);
-  uint64_t planted = 0;
-  for (uint64_t p = seed.first; p < pages - 1; p += seed.stride, ++planted) {
-    for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
-      for (uint32_t d = 0; d < g.head_dim; ++d) c.SetKey(p, h, d, 4.0f);
-    }
-  }
-  ASSERT_LT(planted, 400u);  // fewer than the budget: the seed (a planted page's bound) is too high
-  const auto digests = c.Digests();
-  std::vector<float> q(uint64_t{g.num_heads} * g.head_dim, 1.0f);
+  PlantedSeedContext t(rng);
+  ASSERT_GT(t.seed.stride, 0u);
+  ASSERT_LT(t.Plant({0, 1}), 400u);  // fewer than the budget: the seed (a planted page's bound) is too high
+  const auto digests = t.c.Digests();
   Selection sel;
-  ASSERT_NO_FATAL_FAILURE(ExpectSelectsTheReference(g, q, digests, pages, o, sel, "planted"));
-  EXPECT_EQ(sel.rescanned_heads(), g.num_heads);
-  for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
+  ASSERT_NO_FATAL_FAILURE(ExpectSelectsTheReference(t.g, t.ones, digests, t.kPages, t.o, sel, "planted"));
+  EXPECT_EQ(sel.rescanned_heads(), t.g.num_heads);
+  for (uint32_t h = 0; h < t.g.num_kv_heads; ++h) {
     const auto got = sel.Of(h);
     // Every planted page is among them, and the rest of the budget came from the second scan.
-    for (uint64_t p = seed.first; p < pages - 1; p += seed.stride) {
+    for (uint64_t p = t.seed.first; p < t.kPages - 1; p += t.seed.stride) {
       EXPECT_TRUE(std::binary_search(got.begin(), got.end(), static_cast<uint32_t>(p))) << p;
     }
   }
   // The same context with a query that does not favour the planted pages: no second scan.
-  std::vector<float> q2 = testing::RandomQuery(g, rng);
+  std::vector<float> q2 = testing::RandomQuery(t.g, rng);
   for (uint32_t i = 0; i < q2.size(); i += 2) q2[i] = -std::fabs(q2[i]);
-  ASSERT_NO_FATAL_FAILURE(ExpectSelectsTheReference(g, q2, digests, pages, o, sel, "unplanted"));
+  ASSERT_NO_FATAL_FAILURE(ExpectSelectsTheReference(t.g, q2, digests, t.kPages, t.o, sel, "unplanted"));
 }
 
 // The second scan scores only the KV heads whose group has a head to scan again: here the
 // sample's pages are the best ones for KV head 1 alone, so its group rescans and KV head 0's
 // does not, and both selections are still exactly the reference.
 TEST(PnmSelect, OnlyTheGroupsWhoseSeedWasTooHighAreScannedAgain) {
-  Geometry g = testing::MakeGeometry(4, 2, 32, 1);
-  const uint64_t pages = 7000;
   std::mt19937_64 rng(101);
-  TestContext c(g, pages);
-  c.FillNormal(rng, 0.1f);
-  SelectOptions o;
-  o.budget_tokens = 402;
-  const internal::SeedSample seed = internal::SeedSampleFor(400, 1, pages - 1, g.num_heads);
-  ASSERT_GT(seed.stride, 0u);
-  for (uint64_t p = seed.first; p < pages - 1; p += seed.stride) {
-    for (uint32_t d = 0; d < g.head_dim; ++d) c.SetKey(p, 1, d, 4.0f);
-  }
-  const auto digests = c.Digests();
-  std::vector<float> q(uint64_t{g.num_heads} * g.head_dim, 1.0f);
+  PlantedSeedContext t(rng);
+  ASSERT_GT(t.seed.stride, 0u);
+  t.Plant({1});
+  const auto digests = t.c.Digests();
   Selection sel;
-  ASSERT_NO_FATAL_FAILURE(ExpectSelectsTheReference(g, q, digests, pages, o, sel, "planted on KV head 1"));
-  EXPECT_EQ(sel.rescanned_heads(), g.group());
+  ASSERT_NO_FATAL_FAILURE(ExpectSelectsTheReference(t.g, t.ones, digests, t.kPages, t.o, sel, "planted on KV head 1"));
+  EXPECT_EQ(sel.rescanned_heads(), t.g.group());
 }
 
 // A needle key whose logit beats the largest bound any noise page can reach by `margin`, for one
