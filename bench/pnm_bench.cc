@@ -19,6 +19,11 @@
 //                         the same on pool block format 2 (head-major pages, what an HND engine
 //                         writes: include/cxlkv/layout.h), each vs its format-1 figure; the
 //                         speedup is against dense on format 1 (the faster dense step here).
+//   page_read_bw/CTX, sparse_attend_bw/CTX/1_32/head_major
+//                         one thread reading the format-2 step's access pattern (a random 1/32 of
+//                         the pages per KV head, K and V runs, next page prefetched) with nothing
+//                         to compute, vs memory_read_bw; and the step's attention half (step
+//                         minus SelectPages) in selected KV bytes/s, vs that pattern's rate.
 //   link_KiB/CTX/B        bytes crossing the link per step when attention runs near memory
 //                         (query + output + LSE, fp32) vs recalling the selected pages to the
 //                         engine (selected KV bytes).
@@ -210,6 +215,75 @@ struct CaseResult {
   std::vector<std::vector<double>> sparse_ms, select_ms;
   std::vector<double> selected_bytes;
 };
+
+// One KV head's run of a format-2 page summed, the same run of the next page asked for line by
+// line as this one is read (the page kernel's own prefetch distance). REQUIRES: bytes % 64 == 0.
+__attribute__((target("avx2"))) uint64_t ReadRunAvx2(const uint8_t* run, const uint8_t* next, uint64_t bytes) {
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0;
+  for (uint64_t b = 0; b < bytes; b += 64) {
+    if (next != nullptr) __builtin_prefetch(next + b, 0, 2);
+    a0 = _mm256_add_epi64(a0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + b)));
+    a1 = _mm256_add_epi64(a1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + b + 32)));
+  }
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi64(a0, a1));
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+}
+
+uint64_t ReadRunScalar(const uint8_t* run, const uint8_t* next, uint64_t bytes) {
+  uint64_t a = 0;
+  for (uint64_t b = 0; b < bytes; b += 64) {
+    if (next != nullptr) __builtin_prefetch(next + b, 0, 2);
+    const auto* w = reinterpret_cast<const uint64_t*>(run + b);
+    a += w[0] + w[1] + w[2] + w[3] + w[4] + w[5] + w[6] + w[7];
+  }
+  return a;
+}
+
+// The reference for attention over per-head selections of format-2 pages: one thread reading
+// the same access pattern with no arithmetic to overlap. Per step a layer (rotating, as the
+// steps do), and for each KV head a random 1/32 of its pages in ascending order, each page's K
+// and V runs of that head. GB/s per repetition. REQUIRES: H.g.head_major.
+std::vector<double> PageReadBw(const Layers& H, int reps) {
+  const uint64_t run = H.g.HeadBytes() * H.g.page_tokens;
+  const bool avx2 = region::Cpu().avx2;
+  auto read = [&](const uint8_t* p, const uint8_t* next) { return avx2 ? ReadRunAvx2(p, next, run) : ReadRunScalar(p, next, run); };
+  const size_t layers = H.page_kv.size();
+  uint64_t seed = 0x5eed;
+  volatile uint64_t sink = 0;  // keeps the reads, as memory_read_bw's
+  std::vector<uint64_t> chosen;
+  std::vector<double> gbps;
+  size_t li = 0;
+  for (int rep = 0; rep < reps; ++rep) {
+    uint64_t bytes = 0;
+    double seconds = 0;
+    for (size_t i = 0; i < layers; ++i) {
+      const auto& pages = H.page_kv[li++ % layers];
+      for (uint32_t h = 0; h < H.g.num_kv_heads; ++h) {
+        chosen.clear();
+        for (uint64_t p = 0; p < pages.size(); ++p) {
+          if (SplitMix(seed) % 32 == 0) chosen.push_back(p);
+        }
+        const uint64_t offset = H.g.HeadOffset(h);
+        auto t0 = Clock::now();  // the choosing is not timed
+        for (size_t j = 0; j < chosen.size(); ++j) {
+          const pnm::PageKv& page = pages[chosen[j]];
+          const pnm::PageKv* next = j + 1 < chosen.size() ? &pages[chosen[j + 1]] : nullptr;
+          for (int slab = 0; slab < 2; ++slab) {
+            const void* at = slab == 0 ? page.k : page.v;
+            const void* ahead = next == nullptr ? nullptr : slab == 0 ? next->k : next->v;
+            sink = sink + read(static_cast<const uint8_t*>(at) + offset,
+                               ahead == nullptr ? nullptr : static_cast<const uint8_t*>(ahead) + offset);
+          }
+        }
+        seconds += Seconds(t0);
+        bytes += chosen.size() * 2 * run;
+      }
+    }
+    gbps.push_back(static_cast<double>(bytes) / seconds / 1e9);
+  }
+  return gbps;
+}
 
 Result<CaseResult> RunCase(const Layers& L, const std::vector<uint32_t>& budgets, int reps,
                            const std::vector<std::vector<float>>& queries) {
@@ -484,6 +558,20 @@ Result<nlohmann::json> RunPnmBench(const BenchOptions& options) {
       const char* goal = c.tokens == (32ull << 10) ? "; goal >=6x" : c.tokens == (128ull << 10) ? "; goal >=8x" : "; goal >=12x";
       results.push_back(FigureJson({"speedup/" + tag, "x", true, speedup, "byte_limit/" + tag, {limit},
                                     std::string("dense (format 1) / sparse (format 2) step time vs the byte-count limit") + goal}));
+      // What the attention half of the step reads per second, next to what one thread reads in
+      // the same pattern with nothing to compute: the gap is arithmetic and memory not
+      // overlapping, not bytes.
+      const std::vector<double> pattern_bw = PageReadBw(H, reps);
+      std::vector<double> sparse_bw;
+      for (size_t i = 0; i < h->sparse_ms[0].size(); ++i) {
+        const double attend_ms = h->sparse_ms[0][i] - h->select_ms[0][i];
+        if (attend_ms > 0) sparse_bw.push_back(h->selected_bytes[0] / (attend_ms * 1e-3) / 1e9);
+      }
+      results.push_back(FigureJson({"page_read_bw/" + c.name, "GB/s", true, pattern_bw, "memory_read_bw", mem_bw,
+                                    "one thread reading a random 1/32 of format-2 pages per KV head (K and V runs), "
+                                    "next page prefetched: the sparse attention's access pattern"}));
+      results.push_back(FigureJson({"sparse_attend_bw/" + tag, "GB/s", true, sparse_bw, "page_read_bw/" + c.name, pattern_bw,
+                                    "selected KV bytes/s of Attend in the format-2 step (step minus SelectPages)"}));
     }
     if (c.name == "128K" || (options.quick && c.name == "32K")) {
       auto e = RunEngines(L, reps, *c.q);

@@ -511,6 +511,39 @@ TEST(Cli, ServeRejectsBadInputClearly) {
   std::filesystem::remove(config);
 }
 
+// The near-memory attention suite: every figure positive and named next to the reference it was
+// measured against in the same run. Beyond that only what does not depend on the machine's
+// speed: the link carries the query and outputs, far less than recalling the selected pages, and
+// steady-token selection recalls less than ArkVale-style replacement on the drifting trace.
+TEST(Cli, BenchPnmQuickReportsEachFigureNextToItsReference) {
+  auto r = Cli("bench pnm --quick --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.stdout_only);
+  EXPECT_EQ(j["suite"], "pnm");
+  std::map<std::string, nlohmann::json> by_name;
+  for (const auto& f : j["results"]) {
+    by_name[f["name"].get<std::string>()] = f;
+    EXPECT_GT(f["median"].get<double>(), 0) << f.dump();
+  }
+  const std::map<std::string, std::string> reference = {
+      {"attend_bw/32K", "memory_read_bw"},
+      {"speedup/128K/1_32", "byte_limit/128K/1_32"},
+      {"score_bw/128K/1_32", "memory_read_bw"},
+      {"speedup/128K/1_32/head_major", "byte_limit/128K/1_32/head_major"},
+      {"page_read_bw/128K", "memory_read_bw"},
+      {"sparse_attend_bw/128K/1_32/head_major", "page_read_bw/128K"},
+      {"attend_bw_2engines/32K", "attend_bw_1engine/32K"},
+      {"link_KiB/128K/1_32", "recall_KiB/128K/1_32"},
+      {"recall_KiB_per_step/steady/32K", "recall_KiB_per_step/arkvale/32K"}};
+  for (const auto& [name, ref] : reference) {
+    ASSERT_TRUE(by_name.count(name)) << name << " is missing";
+    EXPECT_EQ(by_name[name]["reference"], ref) << name;
+    EXPECT_GT(by_name[name]["ratio"].get<double>(), 0) << name;
+  }
+  EXPECT_LT(by_name["link_KiB/128K/1_32"]["ratio"].get<double>(), 0.01);
+  EXPECT_LT(by_name["recall_KiB_per_step/steady/32K"]["ratio"].get<double>(), 1.0);
+}
+
 TEST(Cli, BenchE2eQuickComparesThePoolWithEachBaseline) {
   auto r = Cli("bench e2e --json --quick");
   ASSERT_EQ(r.code, 0) << r.out;
