@@ -516,6 +516,11 @@ TEST(Cli, ServeRejectsBadInputClearly) {
 // speed: the link carries the query and outputs, far less than recalling the selected pages, and
 // steady-token selection recalls less than ArkVale-style replacement on the drifting trace.
 TEST(Cli, BenchPnmQuickReportsEachFigureNextToItsReference) {
+#if defined(CXLKV_TSAN)
+  // Its 1 GiB arena takes about 7 GB under ThreadSanitizer's shadow, beside whatever test runs in
+  // parallel; the suite's threads (AttendPool) are covered by pnm_test there.
+  GTEST_SKIP() << "the bench's arena is too large for ThreadSanitizer's shadow beside a parallel test";
+#endif
   auto r = Cli("bench pnm --quick --json");
   ASSERT_EQ(r.code, 0) << r.out;
   auto j = nlohmann::json::parse(r.stdout_only);
