@@ -42,15 +42,11 @@
 // (same group of 4; 1 GiB per layer) and says so in its figures' names ("1M_2kvh").
 // --quick: 32K and 128K only, a 1 GiB arena, 2 repetitions.
 #include <sys/mman.h>
-#include <unistd.h>
-
-#include <immintrin.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <fstream>
 #include <string>
 #include <vector>
 
@@ -61,7 +57,7 @@
 #include "pnm/select.h"
 #include "pnm/attend_pool.h"
 #include "pnm/steady.h"
-#include "region/cpu.h"
+#include "pnm_refs.h"
 #include "suites.h"
 #include "util/huge_page_allocator.h"
 
@@ -97,70 +93,12 @@ class Arena {
   uint64_t n_;
 };
 
-uint64_t SplitMix(uint64_t& s) {
-  uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
 // Random finite fp16 values of either sign in [0.125, 2): sign, two exponent bits and the
 // mantissa random, the exponent's top bits fixed.
 void FillFp16(uint8_t* p, uint64_t bytes, uint64_t seed) {
   auto* w = reinterpret_cast<uint64_t*>(p);
   for (uint64_t i = 0; i < bytes / 8; ++i) w[i] = (SplitMix(seed) & 0x87ff87ff87ff87ffull) | 0x3000300030003000ull;
 }
-
-// The last-level cache's size: sysfs for cpu0 (what the VM exposes), else sysconf.
-uint64_t LlcBytes() {
-  for (int idx = 3; idx >= 2; --idx) {
-    std::ifstream f("/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(idx) + "/size");
-    std::string s;
-    if (f >> s && !s.empty()) {
-      uint64_t v = std::strtoull(s.c_str(), nullptr, 10);
-      char unit = s.back();
-      if (unit == 'K') v <<= 10;
-      if (unit == 'M') v <<= 20;
-      if (v > 0) return v;
-    }
-  }
-  long v = sysconf(_SC_LEVEL3_CACHE_SIZE);
-  return v > 0 ? static_cast<uint64_t>(v) : 32 * kMiB;
-}
-
-// The memory-bandwidth reference: a streaming read-sum with wide loads and independent
-// accumulators, one thread (Attend runs on one).
-__attribute__((target("avx2"))) uint64_t ReadSumAvx2(const uint8_t* p, uint64_t bytes) {
-  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-  const auto* v = reinterpret_cast<const __m256i*>(p);
-  for (uint64_t i = 0; i + 4 <= bytes / 32; i += 4) {
-    a0 = _mm256_add_epi64(a0, _mm256_load_si256(v + i));
-    a1 = _mm256_add_epi64(a1, _mm256_load_si256(v + i + 1));
-    a2 = _mm256_add_epi64(a2, _mm256_load_si256(v + i + 2));
-    a3 = _mm256_add_epi64(a3, _mm256_load_si256(v + i + 3));
-  }
-  a0 = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
-  alignas(32) uint64_t lanes[4];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), a0);
-  return lanes[0] + lanes[1] + lanes[2] + lanes[3];
-}
-
-uint64_t ReadSumScalar(const uint8_t* p, uint64_t bytes) {
-  const auto* w = reinterpret_cast<const uint64_t*>(p);
-  uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-  for (uint64_t i = 0; i + 4 <= bytes / 8; i += 4) {
-    a0 += w[i];
-    a1 += w[i + 1];
-    a2 += w[i + 2];
-    a3 += w[i + 3];
-  }
-  return a0 + a1 + a2 + a3;
-}
-
-uint64_t ReadSum(const uint8_t* p, uint64_t bytes) {
-  return region::Cpu().avx2 ? ReadSumAvx2(p, bytes) : ReadSumScalar(p, bytes);
-}
-
 
 // One context length: the arena cut into layers of `tokens` tokens of geometry g.
 struct Layers {
@@ -215,75 +153,6 @@ struct CaseResult {
   std::vector<std::vector<double>> sparse_ms, select_ms;
   std::vector<double> selected_bytes;
 };
-
-// One KV head's run of a format-2 page summed, the same run of the next page asked for line by
-// line as this one is read (the page kernel's own prefetch distance). REQUIRES: bytes % 64 == 0.
-__attribute__((target("avx2"))) uint64_t ReadRunAvx2(const uint8_t* run, const uint8_t* next, uint64_t bytes) {
-  __m256i a0 = _mm256_setzero_si256(), a1 = a0;
-  for (uint64_t b = 0; b < bytes; b += 64) {
-    if (next != nullptr) __builtin_prefetch(next + b, 0, 2);
-    a0 = _mm256_add_epi64(a0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + b)));
-    a1 = _mm256_add_epi64(a1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + b + 32)));
-  }
-  alignas(32) uint64_t lanes[4];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi64(a0, a1));
-  return lanes[0] + lanes[1] + lanes[2] + lanes[3];
-}
-
-uint64_t ReadRunScalar(const uint8_t* run, const uint8_t* next, uint64_t bytes) {
-  uint64_t a = 0;
-  for (uint64_t b = 0; b < bytes; b += 64) {
-    if (next != nullptr) __builtin_prefetch(next + b, 0, 2);
-    const auto* w = reinterpret_cast<const uint64_t*>(run + b);
-    a += w[0] + w[1] + w[2] + w[3] + w[4] + w[5] + w[6] + w[7];
-  }
-  return a;
-}
-
-// The reference for attention over per-head selections of format-2 pages: one thread reading
-// the same access pattern with no arithmetic to overlap. Per step a layer (rotating, as the
-// steps do), and for each KV head a random 1/32 of its pages in ascending order, each page's K
-// and V runs of that head. GB/s per repetition. REQUIRES: H.g.head_major.
-std::vector<double> PageReadBw(const Layers& H, int reps) {
-  const uint64_t run = H.g.HeadBytes() * H.g.page_tokens;
-  const bool avx2 = region::Cpu().avx2;
-  auto read = [&](const uint8_t* p, const uint8_t* next) { return avx2 ? ReadRunAvx2(p, next, run) : ReadRunScalar(p, next, run); };
-  const size_t layers = H.page_kv.size();
-  uint64_t seed = 0x5eed;
-  volatile uint64_t sink = 0;  // keeps the reads, as memory_read_bw's
-  std::vector<uint64_t> chosen;
-  std::vector<double> gbps;
-  size_t li = 0;
-  for (int rep = 0; rep < reps; ++rep) {
-    uint64_t bytes = 0;
-    double seconds = 0;
-    for (size_t i = 0; i < layers; ++i) {
-      const auto& pages = H.page_kv[li++ % layers];
-      for (uint32_t h = 0; h < H.g.num_kv_heads; ++h) {
-        chosen.clear();
-        for (uint64_t p = 0; p < pages.size(); ++p) {
-          if (SplitMix(seed) % 32 == 0) chosen.push_back(p);
-        }
-        const uint64_t offset = H.g.HeadOffset(h);
-        auto t0 = Clock::now();  // the choosing is not timed
-        for (size_t j = 0; j < chosen.size(); ++j) {
-          const pnm::PageKv& page = pages[chosen[j]];
-          const pnm::PageKv* next = j + 1 < chosen.size() ? &pages[chosen[j + 1]] : nullptr;
-          for (int slab = 0; slab < 2; ++slab) {
-            const void* at = slab == 0 ? page.k : page.v;
-            const void* ahead = next == nullptr ? nullptr : slab == 0 ? next->k : next->v;
-            sink = sink + read(static_cast<const uint8_t*>(at) + offset,
-                               ahead == nullptr ? nullptr : static_cast<const uint8_t*>(ahead) + offset);
-          }
-        }
-        seconds += Seconds(t0);
-        bytes += chosen.size() * 2 * run;
-      }
-    }
-    gbps.push_back(static_cast<double>(bytes) / seconds / 1e9);
-  }
-  return gbps;
-}
 
 Result<CaseResult> RunCase(const Layers& L, const std::vector<uint32_t>& budgets, int reps,
                            const std::vector<std::vector<float>>& queries) {
@@ -561,7 +430,7 @@ Result<nlohmann::json> RunPnmBench(const BenchOptions& options) {
       // What the attention half of the step reads per second, next to what one thread reads in
       // the same pattern with nothing to compute: the gap is arithmetic and memory not
       // overlapping, not bytes.
-      const std::vector<double> pattern_bw = PageReadBw(H, reps);
+      const std::vector<double> pattern_bw = PageReadBw(H.g, H.page_kv, reps);
       std::vector<double> sparse_bw;
       for (size_t i = 0; i < h->sparse_ms[0].size(); ++i) {
         const double attend_ms = h->sparse_ms[0][i] - h->select_ms[0][i];
