@@ -79,6 +79,22 @@ Status SsdDevice::MapArena(const std::string& path, size_t bytes, void** out) {
   return Status::Ok();
 }
 
+Status SsdDevice::HoldsOneSlot(const std::string& what, uint64_t bytes, const SsdOptions& o) {
+  if (bytes >= o.slot_bytes) return Status::Ok();
+  return InvalidArgument("ssd tier: " + what + " holds " + util::FormatBytes(bytes) + ", too small for one slot of " +
+                         util::FormatBytes(o.slot_bytes) + ": give a larger size or a larger device");
+}
+
+Result<uint64_t> SsdDevice::SizeOnDevice(const std::string& what, uint64_t capacity, const SsdOptions& o) {
+  if (o.size_bytes > capacity) {
+    return InvalidArgument("ssd tier: " + what + " holds " + util::FormatBytes(capacity) + ", less than the " +
+                           util::FormatBytes(o.size_bytes) + " asked: give a smaller size or 0 for all of it");
+  }
+  const uint64_t size = o.size_bytes > 0 ? o.size_bytes : capacity;
+  CXLKV_RETURN_IF_ERROR(HoldsOneSlot(what, size, o));
+  return size;
+}
+
 Result<std::unique_ptr<SsdDevice>> SsdDevice::Open(const SsdOptions& o) {
   CXLKV_RETURN_IF_ERROR(Validate(o));
   IoPlatform& pf = o.platform ? *o.platform : IoPlatform::Default();
@@ -126,19 +142,12 @@ Result<std::unique_ptr<SsdDevice>> SsdDevice::Open(const SsdOptions& o) {
   uint64_t size = 0;
   if (facts.is_block_device) {
     io.block_device = true;
-    size = facts.size;
-    if (o.size_bytes > size) {
-      return fail(InvalidArgument("ssd tier: block device " + path + " holds " + util::FormatBytes(size) + ", less than the " +
-                                  util::FormatBytes(o.size_bytes) + " asked: give a smaller size or 0 for all of it"));
-    }
-    if (o.size_bytes > 0) size = o.size_bytes;
+    Result<uint64_t> on_device = SizeOnDevice("block device " + path, facts.size, o);
+    if (!on_device.ok()) return fail(on_device.status());
+    size = *on_device;
   } else if (facts.is_regular) {
     size = o.size_bytes > 0 ? o.size_bytes : facts.size;
-    if (size < o.slot_bytes) {
-      return fail(InvalidArgument("ssd tier: " + path + " is " + std::to_string(size) +
-                                  " bytes, too small for one slot of " + std::to_string(o.slot_bytes) +
-                                  ": give a larger size"));
-    }
+    if (Status s = HoldsOneSlot(path, size, o); !s.ok()) return fail(s);
     if (o.size_bytes > 0) {
       // Allocate every block now: a tier that does not fit fails here, not on a write hours later,
       // and the file has no holes (no block allocation on the write path).
@@ -160,7 +169,7 @@ Result<std::unique_ptr<SsdDevice>> SsdDevice::Open(const SsdOptions& o) {
   }
   uint64_t slots = size / o.slot_bytes;
 
-  const uint32_t stages = o.use_io_uring ? o.queue_depth + std::min(o.queue_depth, 4u) : 1;
+  const uint32_t stages = o.use_io_uring ? RingStages(o.queue_depth) : 1;
   size_t arena_bytes = uint64_t{stages} * o.slot_bytes;
   void* arena = nullptr;
   if (Status s = MapArena(path, arena_bytes, &arena); !s.ok()) return fail(s);

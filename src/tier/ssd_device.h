@@ -27,6 +27,7 @@
 #ifndef CXLKV_SRC_TIER_SSD_DEVICE_H_
 #define CXLKV_SRC_TIER_SSD_DEVICE_H_
 
+#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -92,6 +93,13 @@ class SsdDevice final : public Device {
   static int LockOwner(IoPlatform& pf, int fd);
   static Status InUseFailure(const std::string& path);
   static Status MapArena(const std::string& path, size_t bytes, void** out);
+  // The tier's bytes on a device of `capacity` bytes (`what`: "block device /dev/sdb", for
+  // messages): all of it, or the size asked when one was. Refuses a size larger than the
+  // device and a device smaller than one slot.
+  static Result<uint64_t> SizeOnDevice(const std::string& what, uint64_t capacity, const SsdOptions& options);
+  static Status HoldsOneSlot(const std::string& what, uint64_t bytes, const SsdOptions& options);
+  // Staging buffers for a ring of `depth`: one per transfer in flight and up to 4 more.
+  static uint32_t RingStages(uint32_t depth) { return depth + std::min(depth, 4u); }
   // Sets up the passthrough ring and engine (registering buffers or not) and reads the first
   // 4 KiB through it: a kernel or drive that refuses the commands is found here, not on a spill.
   Status StartNvmeEngine(bool register_buffers, uint32_t spin_us, std::string* notes);

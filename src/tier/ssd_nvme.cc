@@ -73,23 +73,14 @@ Result<std::unique_ptr<SsdDevice>> SsdDevice::OpenNvme(const SsdOptions& o, IoPl
   rc = pf.NvmeIdentify(fd, path, &io.nvme, &why);
   if (rc < 0) return fail(IdentifyFailure(path, rc, why));
   if (Status s = CheckNamespaceUsable(path, io.nvme); !s.ok()) return fail(s);
-  uint64_t size = io.nvme.bytes();
-  if (o.size_bytes > size) {
-    return fail(InvalidArgument("ssd tier: NVMe namespace " + path + " holds " + util::FormatBytes(size) +
-                                ", less than the " + util::FormatBytes(o.size_bytes) +
-                                " asked: give a smaller size or 0 for all of it"));
-  }
-  if (o.size_bytes > 0) size = o.size_bytes;
-  if (size < o.slot_bytes) {
-    return fail(InvalidArgument("ssd tier: NVMe namespace " + path + " holds " + util::FormatBytes(size) +
-                                ", too small for one slot of " + util::FormatBytes(o.slot_bytes)));
-  }
-  const uint32_t stages = o.queue_depth + std::min(o.queue_depth, 4u);
+  Result<uint64_t> size = SizeOnDevice("NVMe namespace " + path, io.nvme.bytes(), o);
+  if (!size.ok()) return fail(size.status());
+  const uint32_t stages = RingStages(o.queue_depth);
   const size_t arena_bytes = uint64_t{stages} * o.slot_bytes;
   void* arena = nullptr;
   if (Status s = MapArena(path, arena_bytes, &arena); !s.ok()) return fail(s);
   auto dev = std::unique_ptr<SsdDevice>(
-      new SsdDevice(o, size / o.slot_bytes, fd, static_cast<std::byte*>(arena), arena_bytes, std::move(io)));
+      new SsdDevice(o, *size / o.slot_bytes, fd, static_cast<std::byte*>(arena), arena_bytes, std::move(io)));
   // From here the device owns fd and arena: its destructor releases them on every failure.
   std::string notes;
   Status started = dev->StartNvmeEngine(o.register_buffers, o.spin_us, &notes);

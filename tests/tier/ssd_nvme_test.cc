@@ -273,6 +273,8 @@ TEST(NvmePassthroughOpen, EveryRefusalSaysWhatToDo) {
        "give /dev/nvme9n1"},
       {"too large", [](auto&, auto& o) { o.size_bytes = 1ull << 30; }, StatusCode::kInvalidArgument,
        "less than the 1 GiB asked"},
+      {"smaller than a slot", [](auto&, auto& o) { o.slot_bytes = 128ull << 20; }, StatusCode::kInvalidArgument,
+       "too small for one slot of 128 MiB"},
       {"limit below a unit", [](auto& pf, auto&) { pf.ns.max_transfer_bytes = 1024; },
        StatusCode::kInvalidArgument, "at most 1024 bytes per command"},
   };
