@@ -101,18 +101,27 @@ class LinuxRing final : public IoRing {
   }
 
  private:
-  // A transfer as NVMe commands (nvme_command.h's SplitNvmeIo), all queued at once, each in the
-  // 80 bytes a 128-byte submission carries. Command k's submission carries (user_data << 20) | k.
-  // With registered buffers, command k uses buffer buf_index + k (CreateNvmeRing's contract).
-  // False, queuing nothing, when the submission queue has no room for all of them.
+  // A transfer as NVMe commands (command k covers bytes [k·cap, (k+1)·cap), as nvme_command.h's
+  // SplitNvmeIo splits it), all queued at once, each in the 80 bytes a 128-byte submission
+  // carries. Command k's submission carries (user_data << 20) | k. With registered buffers,
+  // command k uses buffer buf_index + k (CreateNvmeRing's contract). False, queuing nothing,
+  // when the submission queue has no room for all of them. Allocates nothing once the op's
+  // user_data has been seen (its Transfer is kept, see Take). REQUIRES: op.len > 0 (the engine
+  // queues what is left of a transfer).
   bool QueueNvme(const RingOp& op) {
-    const std::vector<NvmeIoCommand> cmds = SplitNvmeIo(op.write, nvme_, op.buf, op.len, op.offset);
-    if (io_uring_sq_space_left(&ring_) < cmds.size() || cmds.size() >= (1u << 20)) return false;
+    const uint32_t cap = NvmeCommandCap(nvme_);
+    const uint64_t count = (uint64_t{op.len} + cap - 1) / cap;
+    if (io_uring_sq_space_left(&ring_) < count || count >= (1u << 20)) return false;
     Transfer& t = transfers_[op.user_data];
-    t.result = NvmeTransferResult(static_cast<uint32_t>(cmds.size()));
+    t.result = NvmeTransferResult(static_cast<uint32_t>(count));
     t.moved.clear();
-    for (uint32_t k = 0; k < cmds.size(); ++k) {
-      const NvmeIoCommand& c = cmds[k];
+    t.in_flight = true;
+    uint32_t done = 0;
+    for (uint32_t k = 0; k < count; ++k) {
+      uint32_t moved = 0;
+      const NvmeIoCommand c = MakeNvmeIo(op.write, nvme_, static_cast<std::byte*>(op.buf) + done, op.len - done,
+                                         op.offset + done, &moved);
+      done += moved;
       struct io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
       if (sqe == nullptr) return false;  // not with the room checked above
       std::memset(sqe, 0, 2 * sizeof(*sqe));  // SQE128: a submission spans two 64-byte entries
@@ -155,12 +164,17 @@ class LinuxRing final : public IoRing {
     }
     auto it = transfers_.find(data >> 20);
     const uint32_t k = static_cast<uint32_t>(data & ((1u << 20) - 1));
-    if (it == transfers_.end() || k >= it->second.moved.size()) return false;  // not ours: never queued
-    if (!it->second.result.Fold(res, it->second.moved[k])) return false;
+    // Not ours: never queued, or its op already completed.
+    if (it == transfers_.end() || !it->second.in_flight || k >= it->second.moved.size()) return false;
+    Transfer& t = it->second;
+    if (!t.result.Fold(res, t.moved[k])) return false;
     out->user_data = it->first;
-    out->res = it->second.result.Bytes();
-    out->nvme_status = it->second.result.nvme_status();
-    transfers_.erase(it);
+    out->res = t.result.Bytes();
+    out->nvme_status = t.result.nvme_status();
+    t.in_flight = false;
+    // Kept for the next op with this user_data (the engine's stage numbers: a few dozen), so
+    // queuing allocates nothing; a caller with ever-new user_data is bounded here.
+    if (transfers_.size() > kKeptTransfers) transfers_.erase(it);
     return true;
   }
 
@@ -168,7 +182,9 @@ class LinuxRing final : public IoRing {
   struct Transfer {
     NvmeTransferResult result{0};
     std::vector<uint32_t> moved;  // bytes of command k
+    bool in_flight = false;
   };
+  static constexpr size_t kKeptTransfers = 8192;  // above the deepest ring's stages (4096 + 4)
 
   struct io_uring ring_ {};
   bool initialized_ = false;
