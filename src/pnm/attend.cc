@@ -146,11 +146,34 @@ Status CheckAttend(const Geometry& g, const ContextView& ctx, const Selection* s
 
 namespace internal {
 
-void AttendKvHeads(const Geometry& g, const float* q, const ContextView& ctx, const Selection* selection, float scale,
-                   uint32_t h_begin, uint32_t h_end, Partial* out) {
+uint32_t AttendParts(const ContextView& ctx) {
+  // 64 pages (1024 tokens at the default page) and more per part: a part's own costs (its
+  // accumulators zeroed, its output normalized and merged, its first page not asked for ahead)
+  // stay below 1% of it.
+  constexpr uint64_t kMinPagesPerPart = 64, kMaxParts = 8;
+  return static_cast<uint32_t>(std::clamp<uint64_t>(ctx.pages.size() / kMinPagesPerPart, 1, kMaxParts));
+}
+
+void AttendAllParts(const Geometry& g, const float* q, const ContextView& ctx, const Selection* selection,
+                    float scale, Partial* out) {
+  const uint32_t parts = AttendParts(ctx);
+  if (parts == 1) return AttendPart(g, q, ctx, selection, scale, 0, 1, out);
+  thread_local Partial part_out;
+  for (uint32_t part = 0; part < parts; ++part) {
+    part_out.Reset(g.num_heads, g.head_dim);
+    AttendPart(g, q, ctx, selection, scale, part, parts, &part_out);
+    (void)MergeInto(part_out, out);  // the same shape: cannot fail
+  }
+}
+
+void AttendPart(const Geometry& g, const float* q, const ContextView& ctx, const Selection* selection, float scale,
+                uint32_t part, uint32_t parts, Partial* out) {
+  // The slice of a list of n pages this part walks.
+  auto slice_begin = [&](uint64_t n) { return n * part / parts; };
+  auto slice_end = [&](uint64_t n) { return n * (part + 1) / parts; };
   if (scale == 0) scale = 1.0f / std::sqrt(static_cast<float>(g.head_dim));
   const Kernels& k = Active();
-  const uint32_t group = g.group(), dim = g.head_dim;
+  const uint32_t dim = g.head_dim;
   thread_local Scratch s;
   // attend_page's logits: rows of a multiple of 16 floats (whole vectors, masked at the end).
   const uint32_t stride = k.attend_page != nullptr ? (g.page_tokens + 15) / 16 * 16 : g.page_tokens;
@@ -178,21 +201,23 @@ void AttendKvHeads(const Geometry& g, const float* q, const ContextView& ctx, co
     // while this page's are read: without that, dense attention ran at half the speed.
     const uint64_t n = selection == nullptr ? ctx.pages.size() : selection->Of(0).size();
     auto page_at = [&](uint64_t i) -> uint64_t { return selection == nullptr ? i : selection->Of(0)[i]; };
-    for (uint64_t i = 0; i < n; ++i) {
-      const uint64_t next = i + 1 < n ? page_at(i + 1) : 0;
-      visit(page_at(i), i + 1 < n ? &next : nullptr, h_begin, h_end);
+    const uint64_t end = slice_end(n);
+    for (uint64_t i = slice_begin(n); i < end; ++i) {
+      const uint64_t next = i + 1 < end ? page_at(i + 1) : 0;
+      visit(page_at(i), i + 1 < end ? &next : nullptr, 0, g.num_kv_heads);
     }
   } else {
     // Each head its own pages: one head at a time, the next page's rows asked for ahead.
-    for (uint32_t h = h_begin; h < h_end; ++h) {
+    for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
       auto pages = selection->Of(h);
-      for (size_t i = 0; i < pages.size(); ++i) {
-        const uint64_t next = i + 1 < pages.size() ? pages[i + 1] : 0;
-        visit(pages[i], i + 1 < pages.size() ? &next : nullptr, h, h + 1);
+      const uint64_t end = slice_end(pages.size());
+      for (uint64_t i = slice_begin(pages.size()); i < end; ++i) {
+        const uint64_t next = i + 1 < end ? pages[i + 1] : 0;
+        visit(pages[i], i + 1 < end ? &next : nullptr, h, h + 1);
       }
     }
   }
-  for (uint32_t head = h_begin * group; head < h_end * group; ++head) {
+  for (uint32_t head = 0; head < g.num_heads; ++head) {
     if (!(s.sum[head] > 0)) continue;  // no token (or only -inf logits): the empty partial
     float* o = out->out.data() + uint64_t{head} * dim;
     const float inv = 1.0f / s.sum[head];
@@ -207,7 +232,7 @@ Status Attend(const Geometry& g, const float* q, const ContextView& ctx, const S
               Partial* out) {
   if (Status s = CheckAttend(g, ctx, selection); !s.ok()) return s;
   out->Reset(g.num_heads, g.head_dim);
-  internal::AttendKvHeads(g, q, ctx, selection, scale, 0, g.num_kv_heads, out);
+  internal::AttendAllParts(g, q, ctx, selection, scale, out);
   return Status::Ok();
 }
 

@@ -41,11 +41,20 @@ Status Attend(const Geometry& g, const float* q, const ContextView& ctx, const S
 Status CheckAttend(const Geometry& g, const ContextView& ctx, const Selection* selection);
 
 namespace internal {
-// Attend's work for KV heads [h_begin, h_end) only: writes the out and lse of their query heads
-// and nothing else, so disjoint ranges may run on different threads into one Partial.
-// REQUIRES: CheckAttend(g, ctx, selection) ok; out->Reset(g.num_heads, g.head_dim) done.
-void AttendKvHeads(const Geometry& g, const float* q, const ContextView& ctx, const Selection* selection, float scale,
-                   uint32_t h_begin, uint32_t h_end, Partial* out);
+// Attend's work is done in parts: of every page list walked (the context's pages, or each KV
+// head's selected pages), part p of `parts` is the positions [n·p/parts, n·(p+1)/parts), over
+// every head. Each part is its own online softmax, and the parts' partials merge (MergeInto)
+// in part order. The count depends on the context's length only (1 below 128 pages, up to 8),
+// never on threads, so a request attended part by part on one thread or split across an
+// AttendPool's threads gives the same bits.
+uint32_t AttendParts(const ContextView& ctx);
+// One part. REQUIRES: CheckAttend(g, ctx, selection) ok; out->Reset(g.num_heads, g.head_dim)
+// done; part < parts.
+void AttendPart(const Geometry& g, const float* q, const ContextView& ctx, const Selection* selection, float scale,
+                uint32_t part, uint32_t parts, Partial* out);
+// Every part, merged in order into out: Attend's result. REQUIRES as AttendPart's.
+void AttendAllParts(const Geometry& g, const float* q, const ContextView& ctx, const Selection* selection,
+                    float scale, Partial* out);
 }  // namespace internal
 
 // acc ← the attention over acc's tokens ∪ part's tokens (the sets must be disjoint):

@@ -27,8 +27,12 @@ void AttendPool::Drain() {
       continue;
     }
     const Task t = tasks_[i];
-    AttendJob& j = jobs_[t.job];
-    internal::AttendKvHeads(*j.g, j.q, j.ctx, j.selection, j.scale, t.h_begin, t.h_end, j.out);
+    const AttendJob& j = jobs_[t.job];
+    if (t.parts == 0) {
+      internal::AttendAllParts(*j.g, j.q, j.ctx, j.selection, j.scale, t.out);
+    } else {
+      internal::AttendPart(*j.g, j.q, j.ctx, j.selection, j.scale, t.part, t.parts, t.out);
+    }
     finished_.fetch_add(1);
   }
 }
@@ -59,7 +63,13 @@ Status AttendPool::Run(std::span<AttendJob> jobs) {
   Status first;
   tasks_.clear();
   const uint32_t threads = static_cast<uint32_t>(workers_.size()) + 1;
-  const bool split_heads = jobs.size() < threads;
+  const bool split = jobs.size() < threads;
+  auto parts_of = [&](const AttendJob& job) { return split ? internal::AttendParts(job.ctx) : 1u; };
+  // Slots first (part_outs_ does not move once tasks point into it).
+  size_t slots = 0;
+  for (const AttendJob& job : jobs) slots += parts_of(job) > 1 ? parts_of(job) : 0;
+  if (part_outs_.size() < slots) part_outs_.resize(slots);
+  size_t slot = 0;
   for (uint32_t j = 0; j < jobs.size(); ++j) {
     AttendJob& job = jobs[j];
     job.status = job.g == nullptr || job.q == nullptr || job.out == nullptr
@@ -70,14 +80,27 @@ Status AttendPool::Run(std::span<AttendJob> jobs) {
       continue;
     }
     job.out->Reset(job.g->num_heads, job.g->head_dim);
-    const uint32_t heads = job.g->num_kv_heads;
-    const uint32_t parts = split_heads ? std::min(threads, heads) : 1;
+    const uint32_t parts = parts_of(job);
+    if (parts == 1) {
+      tasks_.push_back({j, 0, 0, job.out});
+      continue;
+    }
     for (uint32_t part = 0; part < parts; ++part) {
-      tasks_.push_back({j, heads * part / parts, heads * (part + 1) / parts});
+      Partial* out = &part_outs_[slot++];
+      out->Reset(job.g->num_heads, job.g->head_dim);
+      tasks_.push_back({j, part, parts, out});
     }
   }
   jobs_ = jobs;  // published to the workers by RunBatch's lock
   if (!tasks_.empty()) RunBatch(tasks_.size());
+  // A split job's parts merged in part order, as AttendAllParts merges them, whichever thread
+  // attended each.
+  for (const Task& t : tasks_) {
+    if (t.parts == 0) continue;
+    const Status merged = MergeInto(*t.out, jobs[t.job].out);
+    // Fails only for partials of different shapes, which the parts of one job never are.
+    if (!merged.ok() && first.ok()) first = jobs[t.job].status = merged;
+  }
   return first;
 }
 

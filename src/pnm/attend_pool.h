@@ -1,8 +1,11 @@
 // AttendPool: near-memory attention across threads — each request of a batch is a task, taken
 // by the next free thread, the caller's included. Requests are independent (data parallelism,
-// PNM §3.2). When a batch has fewer requests than threads, a request's KV heads are split into
-// ranges, one per thread: whole requests are better while there are enough of them, because all
-// of a page's heads together read its slabs front to back.
+// PNM §3.2). When a batch has fewer requests than threads, a long request's parts (attend.h:
+// ranges of its pages, over every KV head) are tasks of their own, merged by log-sum-exp in
+// part order afterwards: the same bits as Attend alone, whatever the thread count. KV head
+// ranges, as this split once was, had two threads read alternate lines of the same token-major
+// rows: 7–9 GB/s on two threads against 12–13 on one (fp32, head_dim 32, 2 KV heads, cold, AMD
+// VM); page ranges read 21–25.
 //
 // Idle workers sleep on a condition variable (no spinning: the machine may have two cores).
 // Thread-safety: one Run at a time per pool (Run serializes callers).
@@ -56,8 +59,9 @@ class AttendPool {
  private:
   struct Task {
     uint32_t job;
-    uint32_t h_begin;  // KV heads [h_begin, h_end)
-    uint32_t h_end;
+    uint32_t part;   // AttendPart's part of `parts`; parts = 0: the whole job (AttendAllParts)
+    uint32_t parts;
+    Partial* out;    // the job's own out for a whole job, else a slot of part_outs_
   };
   void WorkerLoop(const std::function<void()>& on_start);
   void Drain();  // takes tasks until none are left
@@ -76,6 +80,7 @@ class AttendPool {
   // The batch: written by Run only while no worker is inside Drain (open_ false, active_ 0).
   std::span<AttendJob> jobs_;
   std::vector<Task> tasks_;
+  std::vector<Partial> part_outs_;  // the split jobs' partials, merged after the batch
   const std::function<void(size_t)>* each_ = nullptr;  // ForEach's batch instead of tasks_
   uint64_t total_ = 0;
   std::atomic<uint64_t> next_{0};

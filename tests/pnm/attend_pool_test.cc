@@ -1,10 +1,12 @@
-// AttendPool: a batch of requests spread over threads (whole requests, or KV head ranges when
-// requests are fewer than threads) gives each request
-// exactly what Attend gives it alone; a bad job gets its error and the others still run.
+// AttendPool: a batch of requests spread over threads gives each request exactly what Attend
+// gives it alone — whole requests per thread, or a long request's parts (attend.h) across the
+// threads when requests are fewer than threads; a bad job gets its error and the others run.
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cmath>
 #include <chrono>
+#include <string>
 #include <thread>
 #include <memory>
 #include <vector>
@@ -26,26 +28,37 @@ TEST(PnmAttendPool, ABatchOverThreadsEqualsEachRequestAlone) {
   b.num_heads = 2;
   b.head_dim = 32;
   b.dtype = KvDtype::kBf16;
+  // Long enough to be attended in parts (128 pages and more): the engine's fp32 token-major
+  // pages, and head-major ones.
+  Geometry c = testing::MakeGeometry(8, 2, 32, 4, KvDtype::kFp32);
+  Geometry d = c;
+  d.head_major = true;
+  d.dtype = KvDtype::kFp16;
   std::vector<std::unique_ptr<TestContext>> contexts;
   std::vector<std::vector<float>> queries;
   std::vector<Selection> selections;
+  const Geometry* shapes[] = {&c, &d, &a, &b, &c, &a};
+  const uint64_t lengths[] = {4 * 600 + 3, 4 * 200, 100, 197, 4 * 130, 588};
   for (int r = 0; r < 6; ++r) {
-    const Geometry& g = r % 2 ? b : a;
-    contexts.push_back(std::make_unique<TestContext>(g, 100 + 97 * r));
+    const Geometry& g = *shapes[r];
+    contexts.push_back(std::make_unique<TestContext>(g, lengths[r]));
     contexts.back()->FillNormal(rng);
     queries.push_back(testing::RandomQuery(g, rng));
     const auto digests = contexts.back()->Digests();
     Selection sel;
     SelectOptions o;
-    o.budget_tokens = 64;
+    o.budget_tokens = lengths[r] / 4;
     ASSERT_TRUE(SelectPages(g, queries.back().data(), digests.data(), contexts.back()->tokens(), o, &sel).ok());
     selections.push_back(std::move(sel));
   }
+  ASSERT_EQ(internal::AttendParts(contexts[0]->View()), 8u);
+  ASSERT_EQ(internal::AttendParts(contexts[1]->View()), 3u);
+  ASSERT_EQ(internal::AttendParts(contexts[2]->View()), 1u);
   for (uint32_t threads : {0u, 1u, 3u}) {
     AttendPool pool(threads);
     EXPECT_EQ(pool.threads(), threads);
     for (int round = 0; round < 20; ++round) {
-      // Odd rounds: one or two requests, fewer than the threads, so their KV heads are split.
+      // Odd rounds: one or two requests, fewer than the threads, so the long ones go in parts.
       const size_t batch = round % 2 ? 1 + round % 3 / 2 : contexts.size();
       std::vector<Partial> outs(batch);
       std::vector<AttendJob> jobs(batch);
@@ -53,7 +66,7 @@ TEST(PnmAttendPool, ABatchOverThreadsEqualsEachRequestAlone) {
         jobs[r].g = &contexts[r]->geometry();
         jobs[r].q = queries[r].data();
         jobs[r].ctx = contexts[r]->View();
-        jobs[r].selection = r % 3 == 0 ? nullptr : &selections[r];
+        jobs[r].selection = (r + round) % 3 == 0 ? nullptr : &selections[r];
         jobs[r].out = &outs[r];
       }
       ASSERT_TRUE(pool.Run(jobs).ok());
@@ -61,9 +74,36 @@ TEST(PnmAttendPool, ABatchOverThreadsEqualsEachRequestAlone) {
         Partial alone;
         ASSERT_TRUE(Attend(*jobs[r].g, jobs[r].q, jobs[r].ctx, jobs[r].selection, 0, &alone).ok());
         ASSERT_TRUE(jobs[r].status.ok());
-        ASSERT_EQ(outs[r].out, alone.out) << "threads " << threads << " request " << r;
-        ASSERT_EQ(outs[r].lse, alone.lse) << "threads " << threads << " request " << r;
+        ASSERT_EQ(outs[r].out, alone.out) << "threads " << threads << " request " << r << " round " << round;
+        ASSERT_EQ(outs[r].lse, alone.lse) << "threads " << threads << " request " << r << " round " << round;
       }
+    }
+  }
+}
+
+// Attended in parts, a long context is still the attention over all of it: against fp64.
+TEST(PnmAttendPool, AContextAttendedInPartsEqualsDenseFp64) {
+  std::mt19937_64 rng(45);
+  const Geometry g = testing::MakeGeometry(8, 2, 32, 4, KvDtype::kFp16);
+  TestContext c(g, 4 * 700 + 1);
+  c.FillNormal(rng);
+  ASSERT_EQ(internal::AttendParts(c.View()), 8u);
+  const auto q = testing::RandomQuery(g, rng);
+  const float scale = 1.0f / std::sqrt(32.0f);
+  AttendPool pool(1);
+  Partial out;
+  AttendJob job;
+  job.g = &g;
+  job.q = q.data();
+  job.ctx = c.View();
+  job.out = &out;
+  ASSERT_TRUE(pool.Run({&job, 1}).ok());
+  const auto dense = testing::DenseFp64(c, q, scale);
+  for (uint32_t h = 0; h < g.num_heads; ++h) {
+    ASSERT_NEAR(out.lse[h], dense.lse[h], 1e-3 * (1 + std::fabs(dense.lse[h]))) << "head " << h;
+    for (uint32_t d = 0; d < g.head_dim; ++d) {
+      const double want = dense.out[uint64_t{h} * g.head_dim + d];
+      ASSERT_NEAR(out.out[uint64_t{h} * g.head_dim + d], want, 1e-3 * (1 + std::fabs(want))) << "head " << h;
     }
   }
 }
