@@ -159,7 +159,10 @@ TEST_F(RemoteDecode, ASparseBudgetAttendsItsPagesAtTheDaemon) {
 }
 
 TEST_F(RemoteDecode, AContextClosedByItsLeaseIsReopenedOnTheNextStep) {
-  StartPool(/*lease_ms=*/200);
+  // A lease several times a decode step even under ThreadSanitizer on a loaded 2-core machine:
+  // at 200 ms a slow step once let the context lapse a second time (two reopens, not one).
+  constexpr uint32_t kLeaseMs = 1000;
+  StartPool(kLeaseMs);
   Sequence s(model);
   const auto keys = MovePromptToPool(s);
   auto a = Make(model, 0);
@@ -167,7 +170,8 @@ TEST_F(RemoteDecode, AContextClosedByItsLeaseIsReopenedOnTheNextStep) {
   ASSERT_TRUE(a->Open(keys).ok());
   auto first = model.Decode(s.first, kPrompt, s.cache, s.table, a.get());
   ASSERT_TRUE(first.ok());
-  std::this_thread::sleep_for(std::chrono::milliseconds(600));  // the engine idles past the lease
+  ASSERT_EQ(a->reopened(), 0u) << "the context lapsed within one step: the lease is too short for this machine";
+  std::this_thread::sleep_for(std::chrono::milliseconds(3 * kLeaseMs));  // the engine idles past the lease
   auto second = model.Decode(Model::Argmax(*first), kPrompt + 1, s.cache, s.table, a.get());
   ASSERT_TRUE(second.ok()) << second.status().ToString();
   EXPECT_EQ(a->reopened(), 1u);
