@@ -101,27 +101,21 @@ class LinuxRing final : public IoRing {
   }
 
  private:
-  // A transfer as NVMe commands (command k covers bytes [k·cap, (k+1)·cap), as nvme_command.h's
-  // SplitNvmeIo splits it), all queued at once, each in the 80 bytes a 128-byte submission
-  // carries. Command k's submission carries (user_data << 20) | k. With registered buffers,
-  // command k uses buffer buf_index + k (CreateNvmeRing's contract). False, queuing nothing,
-  // when the submission queue has no room for all of them. Allocates nothing once the op's
-  // user_data has been seen (its Transfer is kept, see Take). REQUIRES: op.len > 0 (the engine
-  // queues what is left of a transfer).
+  // A transfer as NVMe commands (nvme_command.h's SplitNvmeIo, into a vector kept between
+  // transfers), all queued at once, each in the 80 bytes a 128-byte submission carries. Command
+  // k's submission carries (user_data << 20) | k. With registered buffers, command k uses buffer
+  // buf_index + k (CreateNvmeRing's contract). False, queuing nothing, when the submission queue
+  // has no room for all of them. Allocates nothing once the op's user_data has been seen (its
+  // Transfer is kept, see Take) and a transfer as long has been split.
   bool QueueNvme(const RingOp& op) {
-    const uint32_t cap = NvmeCommandCap(nvme_);
-    const uint64_t count = (uint64_t{op.len} + cap - 1) / cap;
-    if (io_uring_sq_space_left(&ring_) < count || count >= (1u << 20)) return false;
+    SplitNvmeIo(op.write, nvme_, op.buf, op.len, op.offset, &commands_);
+    if (io_uring_sq_space_left(&ring_) < commands_.size() || commands_.size() >= (1u << 20)) return false;
     Transfer& t = transfers_[op.user_data];
-    t.result = NvmeTransferResult(static_cast<uint32_t>(count));
+    t.result = NvmeTransferResult(static_cast<uint32_t>(commands_.size()));
     t.moved.clear();
     t.in_flight = true;
-    uint32_t done = 0;
-    for (uint32_t k = 0; k < count; ++k) {
-      uint32_t moved = 0;
-      const NvmeIoCommand c = MakeNvmeIo(op.write, nvme_, static_cast<std::byte*>(op.buf) + done, op.len - done,
-                                         op.offset + done, &moved);
-      done += moved;
+    for (uint32_t k = 0; k < commands_.size(); ++k) {
+      const NvmeIoCommand& c = commands_[k];
       struct io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
       if (sqe == nullptr) return false;  // not with the room checked above
       std::memset(sqe, 0, 2 * sizeof(*sqe));  // SQE128: a submission spans two 64-byte entries
@@ -185,6 +179,7 @@ class LinuxRing final : public IoRing {
     bool in_flight = false;
   };
   static constexpr size_t kKeptTransfers = 8192;  // above the deepest ring's stages (4096 + 4)
+  std::vector<NvmeIoCommand> commands_;  // QueueNvme's scratch
 
   struct io_uring ring_ {};
   bool initialized_ = false;

@@ -94,14 +94,20 @@ NvmeIoCommand MakeNvmeIo(bool write, const NvmeNamespace& ns, void* buf, uint32_
   return c;
 }
 
-std::vector<NvmeIoCommand> SplitNvmeIo(bool write, const NvmeNamespace& ns, void* buf, uint32_t len, uint64_t offset) {
-  std::vector<NvmeIoCommand> out;
+void SplitNvmeIo(bool write, const NvmeNamespace& ns, void* buf, uint32_t len, uint64_t offset,
+                 std::vector<NvmeIoCommand>* out) {
+  out->clear();
   uint32_t done = 0;
   while (done < len) {
     uint32_t moved = 0;
-    out.push_back(MakeNvmeIo(write, ns, static_cast<std::byte*>(buf) + done, len - done, offset + done, &moved));
+    out->push_back(MakeNvmeIo(write, ns, static_cast<std::byte*>(buf) + done, len - done, offset + done, &moved));
     done += moved;
   }
+}
+
+std::vector<NvmeIoCommand> SplitNvmeIo(bool write, const NvmeNamespace& ns, void* buf, uint32_t len, uint64_t offset) {
+  std::vector<NvmeIoCommand> out;
+  SplitNvmeIo(write, ns, buf, len, offset, &out);
   return out;
 }
 

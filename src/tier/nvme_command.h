@@ -84,6 +84,10 @@ NvmeIoCommand MakeNvmeIo(bool write, const NvmeNamespace& ns, void* buf, uint32_
 // what the block layer does for a block device's large I/O, and what passthrough, which the
 // kernel never splits, must do itself.
 std::vector<NvmeIoCommand> SplitNvmeIo(bool write, const NvmeNamespace& ns, void* buf, uint32_t len, uint64_t offset);
+// The same into *out (cleared first), which keeps its capacity: the ring's hot path allocates
+// nothing once its vector has grown to a transfer's command count.
+void SplitNvmeIo(bool write, const NvmeNamespace& ns, void* buf, uint32_t len, uint64_t offset,
+                 std::vector<NvmeIoCommand>* out);
 
 // The result of a transfer split into commands, folded as their completions come back (in any
 // order): the bytes of all of them, or the first failure.
