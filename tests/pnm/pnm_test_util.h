@@ -129,10 +129,12 @@ struct DenseResult {
   std::vector<std::vector<double>> probs;  // [num_heads][tokens]: the softmax over every token
 };
 
-inline DenseResult DenseFp64(const TestContext& c, const std::vector<float>& q, double scale) {
+// With `with_outputs` false, out stays empty and the values are not read (recall only).
+inline DenseResult DenseFp64(const TestContext& c, const std::vector<float>& q, double scale,
+                             bool with_outputs = true) {
   const Geometry& g = c.geometry();
   DenseResult r;
-  r.out.assign(uint64_t{g.num_heads} * g.head_dim, 0.0);
+  if (with_outputs) r.out.assign(uint64_t{g.num_heads} * g.head_dim, 0.0);
   r.lse.assign(g.num_heads, 0.0);
   r.probs.resize(g.num_heads);
   for (uint32_t head = 0; head < g.num_heads; ++head) {
@@ -149,7 +151,9 @@ inline DenseResult DenseFp64(const TestContext& c, const std::vector<float>& q, 
     for (double& l : logits) sum += (l = std::exp(l - m));
     for (uint64_t t = 0; t < c.tokens(); ++t) {
       const double p = logits[t] / sum;
-      for (uint32_t d = 0; d < g.head_dim; ++d) r.out[uint64_t{head} * g.head_dim + d] += p * c.Value(t, h, d);
+      if (with_outputs) {
+        for (uint32_t d = 0; d < g.head_dim; ++d) r.out[uint64_t{head} * g.head_dim + d] += p * c.Value(t, h, d);
+      }
       logits[t] = p;
     }
     r.lse[head] = m + std::log(sum);
