@@ -402,14 +402,20 @@ Result<size_t> NearMemoryService::Attend(const rpc::Request& req, std::span<uint
     return InvalidArgument("the answer to " + std::to_string(n) + " jobs needs " + std::to_string(answer_bytes) +
                            " bytes, a response slot holds " + std::to_string(out.size()) + ": send fewer per request");
   }
-  // Selection, then attention, each spread over the engines (data parallelism, §3.2).
-  engines_->ForEach(n, [&](size_t i) {
-    if (ctx[i] == nullptr || jobs[i].budget_tokens == 0) return;
-    const pnm::SelectOptions o{jobs[i].budget_tokens, jobs[i].sink_pages, jobs[i].recent_pages};
+  // Selection, then attention, each spread over the engines (data parallelism, §3.2; a lone
+  // long request's KV heads and pages are shared out among them).
+  std::vector<pnm::SelectJob> select;
+  std::vector<size_t> select_of;
+  for (size_t i = 0; i < n; ++i) {
+    if (ctx[i] == nullptr || jobs[i].budget_tokens == 0) continue;
     const Context& c = *ctx[i];
-    status[i] = pnm::SelectPages(c.g, jobs[i].q.data(), c.digests[jobs[i].layer].data(),
-                                 c.pages() * c.g.page_tokens, o, &selections[i]);
-  });
+    select.push_back({&c.g, jobs[i].q.data(), c.digests[jobs[i].layer].data(), c.pages() * c.g.page_tokens,
+                      pnm::SelectOptions{jobs[i].budget_tokens, jobs[i].sink_pages, jobs[i].recent_pages},
+                      &selections[i], {}});
+    select_of.push_back(i);
+  }
+  (void)engines_->Select(select);  // per-job statuses
+  for (size_t k = 0; k < select.size(); ++k) status[select_of[k]] = select[k].status;
   std::vector<pnm::AttendJob> work;
   std::vector<size_t> of_job;
   for (size_t i = 0; i < n; ++i) {

@@ -194,8 +194,12 @@ Status SparseDecodeAttention::Attend(uint32_t layer, const float* q, uint32_t po
   Layer& L = *layers_[layer];
   const uint64_t pages = g.PagesFor(tokens);
   const pnm::ContextView ctx{std::span<const pnm::PageKv>(L.pages.data(), pages), tokens};
-  CXLKV_RETURN_IF_ERROR(
-      pnm::SelectPages(g, q, L.digests.data(), tokens, options_.select, &selection_));
+  if (pool_) {  // a long context's KV heads are selected on the near-memory threads together
+    pnm::SelectJob job{&g, q, L.digests.data(), tokens, options_.select, &selection_, {}};
+    CXLKV_RETURN_IF_ERROR(pool_->Select({&job, 1}));
+  } else {
+    CXLKV_RETURN_IF_ERROR(pnm::SelectPages(g, q, L.digests.data(), tokens, options_.select, &selection_));
+  }
   const uint64_t page_bytes =
       2ull * g.page_tokens * g.head_dim * sizeof(float);  // one KV head's K and V
   stats_.layer_steps++;

@@ -104,6 +104,66 @@ Status AttendPool::Run(std::span<AttendJob> jobs) {
   return first;
 }
 
+Status AttendPool::Select(std::span<SelectJob> jobs) {
+  std::lock_guard<std::mutex> select(select_mu_);
+  const uint32_t threads = static_cast<uint32_t>(workers_.size()) + 1;
+  const bool share = jobs.size() < threads;
+  auto shares_of = [&](const SelectJob& job) -> uint32_t {
+    if (!share || job.g->num_kv_heads < 2 || job.g->PagesFor(job.tokens) < kMinSharedPages ||
+        SelectsEveryPage(*job.g, job.tokens, job.options)) {
+      return 1;
+    }
+    return std::min(threads, job.g->num_kv_heads);
+  };
+  select_tasks_.clear();
+  size_t slots = 0;
+  for (SelectJob& job : jobs) {
+    job.status = job.g == nullptr || job.q == nullptr || job.digests == nullptr || job.out == nullptr
+                     ? InvalidArgument("selection job without a geometry, a query, digests or an output")
+                     : Status::Ok();
+    if (job.status.ok() && (job.status = job.g->Validate()).ok()) slots += shares_of(job);
+  }
+  if (select_shares_.size() < slots) select_shares_.resize(slots);
+  size_t slot = 0;
+  for (uint32_t j = 0; j < jobs.size(); ++j) {
+    const SelectJob& job = jobs[j];
+    if (!job.status.ok()) continue;
+    const uint32_t shares = shares_of(job), kv_heads = job.g->num_kv_heads;
+    if (shares == 1) {
+      select_tasks_.push_back({j, 0, kv_heads, job.out, Status::Ok()});
+      continue;
+    }
+    for (uint32_t i = 0; i < shares; ++i) {
+      select_tasks_.push_back({j, i * kv_heads / shares, (i + 1) * kv_heads / shares, &select_shares_[slot++], Status::Ok()});
+    }
+  }
+  ForEach(select_tasks_.size(), [&](size_t i) {
+    SelectTask& t = select_tasks_[i];
+    const SelectJob& job = jobs[t.job];
+    t.status = SelectPagesOfKvHeads(*job.g, job.q, job.digests, job.tokens, job.options, t.kv_begin, t.kv_end, t.out);
+  });
+  // Each job's shares are consecutive tasks, in KV head order: joined into the job's out.
+  Status first;
+  for (size_t i = 0; i < select_tasks_.size();) {
+    const uint32_t j = select_tasks_[i].job;
+    size_t end = i;
+    for (; end < select_tasks_.size() && select_tasks_[end].job == j; ++end) {
+      if (jobs[j].status.ok()) jobs[j].status = select_tasks_[end].status;
+    }
+    if (jobs[j].status.ok() && end - i > 1) {
+      select_bounds_.clear();
+      for (size_t k = i; k < end; ++k) select_bounds_.push_back(select_tasks_[k].kv_begin);
+      select_bounds_.push_back(select_tasks_[end - 1].kv_end);
+      JoinKvHeadShares({select_tasks_[i].out, end - i}, select_bounds_, jobs[j].out);
+    }
+    i = end;
+  }
+  for (const SelectJob& job : jobs) {
+    if (!job.status.ok() && first.ok()) first = job.status;
+  }
+  return first;
+}
+
 void AttendPool::ForEach(size_t n, const std::function<void(size_t)>& fn) {
   std::lock_guard<std::mutex> run(run_mu_);
   if (n == 0) return;

@@ -23,6 +23,7 @@
 
 #include "cxlkv/status.h"
 #include "pnm/attend.h"
+#include "pnm/select.h"
 
 namespace cxlkv::pnm {
 
@@ -34,6 +35,17 @@ struct AttendJob {
   const Selection* selection = nullptr;  // every page when null
   float scale = 0;                       // 0: 1/sqrt(head_dim)
   Partial* out = nullptr;
+  Status status;
+};
+
+// One request's page selection: SelectPages(*g, q, digests, tokens, options, out).
+struct SelectJob {
+  const Geometry* g = nullptr;
+  const float* q = nullptr;
+  const uint8_t* digests = nullptr;
+  uint64_t tokens = 0;
+  SelectOptions options;
+  Selection* out = nullptr;
   Status status;
 };
 
@@ -49,6 +61,13 @@ class AttendPool {
   // Runs every job; returns when all are done. A job that fails its checks gets its status and
   // no work; the others run. Returns the first failed job's status, or ok.
   Status Run(std::span<AttendJob> jobs);
+
+  // Runs every selection across the workers and the caller. A batch with fewer requests than
+  // threads shares a long context's KV heads out among them (SelectPagesOfKvHeads) and joins
+  // the shares: each job gets exactly what SelectPages gives it alone. Returns the first failed
+  // job's status, or ok. Selection scores every page's digest, so a lone long request would
+  // otherwise hold one thread for as long as its attention over the selected pages takes on all.
+  Status Select(std::span<SelectJob> jobs);
 
   // Calls fn(i) for every i < n across the workers and the caller; returns when all are done
   // (per-request work before the attention, such as selection). fn must not throw.
@@ -69,6 +88,21 @@ class AttendPool {
   // REQUIRES: run_mu_ held.
   void RunBatch(uint64_t total);
 
+  // A share of a selection: KV heads [kv_begin, kv_end) of jobs[job], into `out`.
+  struct SelectTask {
+    uint32_t job;
+    uint32_t kv_begin, kv_end;
+    Selection* out;
+    Status status;
+  };
+  // Contexts of fewer pages are selected whole: a share's hand-off to a worker would cost more
+  // than it saves.
+  static constexpr uint64_t kMinSharedPages = 2048;
+
+  std::mutex select_mu_;  // one Select at a time (its scratch below); taken before run_mu_
+  std::vector<SelectTask> select_tasks_;
+  std::vector<Selection> select_shares_;  // kept between calls: each Selection's own scratch
+  std::vector<uint32_t> select_bounds_;
   std::mutex run_mu_;  // one Run at a time
   std::mutex mu_;
   std::condition_variable wake_;  // workers: a new batch (or stop)

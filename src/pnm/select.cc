@@ -40,6 +40,25 @@ Selection Selection::All(uint32_t num_kv_heads, uint64_t pages) {
   return SamePagesForAllHeads(num_kv_heads, std::move(all));
 }
 
+void JoinKvHeadShares(std::span<const Selection> shares, std::span<const uint32_t> bounds, Selection* out) {
+  const uint32_t kv_heads = bounds.empty() ? 0 : bounds.back();
+  out->pages_.clear();
+  out->ranked_.clear();
+  out->begin_.resize(kv_heads);
+  out->count_.resize(kv_heads);
+  out->rescanned_heads_ = 0;
+  for (size_t i = 0; i < shares.size(); ++i) {
+    const Selection& share = shares[i];
+    out->rescanned_heads_ += share.rescanned_heads_;
+    for (uint32_t h = bounds[i]; h < bounds[i + 1]; ++h) {
+      out->begin_[h] = out->pages_.size();
+      out->count_[h] = static_cast<uint32_t>(share.Of(h).size());
+      out->pages_.insert(out->pages_.end(), share.Of(h).begin(), share.Of(h).end());
+      out->ranked_.insert(out->ranked_.end(), share.RankedOf(h).begin(), share.RankedOf(h).end());
+    }
+  }
+}
+
 namespace {
 
 // A query head in int16: for each dimension its positive part then its negative part (one of
@@ -177,27 +196,63 @@ SeedSample SeedSampleFor(uint64_t cap, uint64_t scored_from, uint64_t scored_end
 
 }  // namespace internal
 
+namespace {
+
+// What a budget leaves to choose: the forced pages [0, sinks) and [recent_from, pages), and
+// `cap` pages per KV head chosen by score; `every` when the budget or the forced pages cover
+// the context.
+struct BudgetSplit {
+  uint64_t pages = 0, sinks = 0, recent_from = 0, cap = 0;
+  bool every = false;
+};
+BudgetSplit SplitBudget(const Geometry& g, uint64_t tokens, const SelectOptions& o) {
+  BudgetSplit b;
+  b.pages = g.PagesFor(tokens);
+  const uint64_t wanted = std::max<uint64_t>(o.budget_tokens / g.page_tokens, 1);
+  // Forced pages: [0, sinks) and [pages - recent, pages), overlapping on short contexts.
+  b.sinks = std::min<uint64_t>(o.sink_pages, b.pages);
+  b.recent_from = b.pages - std::min<uint64_t>(o.recent_pages, b.pages - b.sinks);
+  const uint64_t forced = b.sinks + (b.pages - b.recent_from);
+  b.every = wanted >= b.pages || forced >= b.pages;
+  b.cap = wanted > forced ? wanted - forced : 0;
+  return b;
+}
+
+}  // namespace
+
+bool SelectsEveryPage(const Geometry& g, uint64_t tokens, const SelectOptions& o) {
+  return SplitBudget(g, tokens, o).every;
+}
+
 Status SelectPages(const Geometry& g, const float* q, const uint8_t* digests, uint64_t tokens,
                    const SelectOptions& o, Selection* out) {
+  return SelectPagesOfKvHeads(g, q, digests, tokens, o, 0, g.num_kv_heads, out);
+}
+
+Status SelectPagesOfKvHeads(const Geometry& g, const float* q, const uint8_t* digests, uint64_t tokens,
+                            const SelectOptions& o, uint32_t kv_begin, uint32_t kv_end, Selection* out) {
   if (Status s = g.Validate(); !s.ok()) return s;
   if (tokens == 0) return InvalidArgument("page selection over an empty context");
+  if (kv_begin >= kv_end || kv_end > g.num_kv_heads) {
+    return InvalidArgument("page selection for KV heads [" + std::to_string(kv_begin) + ", " + std::to_string(kv_end) +
+                           ") of " + std::to_string(g.num_kv_heads));
+  }
   const uint64_t pages = g.PagesFor(tokens);
   if (pages >= std::numeric_limits<uint32_t>::max()) {
     return InvalidArgument("page selection over " + std::to_string(pages) + " pages: at most 2^32 - 2");
   }
   const uint32_t kv_heads = g.num_kv_heads;
-  const uint64_t wanted = std::max<uint64_t>(o.budget_tokens / g.page_tokens, 1);
-  // Forced pages: [0, sinks) and [pages - recent, pages), overlapping on short contexts.
-  const uint64_t sinks = std::min<uint64_t>(o.sink_pages, pages);
-  const uint64_t recent_from = pages - std::min<uint64_t>(o.recent_pages, pages - sinks);
-  const uint64_t forced = sinks + (pages - recent_from);
-  if (wanted >= pages || forced >= pages) {
+  const BudgetSplit budget = SplitBudget(g, tokens, o);
+  const uint64_t sinks = budget.sinks, recent_from = budget.recent_from;
+  if (budget.every) {
     *out = Selection::All(kv_heads, pages);
     return Status::Ok();
   }
-  const uint64_t cap = wanted > forced ? wanted - forced : 0;  // pages chosen by score, per head
+  const uint64_t cap = budget.cap;  // pages chosen by score, per head
 
   const uint32_t heads = g.num_heads, group = g.group(), dim = g.head_dim;
+  // The query heads of KV heads [kv_begin, kv_end): the others are neither scored nor chosen.
+  const uint32_t head_begin = kv_begin * group, head_end = kv_end * group;
   // Per query head, the best `cap` pages as the digests stream by. Not a heap: most pages fail
   // a single compare against the head's threshold (the worst kept score), and the few that pass
   // are appended to a buffer of 2·cap; a full buffer keeps its best cap (nth_element) and raises
@@ -212,7 +267,7 @@ Status SelectPages(const Geometry& g, const float* q, const uint8_t* digests, ui
   out->query_.resize(uint64_t{heads} * 2 * dim);
   out->query_scale_.resize(heads);
   out->rescanned_heads_ = 0;
-  for (uint32_t head = 0; head < heads; ++head) {
+  for (uint32_t head = head_begin; head < head_end; ++head) {
     out->query_scale_[head] = QuantizeQuery(q + uint64_t{head} * dim, dim, out->query_.data() + uint64_t{head} * 2 * dim);
   }
   const internal::Kernels& k = internal::Active();
@@ -295,7 +350,8 @@ Status SelectPages(const Geometry& g, const float* q, const uint8_t* digests, ui
         }
       }
     };
-    out->scan_kv_.assign(kv_heads, 1);
+    out->scan_kv_.assign(kv_heads, 0);
+    std::fill(out->scan_kv_.begin() + kv_begin, out->scan_kv_.begin() + kv_end, uint8_t{1});
     const uint8_t* scan_kv = out->scan_kv_.data();
     // Scored a block of pages at a time per KV head: the table's digest_dot_block keeps the
     // group's query in registers across the block (page by page, reloading it for every page
@@ -350,7 +406,7 @@ Status SelectPages(const Geometry& g, const float* q, const uint8_t* digests, ui
           const uint8_t* line = ahead - reinterpret_cast<uintptr_t>(ahead) % 64;
           for (; line < ahead + page_bytes; line += 64) __builtin_prefetch(line, 0, 1);
         }
-        for (uint32_t h = 0; h < kv_heads; ++h) {
+        for (uint32_t h = kv_begin; h < kv_end; ++h) {
           head_scores(page, h);
           const int8_t e = static_cast<int8_t>(page[h]);
           for (uint32_t head = h * group; head < (h + 1) * group; ++head) {
@@ -360,7 +416,7 @@ Status SelectPages(const Geometry& g, const float* q, const uint8_t* digests, ui
         }
       }
       const uint64_t rank = std::min(seed.rank, n);
-      for (uint32_t head = 0; head < heads; ++head) {
+      for (uint32_t head = head_begin; head < head_end; ++head) {
         float* s = sample.data() + head * n;
         std::nth_element(s, s + rank - 1, s + n, std::greater<>());
         threshold[head] = s[rank - 1];
@@ -373,7 +429,7 @@ Status SelectPages(const Geometry& g, const float* q, const uint8_t* digests, ui
       // KV heads of their groups are scored again. Scoring every KV head again cost a whole second
       // scan, and some head rescans in most calls of 32 query heads (each about 3% at 128K).
       std::fill(out->scan_kv_.begin(), out->scan_kv_.end(), uint8_t{0});  // the scan's pointer stays valid
-      for (uint32_t head = 0; head < heads; ++head) {
+      for (uint32_t head = head_begin; head < head_end; ++head) {
         const bool again = kept_size[head] < cap;
         out->rescanned_heads_ += again ? 1 : 0;
         if (again) {
@@ -412,6 +468,10 @@ Status SelectPages(const Geometry& g, const float* q, const uint8_t* digests, ui
   out->count_.resize(kv_heads);
   for (uint32_t h = 0; h < kv_heads; ++h) {
     out->begin_[h] = out->pages_.size();
+    if (h < kv_begin || h >= kv_end) {  // another share's head
+      out->count_[h] = 0;
+      continue;
+    }
     for (uint64_t p = 0; p < sinks; ++p) out->ranked_.push_back(static_cast<uint32_t>(p));
     for (uint64_t p = recent_from; p < pages; ++p) out->ranked_.push_back(static_cast<uint32_t>(p));
     // Rank by rank across the group's heads, skipping pages already taken, until cap pages;

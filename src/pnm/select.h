@@ -50,6 +50,23 @@ class Selection;
 Status SelectPages(const Geometry& g, const float* q, const uint8_t* digests, uint64_t tokens,
                    const SelectOptions& o, Selection* out);
 
+// Whether the budget (or the forced pages) covers the context: SelectPages then selects every
+// page for every head, without scoring.
+bool SelectsEveryPage(const Geometry& g, uint64_t tokens, const SelectOptions& o);
+
+// SelectPages for KV heads [kv_begin, kv_end) only: one thread's share of a selection split by
+// KV heads (AttendPool::Select). `out` holds those heads' pages and none for the others. A KV
+// head's pages depend only on its group's query heads and its own digests, so the shares
+// joined (JoinKvHeadShares) are exactly SelectPages' result. Errors: SelectPages', and
+// kInvalidArgument for an empty or out-of-range interval.
+Status SelectPagesOfKvHeads(const Geometry& g, const float* q, const uint8_t* digests, uint64_t tokens,
+                            const SelectOptions& o, uint32_t kv_begin, uint32_t kv_end, Selection* out);
+
+// Joins shares made by SelectPagesOfKvHeads: shares[i] covers KV heads [bounds[i], bounds[i + 1]),
+// so bounds has shares.size() + 1 entries, from 0 to the KV head count, rising. `out` (not one
+// of the shares) gets each head's pages and ranks from its share.
+void JoinKvHeadShares(std::span<const Selection> shares, std::span<const uint32_t> bounds, Selection* out);
+
 // Pages chosen per KV head, ascending within each head (so reads walk memory forward).
 class Selection {
  public:
@@ -80,8 +97,9 @@ class Selection {
   }
 
  private:
-  friend Status SelectPages(const Geometry&, const float*, const uint8_t*, uint64_t, const SelectOptions&,
-                            Selection*);
+  friend Status SelectPagesOfKvHeads(const Geometry&, const float*, const uint8_t*, uint64_t,
+                                     const SelectOptions&, uint32_t, uint32_t, Selection*);
+  friend void JoinKvHeadShares(std::span<const Selection>, std::span<const uint32_t>, Selection*);
   std::vector<uint32_t> pages_;
   std::vector<uint32_t> ranked_;  // pages_ per head again, best first
   std::vector<uint64_t> begin_;

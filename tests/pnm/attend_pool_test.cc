@@ -154,5 +154,64 @@ TEST(PnmAttendPool, ForEachCallsEveryIndexOnceAcrossTheThreads) {
   EXPECT_EQ(started.load(), 3);
 }
 
+void ExpectSameSelection(const Selection& got, const Selection& want, const std::string& what) {
+  ASSERT_EQ(got.num_kv_heads(), want.num_kv_heads()) << what;
+  for (uint32_t h = 0; h < want.num_kv_heads(); ++h) {
+    const auto gp = got.Of(h), wp = want.Of(h), gr = got.RankedOf(h), wr = want.RankedOf(h);
+    ASSERT_EQ(std::vector<uint32_t>(gp.begin(), gp.end()), std::vector<uint32_t>(wp.begin(), wp.end()))
+        << what << ", KV head " << h;
+    ASSERT_EQ(std::vector<uint32_t>(gr.begin(), gr.end()), std::vector<uint32_t>(wr.begin(), wr.end()))
+        << what << ", KV head " << h << " (ranks)";
+  }
+}
+
+// Select: a lone long request's KV heads shared out over the threads and joined, or whole
+// requests per thread, give each request exactly SelectPages' pages and ranks, for shapes and
+// GQA ratios at random, with 0, 1 and 3 workers; a budget covering the context selects every
+// page; a bad job gets its error and the others still run.
+TEST(PnmAttendPool, SelectionOverThreadsEqualsSelectPages) {
+  std::mt19937_64 rng(4242);
+  AttendPool pools[] = {AttendPool(0), AttendPool(1), AttendPool(3)};
+  for (int trial = 0; trial < 6; ++trial) {
+    const uint32_t kv_heads = 2 + static_cast<uint32_t>(rng() % 5);  // 2..6: shares of uneven sizes too
+    const uint32_t group = 1 + static_cast<uint32_t>(rng() % 4);
+    Geometry g = testing::MakeGeometry(kv_heads * group, kv_heads, 32, 16);
+    const uint64_t tokens = 16 * (2048 + rng() % 1024) - rng() % 16;  // enough pages to share; a partial last one
+    TestContext c(g, tokens);
+    c.FillNormal(rng);
+    const auto digests = c.Digests();
+    ASSERT_FALSE(digests.empty());
+    std::vector<std::vector<float>> q(2);
+    for (auto& x : q) x = testing::RandomQuery(g, rng);
+    for (uint32_t budget : {256u, 4096u, static_cast<uint32_t>(tokens + 16)}) {
+      const SelectOptions o{budget, 1 + static_cast<uint32_t>(rng() % 2), 1};
+      Selection want[2];
+      for (int i = 0; i < 2; ++i) ASSERT_TRUE(SelectPages(g, q[i].data(), digests.data(), tokens, o, &want[i]).ok());
+      for (AttendPool& pool : pools) {
+        const std::string what = "trial " + std::to_string(trial) + ", " + std::to_string(kv_heads) + " KV heads, budget " +
+                                 std::to_string(budget) + ", " + std::to_string(pool.threads()) + " workers";
+        for (size_t n : {size_t{1}, size_t{2}}) {  // one request (shared out) and two
+          Selection got[2];
+          std::vector<SelectJob> jobs(n);
+          for (size_t i = 0; i < n; ++i) jobs[i] = {&g, q[i].data(), digests.data(), tokens, o, &got[i], {}};
+          ASSERT_TRUE(pool.Select(jobs).ok()) << what;
+          for (size_t i = 0; i < n; ++i) ASSERT_NO_FATAL_FAILURE(ExpectSameSelection(got[i], want[i], what));
+        }
+      }
+    }
+    // A bad job beside a good one: its own error, and the good one's selection.
+    Selection got, unused;
+    std::vector<SelectJob> jobs(2);
+    jobs[0] = {&g, q[0].data(), nullptr, tokens, {}, &unused, {}};
+    jobs[1] = {&g, q[1].data(), digests.data(), tokens, {}, &got, {}};
+    EXPECT_EQ(pools[2].Select(jobs).code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(jobs[0].status.code(), StatusCode::kInvalidArgument);
+    ASSERT_TRUE(jobs[1].status.ok());
+    Selection want;
+    ASSERT_TRUE(SelectPages(g, q[1].data(), digests.data(), tokens, {}, &want).ok());
+    ASSERT_NO_FATAL_FAILURE(ExpectSameSelection(got, want, "beside a bad job"));
+  }
+}
+
 }  // namespace
 }  // namespace cxlkv::pnm
