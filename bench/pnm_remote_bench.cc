@@ -5,7 +5,8 @@
 //
 //   remote_step_ms/32K/B    one step (selection + attention, one layer, one sequence) at the
 //                           service, round trip included, vs in_process_step_ms/32K/B (the same
-//                           SelectPages + Attend called directly): the RPC's cost per step.
+//                           selection and attention on an AttendPool of as many threads as the
+//                           service's, called directly): the RPC's cost per step.
 //   remote_link_KiB/32K     request + answer payload bytes per step vs the KV bytes the step read
 //                           next to the memory.
 //   open_ms/32K/stored      opening a context whose digests an earlier opener stored in the pool
@@ -20,6 +21,7 @@
 #include "cxlkv/pool.h"
 #include "daemon/pnm_service.h"
 #include "pnm/attend.h"
+#include "pnm/attend_pool.h"
 #include "pnm/digest.h"
 #include "pnm/remote.h"
 #include "pnm/select.h"
@@ -120,6 +122,9 @@ Result<std::vector<nlohmann::json>> PnmRemoteFigures(const BenchOptions& options
   std::vector<uint8_t> digests(keys.size() * pnm::DigestBytesPerPage(g));
   CXLKV_RETURN_IF_ERROR(pnm::BuildDigests(g, ctx, digests));
 
+  // As many threads as the service's engines: they share a lone request's selection and
+  // attention out among them, and the figure is the RPC's cost, not a thread count's.
+  pnm::AttendPool local_pool(so.threads);
   std::vector<nlohmann::json> out;
   const std::pair<uint32_t, const char*> budgets[] = {{kTokens / 32, "1_32"}, {0, "dense"}};
   const int steps = 16;
@@ -141,12 +146,13 @@ Result<std::vector<nlohmann::json>> PnmRemoteFigures(const BenchOptions& options
       t0 = Clock::now();
       for (int s = 0; s < steps; ++s) {
         const float* q = qs[s % qs.size()].data();
-        const pnm::Selection* selection = nullptr;
+        pnm::AttendJob attend{&g, q, ctx, nullptr, 0, &part, {}};
         if (budget != 0) {
-          CXLKV_RETURN_IF_ERROR(pnm::SelectPages(g, q, digests.data(), kTokens, {budget, 1, 1}, &sel));
-          selection = &sel;
+          pnm::SelectJob select{&g, q, digests.data(), kTokens, {budget, 1, 1}, &sel, {}};
+          CXLKV_RETURN_IF_ERROR(local_pool.Select({&select, 1}));
+          attend.selection = &sel;
         }
-        CXLKV_RETURN_IF_ERROR(pnm::Attend(g, q, ctx, selection, 0, &part));
+        CXLKV_RETURN_IF_ERROR(local_pool.Run({&attend, 1}));
       }
       local_ms.push_back(MsSince(t0) / steps);
     }
