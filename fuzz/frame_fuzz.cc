@@ -59,7 +59,7 @@ void CheckReencodes(const cxlkv::Result<T>& r, const std::vector<uint8_t>& paylo
 
 void CheckPnmRequest(const cxlkv::rpc::Frame& f) {
   using namespace cxlkv::pnm;
-  switch (f.code % 4) {
+  switch (f.code % 6) {
     case 0:
       CheckReencodes(DecodeOpen(f.payload), f.payload, [](const OpenRequest& r) { return EncodeOpen(r); },
                      "a pnm open re-encodes differently");
@@ -80,6 +80,31 @@ void CheckPnmRequest(const cxlkv::rpc::Frame& f) {
                      },
                      "a pnm attend re-encodes differently");
       break;
+    case 3:
+      CheckReencodes(DecodeAttendSplit(f.payload), f.payload,
+                     [](const std::vector<AttendJobRequest>& jobs) {
+                       std::vector<uint8_t> out;
+                       EncodeAttendSplit(jobs, out);
+                       return out;
+                     },
+                     "a pnm split attend re-encodes differently");
+      break;
+    case 4: {
+      // Answers come from the daemon's slot in shared memory: untrusted too. Shapes from the
+      // frame's code: 1-3 jobs of 1-4 heads, head_dim 16, 1-2 KV heads.
+      const size_t jobs = 1 + (f.code >> 3) % 3;
+      std::vector<std::pair<uint32_t, uint32_t>> shapes(jobs, {1 + (f.code >> 5) % 4, 16});
+      std::vector<uint32_t> kv_heads(jobs, 1 + (f.code >> 7) % 2);
+      auto plain = DecodeAttendAnswer(f.payload, shapes);
+      if (plain.ok() && plain->size() != jobs) Fail("a pnm attend answer of the wrong job count");
+      auto split = DecodeAttendSplitAnswer(f.payload, shapes, kv_heads);
+      if (split.ok()) {
+        for (const AttendJobAnswer& a : *split) {
+          if (a.status.ok() && a.ranked.size() != kv_heads[0]) Fail("a pnm split answer without a list per KV head");
+        }
+      }
+      break;
+    }
     default:
       CheckReencodes(DecodeContexts(f.payload), f.payload,
                      [](const std::vector<uint64_t>& ids) { return EncodeContexts(ids); },

@@ -112,6 +112,7 @@ Result<std::unique_ptr<NearMemoryService>> NearMemoryService::Start(Pool& pool, 
   ops[pnm::kPnmOpen] = handler(&NearMemoryService::Open, false);
   ops[pnm::kPnmExtend] = handler(&NearMemoryService::Extend, false);
   ops[pnm::kPnmAttend] = handler(&NearMemoryService::Attend, true);
+  ops[pnm::kPnmAttendSplit] = handler(&NearMemoryService::AttendSplit, true);
   ops[pnm::kPnmRenew] = handler(&NearMemoryService::Renew, true);
   ops[pnm::kPnmClose] = handler(&NearMemoryService::Close, true);
   rpc::RpcServerOptions so;
@@ -371,8 +372,61 @@ Status NearMemoryService::LoadOrBuildDigests(Context& c, uint64_t first_page, st
   return Status::Ok();
 }
 
+Status NearMemoryService::CheckHeld(const Context& c, const pnm::AttendJobRequest& j) {
+  if (j.budget_tokens == 0) return InvalidArgument("a split attend needs a budget: 0 (every page) leaves nothing to split");
+  if (j.held.size() != c.g.num_kv_heads) {
+    return InvalidArgument("a split attend with " + std::to_string(j.held.size()) + " held-page lists for " +
+                           std::to_string(c.g.num_kv_heads) + " KV heads");
+  }
+  for (size_t h = 0; h < j.held.size(); ++h) {
+    for (uint32_t p : j.held[h]) {
+      if (p >= c.pages()) {
+        return InvalidArgument("KV head " + std::to_string(h) + " holds page " + std::to_string(p) +
+                               " of a context of " + std::to_string(c.pages()) + " pages");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+size_t NearMemoryService::RankedBytesBound(const Context& c, const pnm::AttendJobRequest& j) {
+  // A head's selection is the budget's pages plus the forced ones, or every page when those
+  // cover the context.
+  const uint64_t most = std::min<uint64_t>(
+      c.pages(), uint64_t{j.budget_tokens} / c.g.page_tokens + 1 + j.sink_pages + j.recent_pages);
+  return 4 + size_t{c.g.num_kv_heads} * (4 + most * sizeof(uint32_t));
+}
+
+namespace {
+
+// The pages of `selection` that `held` does not list, per KV head (a split attend's own part).
+pnm::Selection NotHeld(const pnm::Selection& selection, const std::vector<std::vector<uint32_t>>& held, uint64_t pages) {
+  std::vector<uint8_t> is_held(pages);
+  std::vector<std::vector<uint32_t>> rest(selection.num_kv_heads());
+  for (uint32_t h = 0; h < selection.num_kv_heads(); ++h) {
+    for (uint32_t p : held[h]) is_held[p] = 1;
+    for (uint32_t p : selection.Of(h)) {
+      if (is_held[p] == 0) rest[h].push_back(p);
+    }
+    for (uint32_t p : held[h]) is_held[p] = 0;
+  }
+  return pnm::Selection::PerHead(std::move(rest));
+}
+
+}  // namespace
+
 Result<size_t> NearMemoryService::Attend(const rpc::Request& req, std::span<uint8_t> out) {
   CXLKV_ASSIGN_OR_RETURN(std::vector<pnm::AttendJobRequest> jobs, pnm::DecodeAttend(req.payload));
+  return RunAttend(req, jobs, false, out);
+}
+
+Result<size_t> NearMemoryService::AttendSplit(const rpc::Request& req, std::span<uint8_t> out) {
+  CXLKV_ASSIGN_OR_RETURN(std::vector<pnm::AttendJobRequest> jobs, pnm::DecodeAttendSplit(req.payload));
+  return RunAttend(req, jobs, true, out);
+}
+
+Result<size_t> NearMemoryService::RunAttend(const rpc::Request& req, std::vector<pnm::AttendJobRequest>& jobs,
+                                            bool split, std::span<uint8_t> out) {
   const size_t n = jobs.size();
   std::vector<Context*> ctx(n, nullptr);
   std::vector<Status> status(n);
@@ -392,11 +446,15 @@ Result<size_t> NearMemoryService::Attend(const rpc::Request& req, std::span<uint
                                   std::to_string(size_t{(*c)->g.num_heads} * (*c)->g.head_dim));
     } else if ((*c)->pages() == 0) {
       status[i] = InvalidArgument("context " + std::to_string(j.context) + " has no pages yet: extend it first");
+    } else if (split) {
+      status[i] = CheckHeld(**c, j);
+      if (status[i].ok()) ctx[i] = *c;
     } else {
       ctx[i] = *c;
     }
     answer_bytes += ctx[i] != nullptr ? pnm::AttendJobAnswerBytes(ctx[i]->g.num_heads, ctx[i]->g.head_dim)
                                       : 10 + pnm::kMaxJobMessage;
+    if (split && ctx[i] != nullptr) answer_bytes += RankedBytesBound(*ctx[i], j);
   }
   if (answer_bytes > out.size()) {
     return InvalidArgument("the answer to " + std::to_string(n) + " jobs needs " + std::to_string(answer_bytes) +
@@ -416,6 +474,11 @@ Result<size_t> NearMemoryService::Attend(const rpc::Request& req, std::span<uint
   }
   (void)engines_->Select(select);  // per-job statuses
   for (size_t k = 0; k < select.size(); ++k) status[select_of[k]] = select[k].status;
+  // Split: the engine attends the selected pages it holds; this side the rest.
+  std::vector<pnm::Selection> near(split ? n : 0);
+  for (size_t i = 0; split && i < n; ++i) {
+    if (ctx[i] != nullptr && status[i].ok()) near[i] = NotHeld(selections[i], jobs[i].held, ctx[i]->pages());
+  }
   std::vector<pnm::AttendJob> work;
   std::vector<size_t> of_job;
   for (size_t i = 0; i < n; ++i) {
@@ -425,7 +488,7 @@ Result<size_t> NearMemoryService::Attend(const rpc::Request& req, std::span<uint
     w.g = &c.g;
     w.q = jobs[i].q.data();
     w.ctx = pnm::ContextView{c.views[jobs[i].layer], c.pages() * c.g.page_tokens};
-    w.selection = jobs[i].budget_tokens == 0 ? nullptr : &selections[i];
+    w.selection = split ? &near[i] : jobs[i].budget_tokens == 0 ? nullptr : &selections[i];
     w.scale = jobs[i].scale;
     w.out = &partials[i];
     work.push_back(w);
@@ -444,14 +507,22 @@ Result<size_t> NearMemoryService::Attend(const rpc::Request& req, std::span<uint
     const Context& c = *ctx[i];
     uint64_t pages = c.pages() * c.g.num_kv_heads;  // dense
     if (jobs[i].budget_tokens != 0) {  // heads may share one list (a budget covering the context)
+      const pnm::Selection& attended = split ? near[i] : selections[i];
       pages = 0;
-      for (uint32_t h = 0; h < selections[i].num_kv_heads(); ++h) pages += selections[i].Of(h).size();
+      for (uint32_t h = 0; h < attended.num_kv_heads(); ++h) pages += attended.Of(h).size();
     }
     pages_attended_.fetch_add(pages);
     kv_bytes_read_.fetch_add(pages * 2 * c.g.SlabBytes() / c.g.num_kv_heads);
     link_bytes_.fetch_add(jobs[i].q.size() * sizeof(float) + partials[i].out.size() * sizeof(float) +
                           partials[i].lse.size() * sizeof(float));
-    pnm::PutJobOk(w, static_cast<uint32_t>(std::min<uint64_t>(pages, UINT32_MAX)), partials[i]);
+    const uint32_t attended = static_cast<uint32_t>(std::min<uint64_t>(pages, UINT32_MAX));
+    if (split) {
+      std::vector<std::span<const uint32_t>> ranked;
+      for (uint32_t h = 0; h < c.g.num_kv_heads; ++h) ranked.push_back(selections[i].RankedOf(h));
+      pnm::PutSplitJobOk(w, attended, partials[i], ranked);
+    } else {
+      pnm::PutJobOk(w, attended, partials[i]);
+    }
   }
   if (w.overflow()) return Internal("pnm attend answer overflowed its checked size");
   return w.size();

@@ -50,7 +50,7 @@ Result<NearMemoryClient::Opened> NearMemoryClient::OpenContext(const KeyNamespac
   o.lease_ms = a.lease_ms;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    contexts_[a.context] = {0, {num_heads, ns.layout.head_size}};
+    contexts_[a.context] = {0, {num_heads, ns.layout.head_size}, ns.layout.num_kv_heads, ns.layout.block_size};
   }
   if (!keys.empty()) {
     auto e = Extend(a.context, keys);
@@ -69,7 +69,7 @@ Result<ExtendAnswer> NearMemoryClient::Extend(uint64_t context, std::span<const 
     std::lock_guard<std::mutex> lock(mu_);
     auto it = contexts_.find(context);
     if (it == contexts_.end()) return NotFound("context " + std::to_string(context) + " was not opened by this client");
-    first = it->second.first;
+    first = it->second.pages;
   }
   ExtendAnswer totals;
   for (size_t at = 0; at < keys.size(); at += kMaxExtendKeys) {
@@ -90,13 +90,20 @@ Result<ExtendAnswer> NearMemoryClient::Extend(uint64_t context, std::span<const 
     totals.digests_built += a.digests_built;
     totals.digests_stored += a.digests_stored;
     std::lock_guard<std::mutex> lock(mu_);
-    if (auto it = contexts_.find(context); it != contexts_.end()) it->second.first = first;
+    if (auto it = contexts_.find(context); it != contexts_.end()) it->second.pages = first;
   }
   return totals;
 }
 
-Status NearMemoryClient::Attend(std::span<Job> jobs) {
+Status NearMemoryClient::Attend(std::span<Job> jobs) { return RunJobs(jobs, false); }
+
+Status NearMemoryClient::AttendSplit(std::span<Job> jobs) { return RunJobs(jobs, true); }
+
+Status NearMemoryClient::RunJobs(std::span<Job> jobs, bool split) {
   std::vector<std::pair<uint32_t, uint32_t>> shapes(jobs.size());
+  std::vector<uint32_t> kv_heads(jobs.size());
+  std::vector<size_t> ranked_bytes(jobs.size(), 0);  // a split answer's ranks, at most
+  std::vector<uint64_t> context_pages(jobs.size(), 0);
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < jobs.size(); ++i) {
@@ -105,7 +112,19 @@ Status NearMemoryClient::Attend(std::span<Job> jobs) {
         return InvalidArgument("attend job " + std::to_string(i) +
                                ": a context this client did not open, or no query or output");
       }
-      shapes[i] = it->second.second;
+      const OpenContextInfo& info = it->second;
+      shapes[i] = info.shape;
+      kv_heads[i] = info.kv_heads;
+      context_pages[i] = info.pages;
+      if (!split) continue;
+      if (jobs[i].budget_tokens == 0 || jobs[i].ranked == nullptr || jobs[i].held.size() != info.kv_heads) {
+        return InvalidArgument("split attend job " + std::to_string(i) + ": needs a budget, a place for the ranks and " +
+                               std::to_string(info.kv_heads) + " held-page lists (one per KV head), got " +
+                               std::to_string(jobs[i].held.size()));
+      }
+      const uint64_t most = std::min<uint64_t>(info.pages, uint64_t{jobs[i].budget_tokens} / info.page_tokens + 1 +
+                                                               jobs[i].sink_pages + jobs[i].recent_pages);
+      ranked_bytes[i] = 4 + size_t{info.kv_heads} * (4 + most * sizeof(uint32_t));
     }
   }
   // Pack consecutive jobs while the request and its answer fit their slots.
@@ -120,14 +139,20 @@ Status NearMemoryClient::Attend(std::span<Job> jobs) {
     size_t req = 4, ans = 0, j = i;
     while (j < jobs.size()) {
       const size_t q = size_t{shapes[j].first} * shapes[j].second;
-      const size_t a = std::max(AttendJobAnswerBytes(shapes[j].first, shapes[j].second), 10 + kMaxJobMessage);
-      if (j > i && (req + AttendJobRequestBytes(q) > req_cap || ans + a > ans_cap)) break;
-      req += AttendJobRequestBytes(q);
+      const size_t r = AttendJobRequestBytes(q) + (split ? PageListsBytes(jobs[j].held) : 0);
+      const size_t a = std::max(AttendJobAnswerBytes(shapes[j].first, shapes[j].second) + ranked_bytes[j],
+                                10 + kMaxJobMessage);
+      if (j > i && (req + r > req_cap || ans + a > ans_cap)) break;
+      req += r;
       ans += a;
       ++j;
     }
     if (req > req_cap || ans > ans_cap) {
-      return InvalidArgument("one query of " + std::to_string(shapes[i].first) + " heads does not fit a request slot");
+      return InvalidArgument("one query of " + std::to_string(shapes[i].first) + " heads" +
+                             (split ? " with its held pages and ranks" : "") + " does not fit a request slot (" +
+                             std::to_string(req) + " and " + std::to_string(ans) + " bytes; slots hold " +
+                             std::to_string(req_cap) + " and " + std::to_string(ans_cap) + ")" +
+                             (split ? ": a smaller budget or fewer held pages" : ""));
     }
     std::vector<AttendJobRequest> encoded(j - i);
     for (size_t k = i; k < j; ++k) {
@@ -139,9 +164,14 @@ Status NearMemoryClient::Attend(std::span<Job> jobs) {
       e.recent_pages = jobs[k].recent_pages;
       e.scale = jobs[k].scale;
       e.q.assign(jobs[k].q, jobs[k].q + size_t{shapes[k].first} * shapes[k].second);
+      if (split) e.held.assign(jobs[k].held.begin(), jobs[k].held.end());
     }
     Batch b{i, j, {}, 0};
-    EncodeAttend(encoded, b.request);
+    if (split) {
+      EncodeAttendSplit(encoded, b.request);
+    } else {
+      EncodeAttend(encoded, b.request);
+    }
     batches.push_back(std::move(b));
     i = j;
   }
@@ -153,7 +183,7 @@ Status NearMemoryClient::Attend(std::span<Job> jobs) {
   const auto deadline_of = [this] { return rpc::RpcClient::Clock::now() + timeout_; };
   while (next < batches.size() || !in_flight.empty()) {
     while (next < batches.size()) {
-      auto t = rpc_->Submit(kPnmAttend, batches[next].request);
+      auto t = rpc_->Submit(split ? kPnmAttendSplit : kPnmAttend, batches[next].request);
       if (!t.ok()) {
         if (t.status().code() == StatusCode::kBusy && !in_flight.empty()) break;
         for (size_t k : in_flight) rpc_->Abandon(batches[k].ticket);
@@ -172,8 +202,11 @@ Status NearMemoryClient::Attend(std::span<Job> jobs) {
       return n.status();
     }
     link_bytes_.fetch_add(*n);
-    auto decoded = DecodeAttendAnswer(std::span<const uint8_t>(answer).first(*n),
-                                      std::span<const std::pair<uint32_t, uint32_t>>(shapes).subspan(b.begin, b.end - b.begin));
+    const auto got = std::span<const uint8_t>(answer).first(*n);
+    const auto batch_shapes = std::span<const std::pair<uint32_t, uint32_t>>(shapes).subspan(b.begin, b.end - b.begin);
+    auto decoded = split ? DecodeAttendSplitAnswer(got, batch_shapes,
+                                                   std::span<const uint32_t>(kv_heads).subspan(b.begin, b.end - b.begin))
+                         : DecodeAttendAnswer(got, batch_shapes);
     if (!decoded.ok()) {
       for (size_t other : in_flight) rpc_->Abandon(batches[other].ticket);
       return decoded.status();
@@ -184,6 +217,19 @@ Status NearMemoryClient::Attend(std::span<Job> jobs) {
       jobs[j].pages_attended = a.pages_attended;
       if (a.status.ok()) {
         *jobs[j].out = std::move(a.partial);
+        if (split) {
+          // The ranks index the engine's per-page state: a page past the context is refused.
+          for (const auto& list : a.ranked) {
+            for (uint32_t p : list) {
+              if (p >= context_pages[j]) {
+                for (size_t other : in_flight) rpc_->Abandon(batches[other].ticket);
+                return Corrupted("pnm split attend answer: job " + std::to_string(j) + " ranks page " +
+                                 std::to_string(p) + " of a context of " + std::to_string(context_pages[j]) + " pages");
+              }
+            }
+          }
+          *jobs[j].ranked = std::move(a.ranked);
+        }
       } else if (first.ok()) {
         first = a.status;
       }

@@ -67,11 +67,20 @@ class NearMemoryClient {
     Partial* out = nullptr;       // the attention over the context's tokens, with its lse
     uint32_t pages_attended = 0;  // summed over KV heads
     Status status;                // this job's outcome
+    // AttendSplit only: per KV head, the context pages the engine holds (the daemon leaves
+    // them out of `out`), and where the step's selection goes, per KV head best first.
+    std::span<const std::vector<uint32_t>> held;
+    std::vector<std::vector<uint32_t>>* ranked = nullptr;
   };
   // Runs the jobs at the daemon, each answer awaited up to the options' timeout. Returns the
   // first job's error, or a transport error (then no job has an answer). Jobs of contexts this
   // client did not open are refused locally.
   Status Attend(std::span<Job> jobs);
+  // The hybrid's step (PNM §3.3): as Attend with a budget, but `out` covers only the selected
+  // pages the job's `held` does not list, and `ranked` gets the whole selection, best first, so
+  // the engine attends its held selected pages itself and merges by LSE. Errors: Attend's, and
+  // kInvalidArgument for a job without a budget or `ranked`, or held lists not one per KV head.
+  Status AttendSplit(std::span<Job> jobs);
   // Keeps idle contexts open; returns how many the daemon still had.
   Result<uint32_t> Renew(std::span<const uint64_t> contexts);
   Status Close(std::span<const uint64_t> contexts);
@@ -83,7 +92,7 @@ class NearMemoryClient {
  private:
   NearMemoryClient(Pool& pool, std::unique_ptr<rpc::RpcClient> rpc, uint32_t node, std::chrono::milliseconds timeout)
       : pool_(pool), rpc_(std::move(rpc)), node_(node), timeout_(timeout) {}
-  Status SendBatch(std::span<Job> jobs, std::span<const std::pair<uint32_t, uint32_t>> shapes);
+  Status RunJobs(std::span<Job> jobs, bool split);
   // This node's life, once its lease is surely valid (up to the timeout): kLeaseExpired if not.
   Result<uint64_t> CurrentLife() const;
 
@@ -92,7 +101,13 @@ class NearMemoryClient {
   uint32_t node_ = 0;
   std::chrono::milliseconds timeout_;  // each answer's deadline (RpcClientOptions::timeout)
   std::mutex mu_;
-  std::map<uint64_t, std::pair<uint64_t, std::pair<uint32_t, uint32_t>>> contexts_;  // id -> pages, (heads, dim)
+  struct OpenContextInfo {
+    uint64_t pages = 0;
+    std::pair<uint32_t, uint32_t> shape;  // query heads, head_dim
+    uint32_t kv_heads = 0;
+    uint32_t page_tokens = 0;
+  };
+  std::map<uint64_t, OpenContextInfo> contexts_;
   std::atomic<uint64_t> link_bytes_{0};
 };
 

@@ -27,6 +27,75 @@ bool GetFloats(meta::WireReader& r, size_t n, std::vector<float>* out) {
   return r.Bytes(out->data(), n * sizeof(float));
 }
 
+void PutPageLists(meta::WireWriter& w, std::span<const std::span<const uint32_t>> lists) {
+  w.Put(static_cast<uint32_t>(lists.size()));
+  for (const auto& list : lists) {
+    w.Put(static_cast<uint32_t>(list.size()));
+    w.Bytes(list.data(), list.size() * sizeof(uint32_t));
+  }
+}
+
+// At most `max_lists` lists; every count checked against the bytes left before it is allocated.
+bool GetPageLists(meta::WireReader& r, uint32_t max_lists, std::vector<std::vector<uint32_t>>* out) {
+  uint32_t lists = 0;
+  if (!r.Get(&lists) || lists > max_lists || lists > r.remaining() / 4) return false;
+  out->resize(lists);
+  for (auto& list : *out) {
+    uint32_t n = 0;
+    if (!r.Get(&n) || n > r.remaining() / sizeof(uint32_t)) return false;
+    list.resize(n);
+    if (!r.Bytes(list.data(), size_t{n} * sizeof(uint32_t))) return false;
+  }
+  return true;
+}
+
+std::vector<std::span<const uint32_t>> Spans(const std::vector<std::vector<uint32_t>>& lists) {
+  return {lists.begin(), lists.end()};
+}
+
+void PutJobFields(meta::WireWriter& w, const AttendJobRequest& j) {
+  w.Put(j.context);
+  w.Put(j.layer);
+  w.Put(j.budget_tokens);
+  w.Put(j.sink_pages);
+  w.Put(j.recent_pages);
+  w.Put(j.scale);
+  w.Put(static_cast<uint32_t>(j.q.size()));
+  w.Bytes(j.q.data(), j.q.size() * sizeof(float));
+}
+
+bool GetJobFields(meta::WireReader& r, AttendJobRequest* j) {
+  uint32_t floats = 0;
+  return r.Get(&j->context) && r.Get(&j->layer) && r.Get(&j->budget_tokens) && r.Get(&j->sink_pages) &&
+         r.Get(&j->recent_pages) && r.Get(&j->scale) && r.Get(&floats) && GetFloats(r, floats, &j->q);
+}
+
+// The status, pages and partial of one answer's job; false if cut short. A failed job's status
+// goes to a->status, and `*ok` says whether the job succeeded.
+Status GetJobAnswer(meta::WireReader& r, size_t i, size_t jobs, std::pair<uint32_t, uint32_t> shape,
+                    AttendJobAnswer* a, bool* ok) {
+  uint32_t code = 0;
+  *ok = false;
+  if (!r.Get(&code) || !r.Get(&a->pages_attended) || code > kMaxStatusCode) {
+    return Corrupted("pnm attend answer: job " + std::to_string(i) + " of " + std::to_string(jobs) +
+                     " is cut short or has an unknown status");
+  }
+  if (code != 0) {
+    std::string message;
+    if (!r.Text(&message, kMaxJobMessage)) return Corrupted("pnm attend answer: job " + std::to_string(i) + "'s message is cut short");
+    a->status = Status(static_cast<StatusCode>(code), "near-memory attention: " + message);
+    return Status::Ok();
+  }
+  const auto [heads, dim] = shape;
+  a->partial.num_heads = heads;
+  a->partial.head_dim = dim;
+  if (!GetFloats(r, size_t{heads} * dim, &a->partial.out) || !GetFloats(r, heads, &a->partial.lse)) {
+    return Corrupted("pnm attend answer: job " + std::to_string(i) + "'s output is cut short");
+  }
+  *ok = true;
+  return Status::Ok();
+}
+
 }  // namespace
 
 std::string PnmServiceName(uint32_t node) { return "pnm-" + std::to_string(node); }
@@ -112,16 +181,7 @@ void EncodeAttend(std::span<const AttendJobRequest> jobs, std::vector<uint8_t>& 
   out.resize(bytes);
   meta::WireWriter w(out);
   w.Put(static_cast<uint32_t>(jobs.size()));
-  for (const auto& j : jobs) {
-    w.Put(j.context);
-    w.Put(j.layer);
-    w.Put(j.budget_tokens);
-    w.Put(j.sink_pages);
-    w.Put(j.recent_pages);
-    w.Put(j.scale);
-    w.Put(static_cast<uint32_t>(j.q.size()));
-    w.Bytes(j.q.data(), j.q.size() * sizeof(float));
-  }
+  for (const auto& j : jobs) PutJobFields(w, j);
 }
 
 Result<std::vector<AttendJobRequest>> DecodeAttend(std::span<const uint8_t> in) {
@@ -134,12 +194,7 @@ Result<std::vector<AttendJobRequest>> DecodeAttend(std::span<const uint8_t> in) 
   }
   std::vector<AttendJobRequest> jobs(count);
   for (uint32_t i = 0; i < count; ++i) {
-    AttendJobRequest& j = jobs[i];
-    uint32_t floats = 0;
-    if (!r.Get(&j.context) || !r.Get(&j.layer) || !r.Get(&j.budget_tokens) || !r.Get(&j.sink_pages) ||
-        !r.Get(&j.recent_pages) || !r.Get(&j.scale) || !r.Get(&floats) || !GetFloats(r, floats, &j.q)) {
-      return Malformed("attend", in.size(), "job " + std::to_string(i) + " runs past the end");
-    }
+    if (!GetJobFields(r, &jobs[i])) return Malformed("attend", in.size(), "job " + std::to_string(i) + " runs past the end");
   }
   if (!r.done()) return Malformed("attend", in.size(), std::to_string(r.remaining()) + " bytes after the last job");
   return jobs;
@@ -163,26 +218,70 @@ Result<std::vector<AttendJobAnswer>> DecodeAttendAnswer(std::span<const uint8_t>
   meta::WireReader r(in);
   std::vector<AttendJobAnswer> out(shapes.size());
   for (size_t i = 0; i < shapes.size(); ++i) {
-    AttendJobAnswer& a = out[i];
-    uint32_t code = 0;
-    if (!r.Get(&code) || !r.Get(&a.pages_attended) || code > kMaxStatusCode) {
-      return Corrupted("pnm attend answer: job " + std::to_string(i) + " of " + std::to_string(shapes.size()) +
-                       " is cut short or has an unknown status");
-    }
-    if (code != 0) {
-      std::string message;
-      if (!r.Text(&message, kMaxJobMessage)) return Corrupted("pnm attend answer: job " + std::to_string(i) + "'s message is cut short");
-      a.status = Status(static_cast<StatusCode>(code), "near-memory attention: " + message);
-      continue;
-    }
-    const auto [heads, dim] = shapes[i];
-    a.partial.num_heads = heads;
-    a.partial.head_dim = dim;
-    if (!GetFloats(r, size_t{heads} * dim, &a.partial.out) || !GetFloats(r, heads, &a.partial.lse)) {
-      return Corrupted("pnm attend answer: job " + std::to_string(i) + "'s output is cut short");
-    }
+    bool ok = false;
+    CXLKV_RETURN_IF_ERROR(GetJobAnswer(r, i, shapes.size(), shapes[i], &out[i], &ok));
   }
   if (!r.done()) return Corrupted("pnm attend answer: " + std::to_string(r.remaining()) + " bytes after the last job");
+  return out;
+}
+
+size_t PageListsBytes(std::span<const std::vector<uint32_t>> lists) {
+  size_t bytes = 4;
+  for (const auto& list : lists) bytes += 4 + list.size() * sizeof(uint32_t);
+  return bytes;
+}
+
+void EncodeAttendSplit(std::span<const AttendJobRequest> jobs, std::vector<uint8_t>& out) {
+  size_t bytes = 4;
+  for (const auto& j : jobs) bytes += AttendJobRequestBytes(j.q.size()) + PageListsBytes(j.held);
+  out.resize(bytes);
+  meta::WireWriter w(out);
+  w.Put(static_cast<uint32_t>(jobs.size()));
+  for (const auto& j : jobs) {
+    PutJobFields(w, j);
+    PutPageLists(w, Spans(j.held));
+  }
+}
+
+Result<std::vector<AttendJobRequest>> DecodeAttendSplit(std::span<const uint8_t> in) {
+  meta::WireReader r(in);
+  uint32_t count = 0;
+  if (!r.Get(&count) || count == 0 || count > r.remaining() / (AttendJobRequestBytes(0) + 4)) {
+    return Malformed("split attend", in.size(), "the job count must be at least 1 and fit the request");
+  }
+  std::vector<AttendJobRequest> jobs(count);
+  for (uint32_t i = 0; i < count; ++i) {
+    if (!GetJobFields(r, &jobs[i]) || !GetPageLists(r, kMaxQueryHeads, &jobs[i].held)) {
+      return Malformed("split attend", in.size(),
+                       "job " + std::to_string(i) + " runs past the end or holds more than " +
+                           std::to_string(kMaxQueryHeads) + " page lists");
+    }
+  }
+  if (!r.done()) return Malformed("split attend", in.size(), std::to_string(r.remaining()) + " bytes after the last job");
+  return jobs;
+}
+
+void PutSplitJobOk(meta::WireWriter& w, uint32_t pages_attended, const Partial& p,
+                   std::span<const std::span<const uint32_t>> ranked) {
+  PutJobOk(w, pages_attended, p);
+  PutPageLists(w, ranked);
+}
+
+Result<std::vector<AttendJobAnswer>> DecodeAttendSplitAnswer(std::span<const uint8_t> in,
+                                                             std::span<const std::pair<uint32_t, uint32_t>> shapes,
+                                                             std::span<const uint32_t> kv_heads) {
+  meta::WireReader r(in);
+  std::vector<AttendJobAnswer> out(shapes.size());
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    bool ok = false;
+    CXLKV_RETURN_IF_ERROR(GetJobAnswer(r, i, shapes.size(), shapes[i], &out[i], &ok));
+    if (!ok) continue;
+    if (!GetPageLists(r, kv_heads[i], &out[i].ranked) || out[i].ranked.size() != kv_heads[i]) {
+      return Corrupted("pnm split attend answer: job " + std::to_string(i) + "'s selection is cut short or not " +
+                       std::to_string(kv_heads[i]) + " lists");
+    }
+  }
+  if (!r.done()) return Corrupted("pnm split attend answer: " + std::to_string(r.remaining()) + " bytes after the last job");
   return out;
 }
 

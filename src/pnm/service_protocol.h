@@ -19,6 +19,11 @@
 //                the floats -> per job: u32 status code, u32 pages attended, then the output
 //                ([heads][head_dim] f32) and the lse ([heads] f32) if ok, else u16 length and
 //                the error's message
+//   kPnmAttendSplit  as kPnmAttend (a budget is required), each job followed by page lists: u32
+//                KV heads, per head u32 count and the pages the engine holds -> per job as
+//                kPnmAttend's answer, for the selected pages the engine does not hold, followed
+//                by page lists: per KV head the step's whole selection, best first (the hybrid,
+//                §3.3: the engine attends the held ones and steers what it holds by the ranks)
 //   kPnmRenew    u32 count, u64 contexts -> u32 how many were renewed
 //   kPnmClose    u32 count, u64 contexts -> nothing (kNotFound naming the first one not open)
 #ifndef CXLKV_SRC_PNM_SERVICE_PROTOCOL_H_
@@ -44,6 +49,7 @@ enum PnmOp : uint32_t {
   kPnmAttend = 3,  // idempotent: reads only
   kPnmRenew = 4,   // idempotent
   kPnmClose = 5,   // idempotent: closing a closed context is kNotFound, which clients ignore
+  kPnmAttendSplit = 6,  // idempotent: reads only
 };
 
 std::string PnmServiceName(uint32_t node);
@@ -88,11 +94,15 @@ struct AttendJobRequest {
   uint16_t recent_pages = 1;
   float scale = 0;
   std::vector<float> q;  // [heads][head_dim]
+  // kPnmAttendSplit: per KV head, the pages the engine holds (attended there, not here).
+  std::vector<std::vector<uint32_t>> held;
 };
 struct AttendJobAnswer {
   Status status;
   uint32_t pages_attended = 0;
   Partial partial;  // ok only
+  // kPnmAttendSplit, ok only: per KV head, the step's selection best first (held pages included).
+  std::vector<std::vector<uint32_t>> ranked;
 };
 std::vector<uint8_t> EncodeOpen(const OpenRequest& r);
 Result<OpenRequest> DecodeOpen(std::span<const uint8_t> in);
@@ -115,6 +125,19 @@ void PutJobError(meta::WireWriter& w, const Status& s);
 // `shapes` (heads, head_dim) per job: an answer's shapes are the caller's own contexts'.
 Result<std::vector<AttendJobAnswer>> DecodeAttendAnswer(std::span<const uint8_t> in,
                                                         std::span<const std::pair<uint32_t, uint32_t>> shapes);
+
+// kPnmAttendSplit. Page lists take 4 bytes, then per list 4 plus 4 per page.
+size_t PageListsBytes(std::span<const std::vector<uint32_t>> lists);
+void EncodeAttendSplit(std::span<const AttendJobRequest> jobs, std::vector<uint8_t>& out);
+// Refuses more than kMaxQueryHeads lists in a job (a context has at most as many KV heads).
+Result<std::vector<AttendJobRequest>> DecodeAttendSplit(std::span<const uint8_t> in);
+// An answer's job that succeeded: PutJobOk's record, then `ranked` (per KV head, best first).
+void PutSplitJobOk(meta::WireWriter& w, uint32_t pages_attended, const Partial& p,
+                   std::span<const std::span<const uint32_t>> ranked);
+// `kv_heads` per job: the lists an answer must carry for it.
+Result<std::vector<AttendJobAnswer>> DecodeAttendSplitAnswer(std::span<const uint8_t> in,
+                                                             std::span<const std::pair<uint32_t, uint32_t>> shapes,
+                                                             std::span<const uint32_t> kv_heads);
 
 std::vector<uint8_t> EncodeContexts(std::span<const uint64_t> contexts);
 Result<std::vector<uint64_t>> DecodeContexts(std::span<const uint8_t> in);

@@ -5,6 +5,7 @@
 // a context is open, bad requests get their reason. Then as real processes: a client killed
 // -9 or paused past its lease leaves nothing pinned, the paused one gets a clear error and
 // reopens, and a dead daemon fails the call instead of hanging it.
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -205,6 +206,122 @@ TEST(NearMemoryService, AttentionAtTheDaemonEqualsLocalAttentionBitForBit) {
 // A namespace in pool block format 2 (an HND engine's blocks) is attended in its own order:
 // bit for bit what local attention gives reading the pages head-major, and not what reading the
 // same bytes token-major gives.
+// One layer of a context read locally, as the daemon reads it: pinned pool blocks and digests
+// built from them.
+struct LocalLayer {
+  KvCache& cache;
+  pnm::Geometry g = TestGeometry();
+  std::vector<BlockPin> pins;
+  std::vector<pnm::PageKv> views;
+  std::vector<uint8_t> digests;
+  LocalLayer(KvCache& c, const NamespaceHandle& ns, std::span<const BlockKey> keys, uint32_t layer) : cache(c) {
+    auto hit = cache.Lookup(ns, keys);
+    EXPECT_TRUE(hit.ok() && hit->hit_blocks == keys.size());
+    if (!hit.ok()) return;
+    pins = hit->pins;
+    for (const BlockPin& p : pins) {
+      const uint8_t* base = cache.PayloadPtr(p);
+      views.push_back({base + (layer * 2) * g.SlabBytes(), base + (layer * 2 + 1) * g.SlabBytes()});
+    }
+    digests.resize(keys.size() * pnm::DigestBytesPerPage(g));
+    EXPECT_TRUE(pnm::BuildDigests(g, Ctx(), digests).ok());
+  }
+  ~LocalLayer() { cache.Release(pins); }
+  pnm::ContextView Ctx() const { return {views, views.size() * kPage}; }
+};
+
+// The hybrid's step at the daemon (kPnmAttendSplit): the daemon attends the selected pages the
+// engine does not hold and returns its whole selection, ranked; the engine's attention over the
+// held selected pages merged with the daemon's part equals attention over the whole selection.
+TEST(NearMemoryService, ASplitAttendLeavesTheHeldPagesToTheEngineAndReturnsTheRanks) {
+  InProcess t;
+  ASSERT_NE(t.service, nullptr);
+  const auto keys = PutContext(*t.cache, t.ns, 96, 5);
+  auto client = Client::Open(*t.pool, 0);
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  auto ctx = (*client)->OpenContext(TestNamespace(), kHeads, keys);
+  ASSERT_TRUE(ctx.ok()) << ctx.status().ToString();
+  const uint32_t budget = 256;  // 16 pages per KV head
+  for (uint32_t layer = 0; layer < kLayers; ++layer) {
+    LocalLayer local(*t.cache, t.ns, keys, layer);
+    const auto q = Query(40 + layer);
+    pnm::Selection want;
+    ASSERT_TRUE(pnm::SelectPages(local.g, q.data(), local.digests.data(), local.Ctx().tokens, {budget, 1, 1}, &want).ok());
+    pnm::Partial whole;
+    ASSERT_TRUE(pnm::Attend(local.g, q.data(), local.Ctx(), &want, 0, &whole).ok());
+    // Held: none; every other selected page plus pages not selected (ignored); all selected.
+    for (int variant = 0; variant < 3; ++variant) {
+      std::vector<std::vector<uint32_t>> held(kKvHeads), engine_pages(kKvHeads);
+      uint64_t near_pages = 0;
+      for (uint32_t h = 0; h < kKvHeads; ++h) {
+        const auto ranked = want.RankedOf(h);
+        for (size_t r = 0; r < ranked.size(); ++r) {
+          if (variant == 2 || (variant == 1 && r % 2 == 0)) {
+            held[h].push_back(ranked[r]);
+            engine_pages[h].push_back(ranked[r]);
+          } else {
+            ++near_pages;
+          }
+        }
+        if (variant == 1) {
+          for (uint32_t p = 0; p < 96; ++p) {
+            if (std::find(ranked.begin(), ranked.end(), p) == ranked.end() && p % 7 == 0) held[h].push_back(p);
+          }
+        }
+      }
+      pnm::Partial near;
+      std::vector<std::vector<uint32_t>> ranks;
+      Client::Job j = MakeJob(ctx->context, layer, q.data(), budget, &near);
+      j.held = held;
+      j.ranked = &ranks;
+      ASSERT_TRUE((*client)->AttendSplit({&j, 1}).ok()) << j.status.ToString();
+      const std::string what = "layer " + std::to_string(layer) + ", variant " + std::to_string(variant);
+      ASSERT_EQ(ranks.size(), kKvHeads) << what;
+      for (uint32_t h = 0; h < kKvHeads; ++h) {
+        const auto w = want.RankedOf(h);
+        EXPECT_EQ(ranks[h], std::vector<uint32_t>(w.begin(), w.end())) << what << ", KV head " << h;
+      }
+      EXPECT_EQ(j.pages_attended, near_pages) << what;
+      if (variant == 0) {
+        EXPECT_TRUE(SameBits(near, whole)) << "nothing held: the plain attend's bits, " << what;
+      }
+      // The engine's part over its held selected pages, merged: attention over the selection.
+      pnm::Partial engine;
+      const pnm::Selection mine = pnm::Selection::PerHead(engine_pages);
+      ASSERT_TRUE(pnm::Attend(local.g, q.data(), local.Ctx(), &mine, 0, &engine).ok());
+      ASSERT_TRUE(pnm::MergeInto(near, &engine).ok());
+      for (size_t i = 0; i < whole.out.size(); ++i) {
+        ASSERT_NEAR(engine.out[i], whole.out[i], 1e-5 * (1 + std::fabs(whole.out[i]))) << what << ", output " << i;
+      }
+      for (size_t i = 0; i < whole.lse.size(); ++i) ASSERT_NEAR(engine.lse[i], whole.lse[i], 1e-4) << what;
+    }
+  }
+
+  // Refused with a reason: a held page past the context (at the daemon), no budget or held
+  // lists not one per KV head (at the client, before sending).
+  const auto q = Query(50);
+  pnm::Partial out;
+  std::vector<std::vector<uint32_t>> ranks;
+  std::vector<std::vector<uint32_t>> past(kKvHeads);
+  past[1].push_back(96);
+  Client::Job bad = MakeJob(ctx->context, 0, q.data(), budget, &out);
+  bad.held = past;
+  bad.ranked = &ranks;
+  EXPECT_EQ((*client)->AttendSplit({&bad, 1}).code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status.message().find("page 96"), std::string::npos) << bad.status.ToString();
+  std::vector<std::vector<uint32_t>> one(1);
+  Client::Job short_lists = MakeJob(ctx->context, 0, q.data(), budget, &out);
+  short_lists.held = one;
+  short_lists.ranked = &ranks;
+  EXPECT_EQ((*client)->AttendSplit({&short_lists, 1}).code(), StatusCode::kInvalidArgument);
+  std::vector<std::vector<uint32_t>> none(kKvHeads);
+  Client::Job dense = MakeJob(ctx->context, 0, q.data(), 0, &out);
+  dense.held = none;
+  dense.ranked = &ranks;
+  EXPECT_EQ((*client)->AttendSplit({&dense, 1}).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE((*client)->Close({&ctx->context, 1}).ok());
+}
+
 TEST(NearMemoryService, AHeadMajorNamespaceIsAttendedInItsOwnOrder) {
   InProcess t;
   ASSERT_NE(t.service, nullptr);
@@ -278,7 +395,8 @@ TEST(NearMemoryService, BadRequestsGetTheirReasonAndChangeNothing) {
   auto raw = rpc::RpcClient::Open(*t.pool, pnm::PnmServiceName(0));
   ASSERT_TRUE(raw.ok());
   const std::vector<uint8_t> junk{1, 2, 3};
-  for (uint32_t op : {pnm::kPnmOpen, pnm::kPnmExtend, pnm::kPnmAttend, pnm::kPnmRenew, pnm::kPnmClose}) {
+  for (uint32_t op : {pnm::kPnmOpen, pnm::kPnmExtend, pnm::kPnmAttend, pnm::kPnmAttendSplit, pnm::kPnmRenew,
+                      pnm::kPnmClose}) {
     auto r = (*raw)->Call(op, junk);
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << op << ": " << r.status().ToString();
   }
@@ -289,6 +407,7 @@ TEST(NearMemoryService, BadRequestsGetTheirReasonAndChangeNothing) {
   EXPECT_EQ(old_life.status().code(), StatusCode::kLeaseExpired) << old_life.status().ToString();
   std::vector<uint8_t> huge_count(8, 0xff);  // an attend batch claiming 4G jobs
   EXPECT_EQ((*raw)->Call(pnm::kPnmAttend, huge_count).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*raw)->Call(pnm::kPnmAttendSplit, huge_count).status().code(), StatusCode::kInvalidArgument);
   pnm::ExtendRequest repeat{ctx->context, 0, {keys[0]}};
   auto rep = (*raw)->Call(pnm::kPnmExtend, pnm::EncodeExtend(repeat));
   EXPECT_EQ(rep.status().code(), StatusCode::kInvalidArgument) << rep.status().ToString();
