@@ -5,13 +5,13 @@
 #include <cstring>
 
 #include "pnm/digest.h"
+#include "engine/held_pages.h"
 #include "pnm/geometry.h"
 #include "util/huge_page_allocator.h"
 
 namespace cxlkv::engine {
 
 namespace {
-constexpr uint32_t kNoSlot = 0xffffffffu;
 
 // Σ over KV heads of the pages a selection names (heads may share one list).
 uint64_t PagesOverHeads(const pnm::Selection& s) {
@@ -47,13 +47,8 @@ struct SparseDecodeAttention::Layer {
   std::vector<pnm::PageKv> pages;
   util::HugePageBytes digests;    // pages × DigestBytesPerPage (scanned every step: huge pages)
   uint64_t digested = 0;          // positions whose keys the digests cover
-  // kHybrid, one entry per KV head.
-  std::vector<pnm::ResidentPages> residents;
-  std::vector<std::vector<uint32_t>> slot_of_page;  // page -> slot, or kNoSlot
-  std::vector<std::vector<uint32_t>> free_slots;
-  std::vector<std::vector<float>> slots;  // per slot: K [page_tokens][head_dim], then V
-  std::vector<uint32_t> ranked;           // scratch: the head's full budget pages, best first
-  std::vector<pnm::PageKv> engine_pages;  // scratch: one head's resident selected pages
+  std::unique_ptr<HeldPages> held;  // kHybrid: the engine's copies, made at the first step
+  std::vector<uint32_t> ranked;      // scratch: a head's full budget pages, best first
 };
 
 SparseDecodeAttention::SparseDecodeAttention(const ModelConfig& c, uint32_t block_size,
@@ -64,9 +59,6 @@ SparseDecodeAttention::SparseDecodeAttention(const ModelConfig& c, uint32_t bloc
   geometry_.head_dim = c.head_dim;
   geometry_.page_tokens = block_size;
   geometry_.dtype = KvDtype::kFp32;
-  head_geometry_ = geometry_;
-  head_geometry_.num_heads = geometry_.group();
-  head_geometry_.num_kv_heads = 1;
   for (uint32_t l = 0; l < num_layers_; ++l) layers_.push_back(std::make_unique<Layer>());
   if (o.threads > 0) pool_ = std::make_unique<pnm::AttendPool>(o.threads);
 }
@@ -103,12 +95,7 @@ Status SparseDecodeAttention::Prepare(const PagedKvCache& cache,
 }
 
 void SparseDecodeAttention::EvictResidentsFrom(Layer& L, uint64_t first_page) {
-  for (size_t h = 0; h < L.residents.size(); ++h) {
-    for (uint32_t p : L.residents[h].EvictFrom(first_page)) {
-      L.free_slots[h].push_back(L.slot_of_page[h][p]);
-      L.slot_of_page[h][p] = kNoSlot;
-    }
-  }
+  if (L.held) L.held->DropFrom(first_page);
 }
 
 Status SparseDecodeAttention::CatchUp(uint32_t layer, const PagedKvCache& cache,
@@ -236,75 +223,36 @@ Status SparseDecodeAttention::AttendHybrid(Layer& L, uint32_t layer, const float
   const uint64_t pages = ctx.pages.size();
   const uint64_t full_pages =
       ctx.tokens / bs;  // a partial page is still being written: never resident
-  const uint64_t slot_floats = 2ull * bs * hd;
-  if (L.residents.empty()) {
+  if (!L.held) {
     const uint32_t budget_pages = std::max<uint32_t>(1, options_.select.budget_tokens / bs);
     const uint32_t capacity =
         options_.resident_pages ? options_.resident_pages : std::max<uint32_t>(1, budget_pages / 2);
-    for (uint32_t h = 0; h < kvh; ++h) {
-      L.residents.emplace_back(capacity, pages);
-      L.slot_of_page.emplace_back(pages, kNoSlot);
-      std::vector<uint32_t> free(capacity);
-      for (uint32_t s = 0; s < capacity; ++s) free[s] = capacity - 1 - s;
-      L.free_slots.push_back(std::move(free));
-      L.slots.emplace_back(capacity * slot_floats);
-    }
+    L.held = std::make_unique<HeldPages>(g, capacity, pages);
   }
+  L.held->GrowTo(pages);
   for (uint32_t h = 0; h < kvh; ++h) {
-    L.residents[h].GrowTo(pages);
-    L.slot_of_page[h].resize(pages, kNoSlot);
     L.ranked.clear();
     for (uint32_t p : selection_.RankedOf(h)) {
       if (p < full_pages) L.ranked.push_back(p);
     }
-    CXLKV_ASSIGN_OR_RETURN(pnm::ResidentStep step, L.residents[h].SteadyStep(L.ranked));
-    for (uint32_t p : step.evicted) {
-      L.free_slots[h].push_back(L.slot_of_page[h][p]);
-      L.slot_of_page[h][p] = kNoSlot;
-    }
-    for (uint32_t p : step.recalled) {
-      if (L.free_slots[h].empty())
-        return Internal("hybrid attention: more pages recalled than slots freed");
-      const uint32_t slot = L.free_slots[h].back();
-      L.free_slots[h].pop_back();
-      L.slot_of_page[h][p] = slot;
-      float* k = &L.slots[h][slot * slot_floats];
-      float* v = k + uint64_t{bs} * hd;
-      for (uint32_t t = 0; t < bs; ++t) {  // the head's rows only: [bs][hd]
-        std::memcpy(k + uint64_t{t} * hd, cache.Key(layer, L.blocks[p], t) + uint64_t{h} * hd,
-                    hd * sizeof(float));
-        std::memcpy(v + uint64_t{t} * hd, cache.Value(layer, L.blocks[p], t) + uint64_t{h} * hd,
-                    hd * sizeof(float));
-      }
-      stats_.recalled_pages++;
-      stats_.recalled_bytes += slot_floats * sizeof(float);
-      stats_.link_bytes += slot_floats * sizeof(float);
-    }
+    // The head's rows in the engine's cache: row t of block b at Key(layer, b, t) + h·head_dim.
+    auto rows_of = [&](uint32_t p) {
+      return HeldPages::Rows{cache.Key(layer, L.blocks[p], 0) + uint64_t{h} * hd,
+                             cache.Value(layer, L.blocks[p], 0) + uint64_t{h} * hd, uint64_t{kvh} * hd};
+    };
+    CXLKV_ASSIGN_OR_RETURN(pnm::ResidentStep step, L.held->Step(h, L.ranked, rows_of));
+    stats_.recalled_pages += step.recalled.size();
+    stats_.recalled_bytes += step.recalled.size() * L.held->PageBytes();
+    stats_.link_bytes += step.recalled.size() * L.held->PageBytes();
   }
-  pnm::SplitByResidence(selection_, L.residents, &engine_part_, &near_part_);
+  pnm::SplitByResidence(selection_, L.held->residents(), &engine_part_, &near_part_);
   CXLKV_RETURN_IF_ERROR(AttendNear(q, ctx, &near_part_, &near_));
-  const uint64_t page_bytes = slot_floats * sizeof(float);
+  const uint64_t page_bytes = L.held->PageBytes();
   stats_.near_kv_bytes += PagesOverHeads(near_part_) * page_bytes;
 
-  // The engine's part, one KV head at a time over its resident copies.
-  const uint32_t group = g.group();
-  engine_.Reset(g.num_heads, hd);
-  for (uint32_t h = 0; h < kvh; ++h) {
-    L.engine_pages.clear();
-    for (uint32_t p : engine_part_.Of(h)) {
-      const float* k = &L.slots[h][L.slot_of_page[h][p] * slot_floats];
-      L.engine_pages.push_back({k, k + uint64_t{bs} * hd});
-    }
-    if (L.engine_pages.empty()) continue;
-    const pnm::ContextView mine{L.engine_pages, L.engine_pages.size() * bs};
-    CXLKV_RETURN_IF_ERROR(pnm::Attend(head_geometry_, q + uint64_t{h} * group * hd, mine, nullptr,
-                                      1.0f, &head_part_));
-    std::copy(head_part_.out.begin(), head_part_.out.end(),
-              engine_.out.begin() + uint64_t{h} * group * hd);
-    std::copy(head_part_.lse.begin(), head_part_.lse.end(),
-              engine_.lse.begin() + uint64_t{h} * group);
-    stats_.engine_kv_bytes += L.engine_pages.size() * page_bytes;
-  }
+  // The engine's part, over its copies.
+  CXLKV_RETURN_IF_ERROR(L.held->Attend(q, engine_part_, &engine_));
+  stats_.engine_kv_bytes += PagesOverHeads(engine_part_) * page_bytes;
   return pnm::MergeInto(engine_, &near_);
 }
 

@@ -114,13 +114,12 @@ class SparseDecodeAttention final : public DecodeAttention {
                     pnm::Partial* out);
 
   pnm::Geometry geometry_;       // the model's heads, fp32, page_tokens = block_size
-  pnm::Geometry head_geometry_;  // one KV head and its group: the engine's resident copies
   SparseAttentionOptions options_;
   uint32_t num_layers_;
   std::vector<std::unique_ptr<Layer>> layers_;
   pnm::Selection selection_;
   pnm::Selection engine_part_, near_part_;
-  pnm::Partial near_, engine_, head_part_, all_;
+  pnm::Partial near_, engine_, all_;
   std::unique_ptr<pnm::AttendPool> pool_;
   SparseAttentionStats stats_;
 };
