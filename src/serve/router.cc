@@ -440,8 +440,10 @@ Result<ServeRun> Router::Run() {
   // Remote attention: this node attends the prompts' pool blocks next to the memory, as its
   // cxlkvd --pnm-threads would (destroyed before the pool, declared after it).
   std::unique_ptr<daemon::NearMemoryService> pnm_service;
-  if (o_.attention == kRemoteAttention) {
-    if (o_.mode != KvMode::kPool) return InvalidArgument("--attention remote needs --mode pool: the prompts' blocks must be in the pool");
+  if (IsRemoteAttention(o_.attention)) {
+    if (o_.mode != KvMode::kPool) {
+      return InvalidArgument("--attention " + o_.attention + " needs --mode pool: the prompts' blocks must be in the pool");
+    }
     daemon::NearMemoryServiceOptions no;
     no.threads = 1;
     no.context_lease_ms = std::max<uint32_t>(4 * o_.lease_ms, 2000);

@@ -52,7 +52,8 @@ struct ServeOptions {
   // Decode workers' attention (engine/sparse_attention.h): "dense" (default), "sparse" (top-K
   // pages next to the memory) or "hybrid"; or "remote" (engine/remote_attention.h: KV mode pool
   // only; the router serves near-memory attention as a cxlkvd would, and decode workers leave
-  // the prompt's blocks in the pool for it). attention_budget is the sparse budget in tokens.
+  // the prompt's blocks in the pool for it) or "remote-hybrid" (the same, the decode engine
+  // holding half the budget's pages). attention_budget is the sparse budget in tokens.
   std::string attention = "dense";
   uint32_t attention_budget = 2048;
   uint32_t concurrency = 4;           // closed loop: requests in flight. Default 4.

@@ -57,15 +57,18 @@ Status Setup(const WorkerOptions& o, WorkerState& w) {
   w.connector = std::make_unique<KvConnector>(o.mode, *w.model, *w.engine_cache, *cache, handle, o.run_id,
                                               o.private_cache_bytes);
   w.connector->SetStreamCapacity(o.stream_capacity);
-  if (o.attention == kRemoteAttention) {
+  if (IsRemoteAttention(o.attention)) {
     // The prompt's KV stays in the pool; the router's node (0) attends it next to the memory.
     if (o.mode != KvMode::kPool) return InvalidArgument("remote attention needs KV mode pool (the prompt's blocks in the pool)");
     if (o.role == WorkerRole::kDecode) {
       CXLKV_ASSIGN_OR_RETURN(auto client, pnm::NearMemoryClient::Open(*w.pool, 0));
       engine::RemoteAttentionOptions ro;
       ro.budget_tokens = o.attention_budget;
+      if (o.attention == kRemoteHybridAttention) {  // half the budget's pages held, as the in-process hybrid
+        ro.held_pages = std::max<uint32_t>(1, o.attention_budget / w.engine_cache->block_size() / 2);
+      }
       CXLKV_ASSIGN_OR_RETURN(auto remote, engine::RemoteDecodeAttention::Create(
-                                              config, w.engine_cache->block_size(), *client, ns, ro));
+                                              config, w.engine_cache->block_size(), *client, ns, ro, cache));
       w.connector->SetRemoteAttention(std::move(client), std::move(remote));
     }
   } else {

@@ -22,8 +22,12 @@
 
 namespace cxlkv::serve {
 
-// WorkerOptions::attention for decoding with the prompt left in the pool (engine/remote_attention.h).
+// WorkerOptions::attention for decoding with the prompt left in the pool (engine/remote_attention.h),
+// attended by the router node's near-memory engines; "remote-hybrid" also holds half the budget's
+// pages in the engine (steady selection) and attends those itself.
 inline constexpr char kRemoteAttention[] = "remote";
+inline constexpr char kRemoteHybridAttention[] = "remote-hybrid";
+inline bool IsRemoteAttention(const std::string& a) { return a == kRemoteAttention || a == kRemoteHybridAttention; }
 
 enum class WorkerRole { kPrefill, kDecode };
 
@@ -40,7 +44,7 @@ struct WorkerOptions {
   uint32_t engine_blocks = 512;    // blocks of the engine's paged cache
   uint64_t private_cache_bytes = 256ull << 20;
   bool stream_capacity = false;    // read capacity-tier hits into the engine, not promote them
-  std::string attention = "dense"; // decode attention: dense, sparse, hybrid or remote (kRemoteAttention)
+  std::string attention = "dense"; // decode attention: dense, sparse, hybrid, remote or remote-hybrid
   uint32_t attention_budget = 2048;  // sparse/hybrid/remote: tokens attended per KV head
   int channel_fd = 3;
 };

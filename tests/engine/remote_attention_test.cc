@@ -93,10 +93,11 @@ class RemoteDecode : public ::testing::Test {
     return keys;
   }
 
-  std::unique_ptr<RemoteDecodeAttention> Make(const Model& m, uint32_t budget) {
+  std::unique_ptr<RemoteDecodeAttention> Make(const Model& m, uint32_t budget, uint32_t held_pages = 0) {
     RemoteAttentionOptions o;
     o.budget_tokens = budget;
-    auto a = RemoteDecodeAttention::Create(m.config(), kBlock, *client, ns, o);
+    o.held_pages = held_pages;
+    auto a = RemoteDecodeAttention::Create(m.config(), kBlock, *client, ns, o, *pool->Cache());
     EXPECT_TRUE(a.ok()) << a.status().ToString();
     return a.ok() ? std::move(a).value() : nullptr;
   }
@@ -158,6 +159,50 @@ TEST_F(RemoteDecode, ASparseBudgetAttendsItsPagesAtTheDaemon) {
   EXPECT_EQ(service->stats().attend_jobs, st.layer_steps);
 }
 
+// The hybrid against the daemon: the engine holds half the budget's pages per (layer, KV head),
+// recalled out of the pool blocks (its own copy of the prompt is NaN), attends the held selected
+// ones itself and the daemon the rest. The merged steps equal the plain sparse ones to fp32
+// merge rounding, with the same tokens; the engine reads pages the daemon no longer does.
+TEST_F(RemoteDecode, TheHybridAttendsItsHeldPagesAndTheDaemonTheRest) {
+  StartPool();
+  constexpr uint32_t kBudget = 128;  // 8 pages per KV head
+  Sequence sparse_seq(model);
+  const auto sparse_keys = MovePromptToPool(sparse_seq);  // sets the namespace
+  auto sparse = Make(model, kBudget);
+  ASSERT_NE(sparse, nullptr);
+  ASSERT_TRUE(sparse->Open(sparse_keys).ok());
+  const auto want = DecodeSteps(model, sparse_seq, sparse.get());
+  std::vector<int32_t> forced;
+  for (const auto& l : want) forced.push_back(Model::Argmax(l));
+
+  Sequence s(model);
+  const auto keys = MovePromptToPool(s);
+  auto hybrid = Make(model, kBudget, kBudget / kBlock / 2);
+  ASSERT_NE(hybrid, nullptr);
+  ASSERT_TRUE(hybrid->Open(keys).ok());
+  const auto got = DecodeSteps(model, s, hybrid.get(), forced);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    for (float x : got[i]) ASSERT_TRUE(std::isfinite(x)) << "a poisoned engine page was read, step " << i;
+    EXPECT_LT(RelativeError(got[i], want[i]), 1e-5) << "step " << i;
+    EXPECT_EQ(Model::Argmax(got[i]), forced[i]) << "step " << i;
+  }
+  const SparseAttentionStats& h = hybrid->stats();
+  const SparseAttentionStats& sp = sparse->stats();
+  EXPECT_EQ(h.selected_pages, sp.selected_pages) << "the same selections";
+  // The first step holds nothing and recalls half the budget per (layer, KV head); later steps
+  // attend held pages here, so the daemon reads less and the engine more.
+  const uint32_t layers = model.config().num_layers;
+  EXPECT_GE(h.recalled_pages, uint64_t{layers} * 2 * (kBudget / kBlock / 2));
+  EXPECT_EQ(h.recalled_bytes, h.recalled_pages * 2 * kBlock * 16 * sizeof(float));
+  EXPECT_LT(h.near_kv_bytes, sp.near_kv_bytes);
+  EXPECT_EQ(h.near_kv_bytes + h.engine_kv_bytes, sp.near_kv_bytes + sp.engine_kv_bytes);
+  EXPECT_EQ(service->stats().attend_jobs, h.layer_steps + sp.layer_steps);
+  hybrid->Close();
+  sparse->Close();
+  EXPECT_EQ(service->stats().pages_pinned, 0u);
+}
+
 TEST_F(RemoteDecode, AContextClosedByItsLeaseIsReopenedOnTheNextStep) {
   // A lease several times a decode step even under ThreadSanitizer on a loaded 2-core machine:
   // at 200 ms a slow step once let the context lapse a second time (two reopens, not one).
@@ -203,6 +248,13 @@ TEST_F(RemoteDecode, BadInputIsRefusedWithAReason) {
   other.layout.head_size = 32;
   RemoteAttentionOptions o;
   EXPECT_EQ(RemoteDecodeAttention::Create(model.config(), kBlock, *client, other, o).status().code(),
+            StatusCode::kInvalidArgument);
+  // The hybrid without a budget (the daemon selects) or without the cache to recall from.
+  o.held_pages = 4;
+  EXPECT_EQ(RemoteDecodeAttention::Create(model.config(), kBlock, *client, ns, o, *pool->Cache()).status().code(),
+            StatusCode::kInvalidArgument);
+  o.budget_tokens = 128;
+  EXPECT_EQ(RemoteDecodeAttention::Create(model.config(), kBlock, *client, ns, o).status().code(),
             StatusCode::kInvalidArgument);
 }
 

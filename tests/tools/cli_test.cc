@@ -411,7 +411,8 @@ TEST(Cli, ServeDecodesWithSparseAndHybridAttention) {
 TEST(Cli, ServeDecodesWithThePromptAttendedNextToTheMemory) {
   std::vector<nlohmann::json> runs;
   for (const std::string extra : {"", "--attention remote --attention-budget 8192",
-                                  "--attention remote --attention-budget 64"}) {
+                                  "--attention remote --attention-budget 64",
+                                  "--attention remote-hybrid --attention-budget 64"}) {
     cxlkv::testing::TempRegionPath path("cli-serve-remote");
     runs.push_back(ServeDocQa(path.path(), "--concurrency 1 " + extra, nullptr, 2));
     ASSERT_TRUE(runs.back().contains("requests")) << extra;
@@ -434,6 +435,11 @@ TEST(Cli, ServeDecodesWithThePromptAttendedNextToTheMemory) {
   EXPECT_LT(covering["link_bytes_per_layer_step"].get<double>(), 8192);
   EXPECT_GT(covering["kv_bytes_per_layer_step"].get<double>(), 16 * covering["link_bytes_per_layer_step"].get<double>());
   EXPECT_LT(sparse["selected_page_share"].get<double>(), 0.5) << "64 tokens of each prompt at the daemon";
+  // The hybrid against the daemon: the same selections, its held pages attended in the engine.
+  const auto& hybrid = runs[3]["attention"];
+  EXPECT_EQ(tokens_of(runs[3]), tokens_of(runs[2])) << "the remote hybrid must decode as remote sparse does";
+  EXPECT_EQ(hybrid["selected_page_share"], sparse["selected_page_share"]);
+  EXPECT_EQ(hybrid["remote_fallbacks"].get<uint32_t>(), 0u);
   cxlkv::testing::TempRegionPath path("cli-serve-remote-tcp");
   auto bad = Cli("serve --path " + path.path() + " --attention remote --mode tcp");
   EXPECT_NE(bad.code, 0);

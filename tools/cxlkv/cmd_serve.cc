@@ -81,13 +81,13 @@ Status RunServe(const ServeArgs& a) {
     return InvalidArgument("--capacity-read must be promote or stream, not '" + a.capacity_read + "'");
   }
   so.stream_capacity = a.capacity_read == "stream";
-  if (a.attention == serve::kRemoteAttention) {
+  if (serve::IsRemoteAttention(a.attention)) {
     if (so.mode != serve::KvMode::kPool) {
-      return InvalidArgument("--attention remote needs --mode pool: the prompts' blocks stay in the pool");
+      return InvalidArgument("--attention " + a.attention + " needs --mode pool: the prompts' blocks stay in the pool");
     }
   } else {
     auto parsed = engine::ParseAttentionMode(a.attention);
-    if (!parsed.ok()) return InvalidArgument(parsed.status().message() + ", remote");
+    if (!parsed.ok()) return InvalidArgument(parsed.status().message() + ", remote, remote-hybrid");
   }
   if (a.attention_budget == 0) return InvalidArgument("--attention-budget must be at least 1 token");
   so.attention = a.attention;
@@ -169,7 +169,7 @@ Status RunServe(const ServeArgs& a) {
                   util::FormatBytes(static_cast<uint64_t>(att.attention_kv_bytes / steps)).c_str(),
                   util::FormatBytes(static_cast<uint64_t>(att.attention_link_bytes / steps)).c_str());
     }
-    if (a.attention == serve::kRemoteAttention) {
+    if (serve::IsRemoteAttention(a.attention)) {
       std::printf("remote attention: %llu prompt tokens attended next to the memory, not loaded (%u fallback(s)); "
                   "decode workers loaded %s into their engines\n",
                   static_cast<unsigned long long>(att.attention_remote_tokens), att.attention_remote_fallbacks,
@@ -222,7 +222,8 @@ void AddServeCommands(CLI::App& app, CommandResult& result) {
                   "(repeat for several; decentralized metadata)");
   cmd->add_option("--attention", a->attention,
                   "Decode attention: dense | sparse (top-K pages next to the memory) | hybrid (engine + near memory) | "
-                  "remote (--mode pool: the prompt stays in the pool, attended by the router node's near-memory engines)")
+                  "remote (--mode pool: the prompt stays in the pool, attended by the router node's near-memory engines) | "
+                  "remote-hybrid (remote, the decode engine holding half the budget's pages and attending those)")
       ->capture_default_str();
   cmd->add_option("--attention-budget", a->attention_budget, "Sparse/hybrid/remote: tokens attended per KV head")
       ->capture_default_str();
