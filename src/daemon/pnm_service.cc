@@ -518,7 +518,12 @@ Result<size_t> NearMemoryService::RunAttend(const rpc::Request& req, std::vector
     const uint32_t attended = static_cast<uint32_t>(std::min<uint64_t>(pages, UINT32_MAX));
     if (split) {
       std::vector<std::span<const uint32_t>> ranked;
-      for (uint32_t h = 0; h < c.g.num_kv_heads; ++h) ranked.push_back(selections[i].RankedOf(h));
+      uint64_t listed = 0;  // the held lists in, the ranks out
+      for (uint32_t h = 0; h < c.g.num_kv_heads; ++h) {
+        ranked.push_back(selections[i].RankedOf(h));
+        listed += jobs[i].held[h].size() + ranked.back().size();
+      }
+      link_bytes_.fetch_add(listed * sizeof(uint32_t));
       pnm::PutSplitJobOk(w, attended, partials[i], ranked);
     } else {
       pnm::PutJobOk(w, attended, partials[i]);
