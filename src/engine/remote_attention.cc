@@ -40,16 +40,10 @@ Status RemoteDecodeAttention::Open(std::span<const BlockKey> keys) {
   keys_.assign(keys.begin(), keys.end());
   if (keys_.empty()) return Status::Ok();
   if (cache_ != nullptr) {  // the hybrid recalls out of these blocks
-    CXLKV_ASSIGN_OR_RETURN(LookupResult hit, cache_->Lookup(*handle_, keys_));
-    pins_ = std::move(hit.pins);
-    if (hit.hit_blocks != keys_.size()) {
-      const uint64_t missing = hit.hit_blocks;
-      ReleasePins();
+    if (Status s = PinContext(); !s.ok()) {
       keys_.clear();
-      return NotFound("remote hybrid: block " + std::to_string(missing) + " of the context is not in the pool");
+      return s;
     }
-    held_.clear();
-    held_.resize(num_layers_);
   }
   auto opened = client_.OpenContext(ns_, geometry_.num_heads, keys_);
   if (!opened.ok()) {
@@ -62,8 +56,28 @@ Status RemoteDecodeAttention::Open(std::span<const BlockKey> keys) {
   return Status::Ok();
 }
 
+Status RemoteDecodeAttention::PinContext() {
+  held_.clear();
+  held_.resize(num_layers_);
+  CXLKV_ASSIGN_OR_RETURN(pin_life_, client_.CurrentLife());
+  CXLKV_ASSIGN_OR_RETURN(LookupResult hit, cache_->Lookup(*handle_, keys_));
+  pins_ = std::move(hit.pins);
+  if (hit.hit_blocks != keys_.size()) {
+    const uint64_t missing = hit.hit_blocks;
+    ReleasePins();
+    return NotFound("remote hybrid: block " + std::to_string(missing) + " of the context is not in the pool");
+  }
+  for (size_t i = 0; i < pins_.size(); ++i) {
+    cache_->InvalidateForRead(cache_->PayloadPtr(pins_[i]), pins_[i].bytes, i + 1 == pins_.size());
+  }
+  return Status::Ok();
+}
+
 void RemoteDecodeAttention::ReleasePins() {
-  if (!pins_.empty()) cache_->Release(pins_);
+  if (!pins_.empty()) {
+    const auto life = client_.CurrentLife();
+    if (life.ok() && *life == pin_life_) cache_->Release(pins_);  // else recovery took them
+  }
   pins_.clear();
   held_.clear();
 }
@@ -193,6 +207,17 @@ Status RemoteDecodeAttention::AttendHeld(uint32_t layer, const float* q) {
     stats_.recalled_pages += step.recalled.size();
     stats_.recalled_bytes += step.recalled.size() * held.PageBytes();
     stats_.link_bytes += step.recalled.size() * held.PageBytes();
+  }
+  // The copies are only as good as the pins they were read through. Still this life: the node
+  // was never declared dead since the pins were taken, so they held. Another life: it was
+  // (paused past its lease), the pins were recovered and the blocks may hold other bytes now;
+  // this step's output used only copies checked before, so it stands, but every copy is
+  // dropped and the blocks are pinned again under the new life.
+  const auto life = client_.CurrentLife();
+  if (!life.ok() || *life != pin_life_) {
+    pins_.clear();  // not this life's to release
+    ++repinned_;
+    return PinContext();
   }
   return Status::Ok();
 }

@@ -88,6 +88,8 @@ class RemoteDecodeAttention final : public DecodeAttention {
   const SparseAttentionStats& stats() const { return stats_; }
   void ResetStats() { stats_ = {}; }
   uint64_t reopened() const { return reopened_; }
+  // The hybrid: times its pins turned out to be an ended life's and were taken again.
+  uint64_t repinned() const { return repinned_; }
 
  private:
   RemoteDecodeAttention(const pnm::Geometry& g, uint32_t layers, pnm::NearMemoryClient& client, const KeyNamespace& ns,
@@ -98,6 +100,11 @@ class RemoteDecodeAttention final : public DecodeAttention {
   Status AttendContext(uint32_t layer, const float* q);
   // The hybrid: the engine's held selected pages merged into remote_, then the held set stepped.
   Status AttendHeld(uint32_t layer, const float* q);
+  // The hybrid: pins the context's blocks under this node's current life and invalidates this
+  // host's copies of them once (P2: READY blocks never change after).
+  Status PinContext();
+  // Releases the pins if they are still this life's (a recovered life's pins are not its own
+  // any more) and forgets the held copies.
   void ReleasePins();
 
   pnm::Geometry geometry_;  // the model's heads, fp32, page_tokens = block_size
@@ -116,10 +123,12 @@ class RemoteDecodeAttention final : public DecodeAttention {
   std::optional<NamespaceHandle> handle_;
   pnm::Geometry pool_geometry_;  // geometry_ in the namespace's block format (a recall's source)
   std::vector<BlockPin> pins_;
+  uint64_t pin_life_ = 0;  // the node life the pins were taken under
   std::vector<std::unique_ptr<HeldPages>> held_;
   std::vector<std::vector<uint32_t>> held_lists_, ranked_, mine_;
   SparseAttentionStats stats_;
   uint64_t reopened_ = 0;
+  uint64_t repinned_ = 0;
 };
 
 }  // namespace cxlkv::engine

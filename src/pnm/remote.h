@@ -85,6 +85,12 @@ class NearMemoryClient {
   Result<uint32_t> Renew(std::span<const uint64_t> contexts);
   Status Close(std::span<const uint64_t> contexts);
 
+  // This node's life, once its lease is surely valid (waiting up to the options' timeout):
+  // kLeaseExpired if it does not become so. A reader of pool blocks it pinned under one life
+  // compares: a changed life means the node was declared dead meanwhile (paused past its
+  // lease) and its pins were recovered, so what it read since may be another block's bytes.
+  Result<uint64_t> CurrentLife() const;
+
   // Payload bytes sent and received by Attend (queries in; outputs and lse back).
   uint64_t link_bytes() const { return link_bytes_.load(); }
   uint32_t node() const { return node_; }
@@ -93,8 +99,6 @@ class NearMemoryClient {
   NearMemoryClient(Pool& pool, std::unique_ptr<rpc::RpcClient> rpc, uint32_t node, std::chrono::milliseconds timeout)
       : pool_(pool), rpc_(std::move(rpc)), node_(node), timeout_(timeout) {}
   Status RunJobs(std::span<Job> jobs, bool split);
-  // This node's life, once its lease is surely valid (up to the timeout): kLeaseExpired if not.
-  Result<uint64_t> CurrentLife() const;
 
   Pool& pool_;
   std::unique_ptr<rpc::RpcClient> rpc_;

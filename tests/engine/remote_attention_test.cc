@@ -7,6 +7,8 @@
 
 #include <gtest/gtest.h>
 
+#include <csignal>
+#include <cstdio>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -18,6 +20,7 @@
 #include "engine/model.h"
 #include "decode_test_util.h"
 #include "engine_test_util.h"
+#include "child.h"
 #include "test_region.h"
 
 namespace cxlkv::engine {
@@ -45,6 +48,32 @@ std::vector<std::vector<float>> DecodeSteps(const Model& m, Sequence& s, DecodeA
 
 using test_util::RelativeError;
 
+// Stores the sequence's full prompt blocks in the pool (pool block format 1) under `ns` (set
+// here: the model and the cache's layout), then poisons the engine's copy of them with NaN, so
+// a correct logit proves those bytes were read elsewhere; returns their keys.
+std::vector<BlockKey> PutPromptInPool(Pool& pool, Sequence& s, KeyNamespace* ns) {
+  KvCache* cache = *pool.Cache();
+  ns->model_id = "tiny-remote";
+  ns->layout = s.cache.Layout().Signature();
+  auto h = cache->Namespace(*ns);
+  EXPECT_TRUE(h.ok()) << h.status().ToString();
+  if (!h.ok()) return {};
+  const auto keys = KvCache::ChainKeys(*h, s.tokens);
+  const uint64_t slab = uint64_t{kBlock} * s.cache.row_floats();
+  std::vector<float> block(2 * slab * s.cache.num_layers());
+  for (size_t b = 0; b < keys.size(); ++b) {
+    for (uint32_t l = 0; l < s.cache.num_layers(); ++l) {
+      std::memcpy(&block[(2 * l) * slab], s.cache.Key(l, s.table[b], 0), slab * sizeof(float));
+      std::memcpy(&block[(2 * l + 1) * slab], s.cache.Value(l, s.table[b], 0), slab * sizeof(float));
+      std::fill_n(s.cache.Key(l, s.table[b], 0), slab, std::numeric_limits<float>::quiet_NaN());
+      std::fill_n(s.cache.Value(l, s.table[b], 0), slab, std::numeric_limits<float>::quiet_NaN());
+    }
+    Status put = cache->Put(*h, keys[b], block.data(), block.size() * sizeof(float));
+    EXPECT_TRUE(put.ok() || put.code() == StatusCode::kAlreadyExists) << put.ToString();
+  }
+  return keys;
+}
+
 class RemoteDecode : public ::testing::Test {
  protected:
   void StartPool(uint32_t lease_ms = 10000) {
@@ -69,29 +98,7 @@ class RemoteDecode : public ::testing::Test {
     client = std::move(*c);
   }
 
-  // Stores the sequence's full prompt blocks in the pool (pool block format 1), then poisons
-  // the engine's copy of them; returns their keys.
-  std::vector<BlockKey> MovePromptToPool(Sequence& s) {
-    KvCache* cache = *pool->Cache();
-    ns.model_id = "tiny-remote";
-    ns.layout = s.cache.Layout().Signature();
-    auto h = cache->Namespace(ns);
-    EXPECT_TRUE(h.ok()) << h.status().ToString();
-    const auto keys = KvCache::ChainKeys(*h, s.tokens);
-    const uint64_t slab = uint64_t{kBlock} * s.cache.row_floats();
-    std::vector<float> block(2 * slab * s.cache.num_layers());
-    for (size_t b = 0; b < keys.size(); ++b) {
-      for (uint32_t l = 0; l < s.cache.num_layers(); ++l) {
-        std::memcpy(&block[(2 * l) * slab], s.cache.Key(l, s.table[b], 0), slab * sizeof(float));
-        std::memcpy(&block[(2 * l + 1) * slab], s.cache.Value(l, s.table[b], 0), slab * sizeof(float));
-        std::fill_n(s.cache.Key(l, s.table[b], 0), slab, std::numeric_limits<float>::quiet_NaN());
-        std::fill_n(s.cache.Value(l, s.table[b], 0), slab, std::numeric_limits<float>::quiet_NaN());
-      }
-      Status put = cache->Put(*h, keys[b], block.data(), block.size() * sizeof(float));
-      EXPECT_TRUE(put.ok() || put.code() == StatusCode::kAlreadyExists) << put.ToString();
-    }
-    return keys;
-  }
+  std::vector<BlockKey> MovePromptToPool(Sequence& s) { return PutPromptInPool(*pool, s, &ns); }
 
   std::unique_ptr<RemoteDecodeAttention> Make(const Model& m, uint32_t budget, uint32_t held_pages = 0) {
     RemoteAttentionOptions o;
@@ -256,6 +263,118 @@ TEST_F(RemoteDecode, BadInputIsRefusedWithAReason) {
   o.budget_tokens = 128;
   EXPECT_EQ(RemoteDecodeAttention::Create(model.config(), kBlock, *client, ns, o).status().code(),
             StatusCode::kInvalidArgument);
+}
+
+// A decode engine on node 2 in its own process (forked before the parent opens the pool). It
+// decodes kSteps with remote sparse for reference, then with the remote hybrid; after two
+// hybrid steps it replies 1 and waits while the parent pauses it past its lease (its node is
+// declared dead: its pins and its daemon context are recovered). Resumed by command 1, it
+// decodes the rest. Exit 0: every step as the reference (same tokens, 1e-5), the context
+// reopened once and the pins taken again once; else the failing check's code.
+int HybridEngineProcess(const std::string& path, int in, int out) {
+  PoolOpenOptions po;
+  po.node_id = 2;
+  po.lease_ms = 500;
+  auto pool = Pool::Open({path}, po);
+  if (!pool.ok()) return 10;
+  const Model model{RemoteConfig(), TestWeights(RemoteConfig())};
+  rpc::RpcClientOptions ro;
+  ro.timeout = std::chrono::milliseconds(10000);
+  auto client = pnm::NearMemoryClient::Open(**pool, 0, ro);
+  if (!client.ok()) return 11;
+  KeyNamespace ns;
+  Sequence ref_seq(model);
+  const auto keys = PutPromptInPool(**pool, ref_seq, &ns);
+  RemoteAttentionOptions o;
+  o.budget_tokens = 128;
+  auto sparse = RemoteDecodeAttention::Create(model.config(), kBlock, **client, ns, o);
+  if (!sparse.ok() || !(*sparse)->Open(keys).ok()) return 12;
+  const auto want = DecodeSteps(model, ref_seq, sparse->get());
+  (*sparse)->Close();
+  if (want.size() != kSteps) return 13;
+
+  Sequence s(model);
+  PutPromptInPool(**pool, s, &ns);  // the same blocks (already there): poisons this engine's copy
+  o.held_pages = 4;
+  auto hybrid = RemoteDecodeAttention::Create(model.config(), kBlock, **client, ns, o, *(*pool)->Cache());
+  if (!hybrid.ok() || !(*hybrid)->Open(keys).ok()) return 14;
+  int32_t token = s.first;
+  for (uint32_t i = 0; i < kSteps; ++i) {
+    if (i == 2) {
+      uint64_t cmd = 0;
+      if (!testing::Put(out, 1) || !testing::Get(in, &cmd) || cmd != 1) return 15;
+    }
+    auto logits = model.Decode(token, kPrompt + i, s.cache, s.table, hybrid->get());
+    if (!logits.ok()) {
+      std::fprintf(stderr, "hybrid step %u: %s\n", i, logits.status().ToString().c_str());
+      return 16;
+    }
+    if (RelativeError(*logits, want[i]) > 1e-5 || Model::Argmax(*logits) != Model::Argmax(want[i])) {
+      std::fprintf(stderr, "hybrid step %u differs from remote sparse: %g\n", i, RelativeError(*logits, want[i]));
+      return 17;
+    }
+    token = Model::Argmax(want[i]);
+  }
+  if ((*hybrid)->reopened() != 1) return 18;
+  if ((*hybrid)->repinned() != 1) return 19;
+  (*hybrid)->Close();
+  return 0;
+}
+
+// The remote hybrid's engine paused past its lease: its node is declared dead, so its pins on
+// the context's blocks and its context at the daemon are recovered. Resumed, it must not read
+// through the old pins again: it reopens the context, takes its pins again under its new life,
+// and decodes on exactly as remote sparse does. Nothing stays pinned afterwards.
+TEST(RemoteDecodeProcesses, AHybridEnginePausedPastItsLeasePinsAgainAndDecodesOn) {
+  testing::TempRegionPath path("remotehyb");
+  PoolCreateOptions co;
+  co.size = 128 << 20;
+  co.max_nodes = 4;
+  co.overwrite = true;
+  ASSERT_TRUE(Pool::Create({path.path()}, co).ok());
+  testing::Child engine = testing::Child::Fork([&](int in, int out) {
+    uint64_t go = 0;
+    if (!testing::Get(in, &go)) return 1;
+    return HybridEngineProcess(path.path(), in, out);
+  });
+  ASSERT_GT(engine.pid, 0);
+  PoolOpenOptions po;
+  po.node_id = 0;
+  auto pool = Pool::Open({path.path()}, po);
+  ASSERT_TRUE(pool.ok()) << pool.status().ToString();
+  daemon::NearMemoryServiceOptions so;
+  so.context_lease_ms = 5000;  // the context ends with the engine's node life, not by idling
+  auto service = daemon::NearMemoryService::Start(**pool, so);
+  ASSERT_TRUE(service.ok()) << service.status().ToString();
+  ASSERT_TRUE((*service)->server().WaitServing(std::chrono::seconds(10)));
+
+  uint64_t reply = 0;
+  ASSERT_TRUE(engine.Send(1) && engine.Receive(&reply));
+  ASSERT_EQ(reply, 1u) << "the engine did not reach its third step";
+  ::kill(engine.pid, SIGSTOP);
+  // Its node life ends: the daemon closes its context (the recovery of its pins goes with it).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while ((*service)->stats().contexts_open != 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ((*service)->stats().contexts_open, 0u) << "the paused engine's node was never declared dead";
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));  // past its lease once more
+  ::kill(engine.pid, SIGCONT);
+  ASSERT_TRUE(engine.Send(1));
+  EXPECT_EQ(engine.Wait(), 0) << "see the exit codes of HybridEngineProcess";
+
+  // Every pin is gone: the daemon's (contexts closed) and the engine's (released, or recovered).
+  EXPECT_EQ((*service)->stats().pages_pinned, 0u);
+  const Model model{RemoteConfig(), TestWeights(RemoteConfig())};
+  Sequence s(model);
+  KeyNamespace ns;
+  ns.model_id = "tiny-remote";
+  ns.layout = s.cache.Layout().Signature();
+  KvCache* cache = *(*pool)->Cache();
+  auto h = cache->Namespace(ns);
+  ASSERT_TRUE(h.ok());
+  const auto keys = KvCache::ChainKeys(*h, s.tokens);
+  EXPECT_EQ(*cache->Evict(*h, keys), keys.size());
 }
 
 }  // namespace
