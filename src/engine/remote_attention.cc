@@ -178,6 +178,12 @@ Status RemoteDecodeAttention::AttendContext(uint32_t layer, const float* q) {
 
 Status RemoteDecodeAttention::AttendHeld(uint32_t layer, const float* q) {
   const pnm::Geometry& g = geometry_;
+  if (pins_.size() != keys_.size()) {
+    // Pinning again failed after a pause (a block left the pool): no recall reads through a pin
+    // it does not hold. This layer's held set is still empty, as the daemon was told.
+    CXLKV_RETURN_IF_ERROR(PinContext());
+    held_[layer] = std::make_unique<HeldPages>(g, options_.held_pages, keys_.size());
+  }
   HeldPages& held = *held_[layer];
   // The selected pages the engine held when it asked: the daemon left them out.
   mine_.resize(g.num_kv_heads);
