@@ -11,6 +11,7 @@
 #include "pnm/digest.h"
 #include "pnm/geometry.h"
 #include "pnm/select.h"
+#include "pnm/steady.h"
 #include "pool/pool_internal.h"
 #include "region/platform.h"
 #include "sync/node.h"
@@ -389,32 +390,6 @@ Status NearMemoryService::CheckHeld(const Context& c, const pnm::AttendJobReques
   return Status::Ok();
 }
 
-size_t NearMemoryService::RankedBytesBound(const Context& c, const pnm::AttendJobRequest& j) {
-  // A head's selection is the budget's pages plus the forced ones, or every page when those
-  // cover the context.
-  const uint64_t most = std::min<uint64_t>(
-      c.pages(), uint64_t{j.budget_tokens} / c.g.page_tokens + 1 + j.sink_pages + j.recent_pages);
-  return 4 + size_t{c.g.num_kv_heads} * (4 + most * sizeof(uint32_t));
-}
-
-namespace {
-
-// The pages of `selection` that `held` does not list, per KV head (a split attend's own part).
-pnm::Selection NotHeld(const pnm::Selection& selection, const std::vector<std::vector<uint32_t>>& held, uint64_t pages) {
-  std::vector<uint8_t> is_held(pages);
-  std::vector<std::vector<uint32_t>> rest(selection.num_kv_heads());
-  for (uint32_t h = 0; h < selection.num_kv_heads(); ++h) {
-    for (uint32_t p : held[h]) is_held[p] = 1;
-    for (uint32_t p : selection.Of(h)) {
-      if (is_held[p] == 0) rest[h].push_back(p);
-    }
-    for (uint32_t p : held[h]) is_held[p] = 0;
-  }
-  return pnm::Selection::PerHead(std::move(rest));
-}
-
-}  // namespace
-
 Result<size_t> NearMemoryService::Attend(const rpc::Request& req, std::span<uint8_t> out) {
   CXLKV_ASSIGN_OR_RETURN(std::vector<pnm::AttendJobRequest> jobs, pnm::DecodeAttend(req.payload));
   return RunAttend(req, jobs, false, out);
@@ -454,7 +429,9 @@ Result<size_t> NearMemoryService::RunAttend(const rpc::Request& req, std::vector
     }
     answer_bytes += ctx[i] != nullptr ? pnm::AttendJobAnswerBytes(ctx[i]->g.num_heads, ctx[i]->g.head_dim)
                                       : 10 + pnm::kMaxJobMessage;
-    if (split && ctx[i] != nullptr) answer_bytes += RankedBytesBound(*ctx[i], j);
+    if (split && ctx[i] != nullptr) {
+      answer_bytes += pnm::SplitRanksBytesBound(j, ctx[i]->g.num_kv_heads, ctx[i]->pages(), ctx[i]->g.page_tokens);
+    }
   }
   if (answer_bytes > out.size()) {
     return InvalidArgument("the answer to " + std::to_string(n) + " jobs needs " + std::to_string(answer_bytes) +
@@ -477,7 +454,7 @@ Result<size_t> NearMemoryService::RunAttend(const rpc::Request& req, std::vector
   // Split: the engine attends the selected pages it holds; this side the rest.
   std::vector<pnm::Selection> near(split ? n : 0);
   for (size_t i = 0; split && i < n; ++i) {
-    if (ctx[i] != nullptr && status[i].ok()) near[i] = NotHeld(selections[i], jobs[i].held, ctx[i]->pages());
+    if (ctx[i] != nullptr && status[i].ok()) near[i] = pnm::SelectionNotHeld(selections[i], jobs[i].held, ctx[i]->pages());
   }
   std::vector<pnm::AttendJob> work;
   std::vector<size_t> of_job;

@@ -92,8 +92,6 @@ class NearMemoryService {
   Result<size_t> AttendSplit(const rpc::Request& req, std::span<uint8_t> out);
   // A split attend's held pages: a list per KV head, each page inside the context, and a budget.
   static Status CheckHeld(const Context& c, const pnm::AttendJobRequest& j);
-  // Bytes of the ranks a split answer carries for job j, at most (before it selects).
-  static size_t RankedBytesBound(const Context& c, const pnm::AttendJobRequest& j);
   // Both attends: `split` leaves each job's held pages to the engine and answers with the ranks.
   Result<size_t> RunAttend(const rpc::Request& req, std::vector<pnm::AttendJobRequest>& jobs, bool split,
                            std::span<uint8_t> out);

@@ -122,9 +122,11 @@ Status NearMemoryClient::RunJobs(std::span<Job> jobs, bool split) {
                                std::to_string(info.kv_heads) + " held-page lists (one per KV head), got " +
                                std::to_string(jobs[i].held.size()));
       }
-      const uint64_t most = std::min<uint64_t>(info.pages, uint64_t{jobs[i].budget_tokens} / info.page_tokens + 1 +
-                                                               jobs[i].sink_pages + jobs[i].recent_pages);
-      ranked_bytes[i] = 4 + size_t{info.kv_heads} * (4 + most * sizeof(uint32_t));
+      AttendJobRequest shape;  // the fields the bound reads
+      shape.budget_tokens = jobs[i].budget_tokens;
+      shape.sink_pages = jobs[i].sink_pages;
+      shape.recent_pages = jobs[i].recent_pages;
+      ranked_bytes[i] = SplitRanksBytesBound(shape, info.kv_heads, info.pages, info.page_tokens);
     }
   }
   // Pack consecutive jobs while the request and its answer fit their slots.

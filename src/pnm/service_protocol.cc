@@ -1,5 +1,6 @@
 #include "pnm/service_protocol.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace cxlkv::pnm {
@@ -229,6 +230,13 @@ size_t PageListsBytes(std::span<const std::vector<uint32_t>> lists) {
   size_t bytes = 4;
   for (const auto& list : lists) bytes += 4 + list.size() * sizeof(uint32_t);
   return bytes;
+}
+
+size_t SplitRanksBytesBound(const AttendJobRequest& j, uint32_t kv_heads, uint64_t pages, uint32_t page_tokens) {
+  const uint64_t most =
+      std::min<uint64_t>(pages, uint64_t{j.budget_tokens} / std::max<uint32_t>(page_tokens, 1) + 1 + j.sink_pages +
+                                    j.recent_pages);
+  return 4 + size_t{kv_heads} * (4 + most * sizeof(uint32_t));
 }
 
 void EncodeAttendSplit(std::span<const AttendJobRequest> jobs, std::vector<uint8_t>& out) {

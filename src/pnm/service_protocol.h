@@ -128,6 +128,10 @@ Result<std::vector<AttendJobAnswer>> DecodeAttendAnswer(std::span<const uint8_t>
 
 // kPnmAttendSplit. Page lists take 4 bytes, then per list 4 plus 4 per page.
 size_t PageListsBytes(std::span<const std::vector<uint32_t>> lists);
+// The most bytes a split answer's ranks take for a job over a context of `pages` pages of
+// `page_tokens` tokens and `kv_heads` KV heads: each head's selection is the budget's pages plus
+// the forced ones, or every page when those cover the context. Client and daemon size slots by it.
+size_t SplitRanksBytesBound(const AttendJobRequest& j, uint32_t kv_heads, uint64_t pages, uint32_t page_tokens);
 void EncodeAttendSplit(std::span<const AttendJobRequest> jobs, std::vector<uint8_t>& out);
 // Refuses more than kMaxQueryHeads lists in a job (a context has at most as many KV heads).
 Result<std::vector<AttendJobRequest>> DecodeAttendSplit(std::span<const uint8_t> in);

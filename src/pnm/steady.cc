@@ -142,4 +142,17 @@ void SplitByResidence(const Selection& selection, std::span<const ResidentPages>
   *near_memory = Selection::PerHead(std::move(rest));
 }
 
+Selection SelectionNotHeld(const Selection& selection, std::span<const std::vector<uint32_t>> held, uint64_t pages) {
+  std::vector<uint8_t> is_held(pages);
+  std::vector<std::vector<uint32_t>> rest(selection.num_kv_heads());
+  for (uint32_t h = 0; h < selection.num_kv_heads(); ++h) {
+    for (uint32_t p : held[h]) is_held[p] = 1;
+    for (uint32_t p : selection.Of(h)) {
+      if (is_held[p] == 0) rest[h].push_back(p);
+    }
+    for (uint32_t p : held[h]) is_held[p] = 0;
+  }
+  return Selection::PerHead(std::move(rest));
+}
+
 }  // namespace cxlkv::pnm

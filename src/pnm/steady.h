@@ -78,6 +78,11 @@ class ResidentPages {
 void SplitByResidence(const Selection& selection, std::span<const ResidentPages> residents, Selection* engine,
                       Selection* near_memory);
 
+// The near-memory part of a selection when the engine's held pages come as lists (a split
+// attend, service_protocol.h): per KV head, the selected pages `held[h]` does not list.
+// REQUIRES: held.size() == selection.num_kv_heads(), every held page < pages.
+Selection SelectionNotHeld(const Selection& selection, std::span<const std::vector<uint32_t>> held, uint64_t pages);
+
 }  // namespace cxlkv::pnm
 
 #endif  // CXLKV_SRC_PNM_STEADY_H_
