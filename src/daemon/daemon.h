@@ -61,8 +61,8 @@ struct DaemonOptions {
   bool no_tiers = false;              // serve no tiers, whatever the pool's default
   uint64_t tier_slot_bytes = 0;       // per device slot, header included; 0: the pool's default,
                                       // else TierStoreOptions' default
-  // Near-memory attention engines (pnm-<node>, docs/pnm.md): engine threads besides the serving
-  // thread; -1 = off (the service's RPC area takes 8 MiB of a 16-node region). Default off.
+  // Near-memory attention engines (pnm-<node>, docs/pnm.md): engine threads per memory node of
+  // the pool's regions, besides each engine's lead (the serving thread on region 0's); -1 = off (the service's RPC area takes 8 MiB of a 16-node region). Default off.
   int pnm_threads = -1;
   uint32_t pnm_context_lease_ms = 10000;  // an idle context is closed after this. Default 10 s.
   uint32_t pnm_max_contexts = 1024;       // default 1024

@@ -230,6 +230,20 @@ std::string Daemon::RenderMetrics() {
       e.Family(name, "counter", help);
       e.Sample(name, "", v);
     }
+    // Per engine (one per memory node of the pool's regions): whether the work is spread.
+    const std::tuple<const char*, const char*> per_engine[] = {
+        {"cxlkv_pnm_engine_jobs_total", "Attention jobs, or their parts on one memory node, an engine ran."},
+        {"cxlkv_pnm_engine_pages_attended_total", "Pages an engine attended, summed over KV heads."},
+    };
+    for (size_t k = 0; k < 2; ++k) {
+      const auto& [name, help] = per_engine[k];
+      e.Family(name, "counter", help);
+      for (size_t i = 0; i < p.engines.size(); ++i) {
+        const NodeEngineStats& n = p.engines[i];
+        e.Sample(name, Label("engine", std::to_string(i)) + "," + Label("numa_node", std::to_string(n.numa_node)),
+                 k == 0 ? n.jobs : n.pages_attended);
+      }
+    }
   }
   // Every RPC service this daemon serves or stands by for: admin, and meta on a central pool.
   std::vector<const rpc::RpcServer*> servers;

@@ -69,6 +69,7 @@ struct NearMemoryService::Context {
   std::vector<BlockPin> pins;
   std::vector<std::vector<pnm::PageKv>> views;      // [layer][page]
   std::vector<std::vector<uint8_t>> digests;        // [layer][page × DigestBytesPerPage]
+  std::vector<uint8_t> engine_of_page;  // the engine of the node holding each page's block
   Clock::time_point last_used;
 
   uint64_t pages() const { return pins.size(); }
@@ -81,19 +82,7 @@ Result<std::unique_ptr<NearMemoryService>> NearMemoryService::Start(Pool& pool, 
   CXLKV_ASSIGN_OR_RETURN(KvCache * cache, pool.Cache());
   auto s = std::unique_ptr<NearMemoryService>(new NearMemoryService(pool, options));
   s->cache_ = cache;
-  // Bind engines to the node of the region's memory: attention streams it (PNM §3.2).
-  region::Platform& platform = region::Platform::Default();
-  if (!options.bind_numa) {
-    s->numa_note_ = "not bound (--pnm-no-numa)";
-  } else {
-    const int node = platform.NumaNodeOf(pool.impl().regions[0]->impl().meta().base());
-    if (node < 0) {
-      s->numa_note_ = "not bound: the region's NUMA node is unknown (" + region::ErrnoText(node) + ")";
-    } else {
-      s->numa_node_ = node;
-    }
-  }
-  s->engines_ = std::make_unique<pnm::AttendPool>(options.threads, [svc = s.get()] { svc->BindThread(); });
+  s->engines_ = NodeEngines::Create(pool.MappedRanges(), {options.threads, options.bind_numa, options.platform});
   s->life_ = pool.impl().node->incarnation();
   std::random_device rd;
   s->epoch_ = (uint64_t{rd()} << 32) & ~(uint64_t{1} << 63);
@@ -124,7 +113,7 @@ Result<std::unique_ptr<NearMemoryService>> NearMemoryService::Start(Pool& pool, 
   so.on_tick = [svc] { svc->Sweep(); };
   so.on_serving = [svc](const rpc::RpcServer&, bool serving) {
     if (serving) {
-      svc->BindThread();  // the serving thread selects and attends too
+      svc->engines_->BindServingThread();  // it selects and leads the first engine's batches
     } else {
       svc->DropAll();
     }
@@ -143,12 +132,6 @@ NearMemoryService::~NearMemoryService() {
   engines_.reset();
 }
 
-void NearMemoryService::BindThread() {
-  if (numa_node_ < 0) return;
-  const int rc = region::Platform::Default().RunThreadOnNode(numa_node_);
-  if (rc < 0) bind_error_.store(rc);  // engine and serving threads: stats() words it
-}
-
 NearMemoryServiceStats NearMemoryService::stats() const {
   NearMemoryServiceStats s;
   s.contexts_open = open_.load();
@@ -164,11 +147,9 @@ NearMemoryServiceStats NearMemoryService::stats() const {
   s.digests_found = digests_found_.load();
   s.digests_built = digests_built_.load();
   s.digests_stored = digests_stored_.load();
-  const int bind_error = bind_error_.load();
-  s.numa_node = numa_note_.empty() && bind_error == 0 ? numa_node_ : -1;
-  s.numa_note = bind_error != 0 ? "binding to NUMA node " + std::to_string(numa_node_) +
-                                      " failed: " + region::ErrnoText(bind_error)
-                                : numa_note_;
+  s.engines = engines_->stats();
+  s.numa_node = s.engines[0].numa_node;
+  s.numa_note = s.engines[0].note;
   return s;
 }
 
@@ -291,6 +272,10 @@ Result<size_t> NearMemoryService::Extend(const rpc::Request& req, std::span<uint
     for (uint32_t l = 0; l < c->layers; ++l) {
       c->views[l].push_back({base + (uint64_t{l} * 2) * c->piece_bytes, base + (uint64_t{l} * 2 + 1) * c->piece_bytes});
     }
+  }
+  for (const BlockPin& p : hit.pins) {
+    c->engine_of_page.push_back(
+        static_cast<uint8_t>(engines_->EngineOfRegion(region::Offset<void>(p.offset).region_index())));
   }
   const uint64_t first = c->pages();
   c->pins.insert(c->pins.end(), hit.pins.begin(), hit.pins.end());
@@ -449,7 +434,7 @@ Result<size_t> NearMemoryService::RunAttend(const rpc::Request& req, std::vector
                       &selections[i], {}});
     select_of.push_back(i);
   }
-  (void)engines_->Select(select);  // per-job statuses
+  (void)engines_->first().Select(select);  // per-job statuses
   for (size_t k = 0; k < select.size(); ++k) status[select_of[k]] = select[k].status;
   // Split: the engine attends the selected pages it holds; this side the rest.
   std::vector<pnm::Selection> near(split ? n : 0);
@@ -457,6 +442,7 @@ Result<size_t> NearMemoryService::RunAttend(const rpc::Request& req, std::vector
     if (ctx[i] != nullptr && status[i].ok()) near[i] = pnm::SelectionNotHeld(selections[i], jobs[i].held, ctx[i]->pages());
   }
   std::vector<pnm::AttendJob> work;
+  std::vector<std::span<const uint8_t>> work_engines;  // per item, the engine of each page
   std::vector<size_t> of_job;
   for (size_t i = 0; i < n; ++i) {
     if (ctx[i] == nullptr || !status[i].ok()) continue;
@@ -469,9 +455,10 @@ Result<size_t> NearMemoryService::RunAttend(const rpc::Request& req, std::vector
     w.scale = jobs[i].scale;
     w.out = &partials[i];
     work.push_back(w);
+    work_engines.push_back(c.engine_of_page);
     of_job.push_back(i);
   }
-  (void)engines_->Run(work);  // per-job statuses
+  engines_->Attend(work, work_engines);  // per-job statuses
   for (size_t k = 0; k < work.size(); ++k) status[of_job[k]] = work[k].status;
   meta::WireWriter w(out);
   for (size_t i = 0; i < n; ++i) {

@@ -12,7 +12,8 @@
 // it, else built from the keys and stored next to the KV (a block of the digest namespace keyed
 // by the KV block's key), so the next daemon that opens the same prefix reads 1/16 of the bytes.
 // Attention requests are data-parallel (§3.2): selection and attention of a batch's requests run
-// on the service's AttendPool, whose threads are bound to the NUMA node of the region's memory.
+// on the engines' threads, one engine per NUMA node of the pool's regions, each attending the
+// pages its node holds (node_engines.h).
 //
 // Leases: a context the client neither uses nor renews for `context_lease_ms` is closed and its
 // pins released (a crashed client, or one paused past the lease: it then gets kNotFound and opens
@@ -38,17 +39,18 @@
 #include "cxlkv/cache.h"
 #include "cxlkv/pool.h"
 #include "cxlkv/status.h"
-#include "pnm/attend_pool.h"
+#include "daemon/node_engines.h"
 #include "pnm/service_protocol.h"
 #include "rpc/server.h"
 
 namespace cxlkv::daemon {
 
 struct NearMemoryServiceOptions {
-  uint32_t threads = 1;               // engine threads besides the serving thread. Default 1.
+  uint32_t threads = 1;               // engine threads per memory node besides its lead (node_engines.h). Default 1.
   uint32_t context_lease_ms = 10000;  // idle time after which a context is closed. Default 10 s.
   uint32_t max_contexts = 1024;       // open at once (all clients). Default 1024.
-  bool bind_numa = true;              // bind engine threads to the region memory's NUMA node. Default true.
+  bool bind_numa = true;              // an engine per memory node, bound to it. Default true.
+  region::Platform* platform = nullptr;  // NUMA queries and binding (tests: fake nodes); null: the OS
 };
 
 struct NearMemoryServiceStats {
@@ -65,8 +67,9 @@ struct NearMemoryServiceStats {
   uint64_t digests_found = 0;
   uint64_t digests_built = 0;
   uint64_t digests_stored = 0;
-  int numa_node = -1;                  // where the engine threads run (-1: not bound)
+  int numa_node = -1;                  // where the first engine's threads run (-1: not bound)
   std::string numa_note;               // why not, when not bound
+  std::vector<NodeEngineStats> engines;  // one per memory node of the pool's regions
 };
 
 class NearMemoryService {
@@ -109,15 +112,11 @@ class NearMemoryService {
   // pins were taken in. Runs before every request (Start wraps the handlers) and each sweep.
   void ForgetIfLifeChanged();
   Status LoadOrBuildDigests(Context& c, uint64_t first_page, std::span<const BlockKey> keys, pnm::ExtendAnswer* a);
-  void BindThread();
 
   Pool& pool_;
   KvCache* cache_ = nullptr;
   NearMemoryServiceOptions options_;
-  int numa_node_ = -1;
-  std::string numa_note_;           // set by Start only
-  std::atomic<int> bind_error_{0};  // a thread's failed binding (-errno), for stats()
-  std::unique_ptr<pnm::AttendPool> engines_;
+  std::unique_ptr<NodeEngines> engines_;
   uint64_t epoch_ = 0;      // high bits of context ids: an id of an earlier daemon is unknown
   uint64_t next_id_ = 1;
   uint64_t life_ = 0;       // the node life the open contexts' pins were taken in

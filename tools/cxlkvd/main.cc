@@ -52,8 +52,9 @@ int main(int argc, char** argv) {
   app.add_option("--tier-slot", tier_slot, "bytes per tier slot, header included: the largest block a tier holds "
                                            "is this less 64 (default 2M+4K)");
   app.add_option("--pnm-threads", o.pnm_threads,
-                 "serve near-memory attention (pnm-<node>) with N engine threads besides the serving thread, bound to "
-                 "the region memory's NUMA node; off by default (-1)");
+                 "serve near-memory attention (pnm-<node>) with an engine per NUMA node of the pool's regions, bound "
+                 "to it: N threads each besides its lead (the serving thread on the first region's node); off by "
+                 "default (-1)");
   app.add_option("--pnm-lease-ms", o.pnm_context_lease_ms, "close a near-memory context idle this long (default 10000)");
   app.add_option("--pnm-max-contexts", o.pnm_max_contexts, "near-memory contexts open at once (default 1024)");
   try {
@@ -104,9 +105,14 @@ int main(int argc, char** argv) {
   }
   if (const cxlkv::daemon::NearMemoryService* pnm = (*d)->pnm(); pnm != nullptr) {
     const auto st = pnm->stats();
-    std::printf("cxlkvd: node %u: near-memory attention (pnm-%u): %d engine thread(s) and the serving thread, %s\n",
-                o.node_id, o.node_id, o.pnm_threads,
-                st.numa_node >= 0 ? ("on NUMA node " + std::to_string(st.numa_node)).c_str() : st.numa_note.c_str());
+    // One line per engine (one per memory node of the pool's regions), where it runs.
+    for (size_t i = 0; i < st.engines.size(); ++i) {
+      const auto& e = st.engines[i];
+      std::printf("cxlkvd: node %u: near-memory attention (pnm-%u): engine %zu of %zu: %u worker(s) and %s, for %u "
+                  "region(s), %s\n",
+                  o.node_id, o.node_id, i + 1, st.engines.size(), e.threads - 1, i == 0 ? "the serving thread" : "its lead",
+                  e.regions, e.numa_node >= 0 ? ("on NUMA node " + std::to_string(e.numa_node)).c_str() : e.note.c_str());
+    }
   }
   std::fflush(stdout);
   int sig = 0;
