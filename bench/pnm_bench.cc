@@ -27,9 +27,11 @@
 //   link_KiB/CTX/B        bytes crossing the link per step when attention runs near memory
 //                         (query + output + LSE, fp32) vs recalling the selected pages to the
 //                         engine (selected KV bytes).
-//   attend_bw_1engine/CTX, attend_bw_2engines/CTX
-//                         a batch of requests attended by an AttendPool of one thread and of two
-//                         (each owning whole requests: data parallelism); the ratio is 2 vs 1.
+//   attend_bw_1engine/CTX, attend_bw_2engines/CTX, attend_bw_2engines_interleaved/CTX
+//                         a batch of requests attended by the daemon's engines (NodeEngines)
+//                         on one memory node and on two (faked: one thread each): each engine
+//                         owning whole requests, and every request's pages interleaved across
+//                         both (split by residence, merged by lse); the ratios are 2 vs 1.
 //   recall_KiB_per_step/steady/32K vs .../arkvale/32K
 //                         KV recalled to the engine per step on a drifting query at budget 1/32:
 //                         steady-token selection (engine holds half the budget) vs ArkVale-style.
@@ -50,6 +52,7 @@
 #include <string>
 #include <vector>
 
+#include "daemon/node_engines.h"
 #include "pnm/attend.h"
 #include "pnm/digest.h"
 #include "pnm/geometry.h"
@@ -203,31 +206,58 @@ Result<CaseResult> RunCase(const Layers& L, const std::vector<uint32_t>& budgets
   return r;
 }
 
-// Two engines vs one (PNM §3.2: data parallelism, each engine owns whole requests): a batch of
-// requests, one per layer, attended densely by an AttendPool of one thread (the caller) and of
-// two (the caller and a worker). Returns GB/s of KV read, per repetition, for each.
-Result<std::pair<std::vector<double>, std::vector<double>>> RunEngines(const Layers& L, int reps,
-                                                                       const std::vector<std::vector<float>>& queries) {
+// Two memory nodes as the daemon sees them, on a machine with one: "region" i is node i, and
+// binding is a no-op (the figure shows the engines' parallelism and hand-off, not NUMA).
+class TwoFakeNodes : public region::Platform {
+ public:
+  std::vector<uint8_t> memory = std::vector<uint8_t>(2);
+  int NumaNodeOf(const void* addr) override { return static_cast<const uint8_t*>(addr) == memory.data() ? 0 : 1; }
+  int RunThreadOnNode(int) override { return 0; }
+};
+
+struct EnginesFigures {
+  std::vector<double> one, two_whole, two_interleaved;  // GB/s of KV read, per repetition
+};
+
+// Two engines vs one (PNM §3.2: data parallelism), through the daemon's NodeEngines: a batch of
+// requests, one per layer, attended densely by one engine (the caller's thread), and by two
+// engines (the caller and the second engine's lead thread) with each request's pages on one
+// node (requests alternate: each engine owns whole requests), and with every request's pages
+// interleaved in runs of 64 across both (what the pool's chunk interleaving gives: each request
+// split by residence and its parts merged by log-sum-exp).
+Result<EnginesFigures> RunEngines(const Layers& L, int reps, const std::vector<std::vector<float>>& queries) {
   const size_t requests = std::min<size_t>(L.page_kv.size(), 4);
   std::vector<pnm::Partial> outs(requests);
   std::vector<pnm::AttendJob> jobs(requests);
-  std::pair<std::vector<double>, std::vector<double>> bw;
+  TwoFakeNodes fake;
+  std::vector<std::span<uint8_t>> one_region{{fake.memory.data(), 1}};
+  std::vector<std::span<uint8_t>> two_regions{{fake.memory.data(), 1}, {fake.memory.data() + 1, 1}};
+  auto one = daemon::NodeEngines::Create(one_region, {.threads = 0, .bind_numa = true, .platform = &fake});
+  auto two = daemon::NodeEngines::Create(two_regions, {.threads = 0, .bind_numa = true, .platform = &fake});
+  if (two->size() != 2) return Internal("two fake memory nodes gave " + std::to_string(two->size()) + " engines");
+  const uint64_t pages = L.Ctx(0).tokens / L.g.page_tokens;
+  std::vector<uint8_t> all_first(pages, 0), all_second(pages, 1), interleaved(pages);
+  for (uint64_t p = 0; p < pages; ++p) interleaved[p] = static_cast<uint8_t>((p / 64) % 2);
+  EnginesFigures f;
   size_t first = 0;
   for (int rep = 0; rep < reps; ++rep) {
-    for (uint32_t workers : {0u, 1u}) {
-      pnm::AttendPool pool(workers);
+    for (int variant = 0; variant < 3; ++variant) {
+      std::vector<std::span<const uint8_t>> of_page(requests);
       for (size_t r = 0; r < requests; ++r) {
         const size_t l = (first + r) % L.page_kv.size();  // rotate: the next batch reads other layers
         jobs[r] = {&L.g, queries[r % queries.size()].data(), L.Ctx(l), nullptr, 0, &outs[r], {}};
+        of_page[r] = variant == 0 ? all_first : variant == 1 ? (r % 2 == 0 ? all_first : all_second) : interleaved;
       }
       first += requests;
       auto t0 = Clock::now();
-      CXLKV_RETURN_IF_ERROR(pool.Run(jobs));
-      const double gbps = static_cast<double>(requests * L.LayerBytes()) / Seconds(t0) / 1e9;
-      (workers == 0 ? bw.first : bw.second).push_back(gbps);
+      (variant == 0 ? one : two)->Attend(jobs, of_page);
+      const double seconds = Seconds(t0);
+      for (const pnm::AttendJob& j : jobs) CXLKV_RETURN_IF_ERROR(j.status);
+      const double gbps = static_cast<double>(requests * L.LayerBytes()) / seconds / 1e9;
+      (variant == 0 ? f.one : variant == 1 ? f.two_whole : f.two_interleaved).push_back(gbps);
     }
   }
-  return bw;
+  return f;
 }
 
 // Recall volume on a drifting decode query (one layer's digests, budget 1/32): steady-token
@@ -445,10 +475,15 @@ Result<nlohmann::json> RunPnmBench(const BenchOptions& options) {
     if (c.name == "128K" || (options.quick && c.name == "32K")) {
       auto e = RunEngines(L, reps, *c.q);
       if (!e.ok()) return e.status();
-      results.push_back(FigureJson({"attend_bw_1engine/" + c.name, "GB/s", true, e->first, "memory_read_bw", mem_bw,
-                                    "a batch of requests, dense, one thread"}));
-      results.push_back(FigureJson({"attend_bw_2engines/" + c.name, "GB/s", true, e->second, "attend_bw_1engine/" + c.name,
-                                    e->first, "the same batch over two threads, each owning whole requests: ideal 2"}));
+      results.push_back(FigureJson({"attend_bw_1engine/" + c.name, "GB/s", true, e->one, "memory_read_bw", mem_bw,
+                                    "a batch of requests, dense, one engine of one thread (the daemon's NodeEngines)"}));
+      results.push_back(FigureJson({"attend_bw_2engines/" + c.name, "GB/s", true, e->two_whole, "attend_bw_1engine/" + c.name,
+                                    e->one, "the same batch on two engines of a thread each, each owning whole requests: "
+                                    "ideal 2"}));
+      results.push_back(FigureJson({"attend_bw_2engines_interleaved/" + c.name, "GB/s", true, e->two_interleaved,
+                                    "attend_bw_1engine/" + c.name, e->one,
+                                    "two engines, every request's pages interleaved across both nodes in runs of 64 "
+                                    "(split by residence, merged by lse): ideal 2"}));
     }
     if (c.name == "32K") {
       auto t = RunRecallTrace(L, static_cast<uint32_t>(c.tokens / 32), options.quick ? 40 : 200);

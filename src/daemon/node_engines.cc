@@ -159,10 +159,15 @@ void NodeEngines::Attend(std::span<pnm::AttendJob> work, std::span<const std::sp
   for (size_t k = 0; k < work.size(); ++k) {
     const uint32_t kv_heads = work[k].g->num_kv_heads;
     const std::span<const uint8_t> of_page = engine_of_page[k];
-    for (auto& l : lists) l.assign(kv_heads, {});
-    for (uint32_t h = 0; h < kv_heads; ++h) {
-      if (work[k].selection != nullptr) {
-        for (uint32_t p : work[k].selection->Of(h)) lists[p < of_page.size() ? of_page[p] : 0][h].push_back(p);
+    const pnm::Selection* sel = work[k].selection;
+    // Dense, or one list for every head: the parts keep one list each, so the kernel still
+    // reads each page once for all heads (a token-major page read head by head costs ~2×).
+    const bool same = sel == nullptr || sel->SameForAllHeads();
+    const uint32_t listed = same ? 1 : kv_heads;
+    for (auto& l : lists) l.assign(listed, {});
+    for (uint32_t h = 0; h < listed; ++h) {
+      if (sel != nullptr) {
+        for (uint32_t p : sel->Of(h)) lists[p < of_page.size() ? of_page[p] : 0][h].push_back(p);
       } else {
         for (uint32_t p = 0; p < of_page.size(); ++p) lists[of_page[p]][h].push_back(p);
       }
@@ -179,7 +184,8 @@ void NodeEngines::Attend(std::span<pnm::AttendJob> work, std::span<const std::sp
     }
     for (uint32_t e : used) {
       pnm::AttendJob j = work[k];
-      j.selection = &part_selections.emplace_back(pnm::Selection::PerHead(std::move(lists[e])));
+      j.selection = &part_selections.emplace_back(same ? pnm::Selection::SamePagesForAllHeads(kv_heads, std::move(lists[e][0]))
+                                                       : pnm::Selection::PerHead(std::move(lists[e])));
       j.out = &part_outs.emplace_back();
       parts.push_back({k, e, per_engine[e].size()});
       per_engine[e].push_back(j);
