@@ -336,7 +336,10 @@ TEST(NearMemoryService, AnIdleContextIsClosedAtItsLeaseAndARenewedOneIsNot) {
 // A client on `node`: opens a context over the first `pages` blocks of seed 7 and attends once,
 // then reports and obeys commands: 1 = attend again (reply 0 ok, 1 not found, 2 other error;
 // on "not found" it reopens and attends, replying 10 + the retry's outcome), 0 = exit.
-int ClientProcess(const std::string& path, uint32_t node, int in, int out) {
+// `hybrid`: each attend is the hybrid's split step (kPnmAttendSplit), holding the best half of
+// the previous step's ranks per KV head; an answer whose ranks are not the budget's pages is
+// reply 3.
+int ClientProcess(const std::string& path, uint32_t node, bool hybrid, int in, int out) {
   auto pool = OpenOrNull({path}, node);
   CHILD_CHECK(pool != nullptr, "open");
   auto cache = pool->Cache();
@@ -354,10 +357,24 @@ int ClientProcess(const std::string& path, uint32_t node, int in, int out) {
   CHILD_CHECK(ctx.ok(), "open context: %s", ctx.status().ToString().c_str());
   const auto q = Query(9);
   pnm::Partial partial;
+  std::vector<std::vector<uint32_t>> held(kKvHeads), ranked;
   auto attend = [&](uint64_t id) {
-    Client::Job j = MakeJob(id, 0, q.data(), 128, &partial);
-    Status s = (*client)->Attend({&j, 1});
-    return s.ok() ? 0 : s.code() == StatusCode::kNotFound ? 1 : 2;
+    constexpr uint32_t kBudget = 128;  // 8 pages per KV head
+    Client::Job j = MakeJob(id, 0, q.data(), kBudget, &partial);
+    if (hybrid) {
+      j.held = held;
+      j.ranked = &ranked;
+    }
+    Status s = hybrid ? (*client)->AttendSplit({&j, 1}) : (*client)->Attend({&j, 1});
+    if (!s.ok()) return s.code() == StatusCode::kNotFound ? 1 : 2;
+    if (hybrid) {
+      if (ranked.size() != kKvHeads) return 3;
+      for (uint32_t h = 0; h < kKvHeads; ++h) {
+        if (ranked[h].size() != kBudget / kPage) return 3;
+        held[h].assign(ranked[h].begin(), ranked[h].begin() + ranked[h].size() / 2);
+      }
+    }
+    return 0;
   };
   CHILD_CHECK(attend(ctx->context) == 0, "first attend");
   Put(out, 100);
@@ -375,11 +392,11 @@ int ClientProcess(const std::string& path, uint32_t node, int in, int out) {
 
 // A client process on `node`, forked before this process opens the pool (no threads cross a
 // fork); it starts on its first command (ClientProcess).
-Child ForkClient(const std::string& path, uint32_t node) {
-  return Child::Fork([path, node](int in, int out) {
+Child ForkClient(const std::string& path, uint32_t node, bool hybrid = false) {
+  return Child::Fork([path, node, hybrid](int in, int out) {
     uint64_t go = 0;
     if (!Get(in, &go)) return 1;
-    return ClientProcess(path, node, in, out);
+    return ClientProcess(path, node, hybrid, in, out);
   });
 }
 
@@ -404,19 +421,20 @@ struct Writer {
   std::vector<BlockKey> keys;
 };
 
-// One client killed -9, another SIGSTOPped past its lease: nothing stays pinned, and the paused
-// one is told its context is gone, reopens and attends.
+// One client killed -9, another (a hybrid engine's split steps) SIGSTOPped past its lease:
+// nothing stays pinned, and the paused one is told its context is gone, reopens and attends.
 void ClientsKilledAndPaused() {
   TempRegionPath path("pnmproc");
   MakePool(path.path());
   Child killed = ForkClient(path.path(), 2);
-  Child paused = ForkClient(path.path(), 3);
+  Child paused = ForkClient(path.path(), 3, /*hybrid=*/true);
   DaemonProcess d = DaemonProcess::Start(path.path(), 0, "--pnm-threads 1 --pnm-lease-ms 800 --metrics 127.0.0.1:0");
   ASSERT_GT(d.MetricsPort(), 0) << d.first_line;
   Writer w(path.path());
   ASSERT_NE(w.pool, nullptr);
   ASSERT_EQ(Command(killed, 1), 100u);
   ASSERT_EQ(Command(paused, 1), 100u);
+  ASSERT_EQ(Command(paused, 1), 0u) << "a split step holding half the ranks (3: ranks not the budget's)";
   EXPECT_EQ(*w.cache->Evict(w.ns, w.keys), 0u) << "two open contexts pin every block";
   EXPECT_EQ(SumOf(Scrape(d.MetricsPort()), "cxlkv_pnm_contexts_open"), 2);
 
@@ -439,7 +457,7 @@ void ClientsKilledAndPaused() {
 
   // Resumed, the paused client's context is gone: it is told so, reopens and attends.
   ::kill(paused.pid, SIGCONT);
-  EXPECT_EQ(Command(paused, 1), 10u) << "1x: not found, then reopened (0: ok, 2: another error)";
+  EXPECT_EQ(Command(paused, 1), 10u) << "1x: not found, then reopened (0: ok, 2: another error, 3: bad ranks)";
   EXPECT_EQ(Command(paused, 1), 0u);
   ASSERT_TRUE(paused.Send(0));
   EXPECT_EQ(paused.Wait(), 0);
@@ -452,17 +470,21 @@ void ClientsKilledAndPaused() {
 
 // The daemon paused past its lease: its node is declared dead and recovered, so its pins are
 // gone (the blocks can be evicted meanwhile). Resumed, it must not serve the old contexts over
-// memory that is no longer pinned for it: it forgets them, and its client reopens.
+// memory that is no longer pinned for it: it forgets them, and its clients reopen — a plain
+// one and a hybrid one.
 void DaemonPaused() {
   TempRegionPath path("pnmpause");
   MakePool(path.path());
   Child client = ForkClient(path.path(), 2);
+  Child hybrid = ForkClient(path.path(), 3, /*hybrid=*/true);
   DaemonProcess d = DaemonProcess::Start(path.path(), 0, "--pnm-threads 1 --metrics 127.0.0.1:0");
   ASSERT_GT(d.MetricsPort(), 0) << d.first_line;
   Writer w(path.path());
   ASSERT_NE(w.pool, nullptr);
   ASSERT_EQ(Command(client, 1), 100u);
-  EXPECT_EQ(*w.cache->Evict(w.ns, w.keys), 0u) << "pinned by the daemon's context";
+  ASSERT_EQ(Command(hybrid, 1), 100u);
+  ASSERT_EQ(Command(hybrid, 1), 0u) << "a split step holding half the ranks (3: ranks not the budget's)";
+  EXPECT_EQ(*w.cache->Evict(w.ns, w.keys), 0u) << "pinned by the daemon's contexts";
 
   ::kill(d.pid, SIGSTOP);
   // Recovery of the daemon's node (by this process's node) drops its pins: the blocks go.
@@ -478,9 +500,13 @@ void DaemonPaused() {
 
   EXPECT_EQ(Command(client, 1), 10u) << "1x: not found, then reopened (0: the old context answered, 2: another error)";
   EXPECT_EQ(Command(client, 1), 0u);
-  EXPECT_EQ(SumOf(Scrape(d.MetricsPort()), "cxlkv_pnm_contexts_open"), 1);
+  EXPECT_EQ(Command(hybrid, 1), 10u) << "the hybrid too (3: ranks not the budget's)";
+  EXPECT_EQ(Command(hybrid, 1), 0u);
+  EXPECT_EQ(SumOf(Scrape(d.MetricsPort()), "cxlkv_pnm_contexts_open"), 2);
   ASSERT_TRUE(client.Send(0));
   EXPECT_EQ(client.Wait(), 0);
+  ASSERT_TRUE(hybrid.Send(0));
+  EXPECT_EQ(hybrid.Wait(), 0);
   ::kill(d.pid, SIGTERM);
   EXPECT_EQ(d.Wait(), 0);
 }
