@@ -121,7 +121,9 @@ TEST(NearMemoryService, EachMemoryNodesEngineAttendsThePagesItsNodeHolds) {
   co.overwrite = true;
   co.chunk_bytes = 256 << 10;  // 16 blocks a chunk: a context's chunks alternate between the regions
   ASSERT_TRUE(Pool::Create({a.path(), b.path()}, co).ok());
-  auto pool = Pool::Open({a.path(), b.path()}, {});
+  PoolOpenOptions po;
+  po.lease_ms = 5000;  // not a lease test (pnm_daemon_test.cc's InProcess says why)
+  auto pool = Pool::Open({a.path(), b.path()}, po);
   ASSERT_TRUE(pool.ok()) << pool.status().ToString();
   KvCache* cache = *(*pool)->Cache();
   const NamespaceHandle ns = *cache->Namespace(TestNamespace());
