@@ -142,15 +142,12 @@ namespace {
 
 #define CXLKV_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
 
-// acc += the int16 pairs' products of a and b, summed pairwise.
-CXLKV_VNNI inline __m512i MulAdd(__m512i acc, __m512i a, __m512i b) { return _mm512_dpwssd_epi32(acc, a, b); }
+// acc += q's u8 by v's s8, four products summed into each int32 lane (vpdpbusd).
+CXLKV_VNNI inline __m512i MulAdd(__m512i acc, __m512i q, __m512i v) { return _mm512_dpbusd_epi32(acc, q, v); }
 
-// 32 digest values widened to int16.
-__attribute__((target("avx512f,avx512bw"))) inline __m512i Widen32(const int8_t* p) {
-  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+CXLKV_VNNI inline __m512i Load64(const void* p) { return _mm512_loadu_si512(p); }
 
-// Two query heads (qa, qb: kChunks vectors of 32 int16 each) against every page, two pages at a
+// Two query heads (qa, qb: kChunks vectors of 64 bytes each) against every page, two pages at a
 // time: four accumulators reduced together. out[p·heads] and out[p·heads + 1]. Always inlined:
 // called, it took qa and qb from the caller's stack for every multiply-add, and the query was
 // loaded per page again.
@@ -164,13 +161,13 @@ CXLKV_VNNI inline __attribute__((always_inline)) void TwoHeadsOverPages(const __
     const int8_t* r0 = rows + p * stride;
     const int8_t* r1 = r0 + stride;
     __m512i a0 = _mm512_setzero_si512(), b0 = a0, a1 = a0, b1 = a0;
-#pragma GCC unroll 8
+#pragma GCC unroll 4
     for (uint32_t c = 0; c < kChunks; ++c) {
-      const __m512i v0 = Widen32(r0 + 32 * c), v1 = Widen32(r1 + 32 * c);
-      a0 = MulAdd(a0, v0, qa[c]);
-      b0 = MulAdd(b0, v0, qb[c]);
-      a1 = MulAdd(a1, v1, qa[c]);
-      b1 = MulAdd(b1, v1, qb[c]);
+      const __m512i v0 = Load64(r0 + 64 * c), v1 = Load64(r1 + 64 * c);
+      a0 = MulAdd(a0, qa[c], v0);
+      b0 = MulAdd(b0, qb[c], v0);
+      a1 = MulAdd(a1, qa[c], v1);
+      b1 = MulAdd(b1, qb[c], v1);
     }
     alignas(16) int32_t sums[4];
     StoreSums4(a0, b0, a1, b1, sums);
@@ -182,11 +179,11 @@ CXLKV_VNNI inline __attribute__((always_inline)) void TwoHeadsOverPages(const __
   if (p < pages) {
     const int8_t* r0 = rows + p * stride;
     __m512i a0 = _mm512_setzero_si512(), b0 = a0;
-#pragma GCC unroll 8
+#pragma GCC unroll 4
     for (uint32_t c = 0; c < kChunks; ++c) {
-      const __m512i v0 = Widen32(r0 + 32 * c);
-      a0 = MulAdd(a0, v0, qa[c]);
-      b0 = MulAdd(b0, v0, qb[c]);
+      const __m512i v0 = Load64(r0 + 64 * c);
+      a0 = MulAdd(a0, qa[c], v0);
+      b0 = MulAdd(b0, qb[c], v0);
     }
     alignas(16) int32_t sums[4];
     StoreSums4(a0, b0, a0, b0, sums);
@@ -196,19 +193,18 @@ CXLKV_VNNI inline __attribute__((always_inline)) void TwoHeadsOverPages(const __
 }
 
 template <uint32_t kChunks>
-CXLKV_VNNI void DigestDotBlockT(const int16_t* q, uint32_t heads,
-                                                                           const int8_t* rows, uint64_t stride,
-                                                                           uint32_t pages, int32_t* out) {
-  constexpr uint32_t kLen = 32 * kChunks;  // int16 per query head
+CXLKV_VNNI void DigestDotBlockT(const uint8_t* q, uint32_t heads, const int8_t* rows, uint64_t stride, uint32_t pages,
+                                int32_t* out) {
+  constexpr uint32_t kLen = 64 * kChunks;  // query bytes per head
   __m512i qa[kChunks], qb[kChunks];
   for (uint32_t i = 0; i < heads; i += 2) {
     // An odd head count pairs the last head with itself; its twin's sums go to a scratch row.
-    const int16_t* a = q + uint64_t{i} * kLen;
-    const int16_t* b = i + 1 < heads ? a + kLen : a;
-#pragma GCC unroll 8
+    const uint8_t* a = q + uint64_t{i} * kLen;
+    const uint8_t* b = i + 1 < heads ? a + kLen : a;
+#pragma GCC unroll 4
     for (uint32_t c = 0; c < kChunks; ++c) {
-      qa[c] = _mm512_loadu_si512(a + 32 * c);
-      qb[c] = _mm512_loadu_si512(b + 32 * c);
+      qa[c] = Load64(a + 64 * c);
+      qb[c] = Load64(b + 64 * c);
     }
     if (i + 1 < heads) {
       TwoHeadsOverPages<kChunks>(qa, qb, rows, stride, pages, heads, out + i);
@@ -224,19 +220,19 @@ CXLKV_VNNI void DigestDotBlockT(const int16_t* q, uint32_t heads,
 
 }  // namespace
 
-// Head sizes whose two heads' query fits in registers (n/16 vectors each); others are left to
+// Head sizes whose two heads' query fits in registers (2n/64 vectors each); others are left to
 // digest_dot, page by page.
-CXLKV_VNNI bool DigestDotBlockAvx512Vnni(const int16_t* q, uint32_t heads, const int8_t* rows, uint64_t stride,
+CXLKV_VNNI bool DigestDotBlockAvx512Vnni(const uint8_t* q, uint32_t heads, const int8_t* rows, uint64_t stride,
                                          uint32_t pages, uint32_t n, int32_t* out) {
   switch (n) {
     case 128:
-      DigestDotBlockT<8>(q, heads, rows, stride, pages, out);
-      return true;
-    case 64:
       DigestDotBlockT<4>(q, heads, rows, stride, pages, out);
       return true;
-    case 32:
+    case 64:
       DigestDotBlockT<2>(q, heads, rows, stride, pages, out);
+      return true;
+    case 32:
+      DigestDotBlockT<1>(q, heads, rows, stride, pages, out);
       return true;
     default:
       return false;

@@ -1,6 +1,7 @@
-// The four sums of four int32 vectors at once (AVX512BW), shared by the digest dot products of
-// kernels.cc and digest_kernels.cc: interleave and add within 128-bit lanes until each lane holds
-// [a0, a1, a2, a3] partials, then fold the lanes (integers: any order gives the same sums).
+// Shared by the digest dot products of kernels.cc and digest_kernels.cc. StoreSums4: the four
+// sums of four int32 vectors at once (AVX512BW): interleave and add within 128-bit lanes until
+// each lane holds [a0, a1, a2, a3] partials, then fold the lanes (integers: any order gives the
+// same sums).
 #ifndef CXLKV_SRC_PNM_INT_SUMS_H_
 #define CXLKV_SRC_PNM_INT_SUMS_H_
 
@@ -19,6 +20,9 @@ __attribute__((target("avx512f,avx512bw"))) inline void StoreSums4(__m512i a0, _
   const __m128i x = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), x);
 }
+
+// The bytes of a 64-byte digest step that are left (`left` >= 32: 2n is a multiple of 32).
+inline __mmask64 DigestChunkMask(uint32_t left) { return left >= 64 ? ~__mmask64{0} : __mmask64{0xffffffffu}; }
 
 }  // namespace cxlkv::pnm::internal
 

@@ -83,11 +83,11 @@ void AxpyScalar(float a, const float* x, float* y, uint32_t n) {
   for (uint32_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-// Exact in int32: |q·v| <= 16383·127 and at most 2·1024 terms of which half are 0 (a query
+// Exact in int32: |q·v| <= 255·127 and at most 2·1024 terms of which half are 0 (a query
 // dimension is positive or negative, not both): below 2^31 (kernels.h).
-void DigestDotScalar(const int16_t* q, uint32_t heads, const int8_t* rows, uint32_t n, int32_t* out) {
+void DigestDotScalar(const uint8_t* q, uint32_t heads, const int8_t* rows, uint32_t n, int32_t* out) {
   for (uint32_t i = 0; i < heads; ++i) {
-    const int16_t* qi = q + uint64_t{i} * 2 * n;
+    const uint8_t* qi = q + uint64_t{i} * 2 * n;
     int32_t sum = 0;
     for (uint32_t j = 0; j < 2 * n; ++j) sum += int32_t{qi[j]} * int32_t{rows[j]};
     out[i] = sum;
@@ -178,22 +178,27 @@ CXLKV_AVX2 int32_t HorizontalSum256i(__m256i v) {
   return _mm_cvtsi128_si32(x);
 }
 
-// 16 digest values widened to int16 once for every head; madd sums the pairs (hi_d·q+_d and
-// nlo_d·q−_d) into int32 lanes.
-CXLKV_AVX2 void DigestDotAvx2(const int16_t* q, uint32_t heads, const int8_t* rows, uint32_t n, int32_t* out) {
-  const uint32_t len = 2 * n;
+// 32 query bytes against 32 digest values: vpmaddubsw multiplies u8 by s8 and sums each pair
+// (q⁺_d·hi_d + q⁻_d·nlo_d, one term 0: exact in int16, kernels.h), vpmaddwd by ones widens the
+// pairs into int32 lanes.
+CXLKV_AVX2 inline __m256i DigestMulAdd(__m256i acc, __m256i q, __m256i v) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, v), _mm256_set1_epi16(1)));
+}
+
+CXLKV_AVX2 inline __m256i At(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+CXLKV_AVX2 void DigestDotAvx2(const uint8_t* q, uint32_t heads, const int8_t* rows, uint32_t n, int32_t* out) {
+  const uint32_t len = 2 * n;  // a multiple of 32
   uint32_t i = 0;
   for (; i + 4 <= heads; i += 4) {
-    const int16_t* q0 = q + uint64_t{i} * len;
+    const uint8_t* q0 = q + uint64_t{i} * len;
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-    for (uint32_t j = 0; j < len; j += 16) {
-      const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + j)));
-      a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0 + j))));
-      a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0 + len + j))));
-      a2 = _mm256_add_epi32(a2,
-                            _mm256_madd_epi16(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0 + 2 * len + j))));
-      a3 = _mm256_add_epi32(a3,
-                            _mm256_madd_epi16(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0 + 3 * len + j))));
+    for (uint32_t j = 0; j < len; j += 32) {
+      const __m256i v = At(rows + j);
+      a0 = DigestMulAdd(a0, At(q0 + j), v);
+      a1 = DigestMulAdd(a1, At(q0 + len + j), v);
+      a2 = DigestMulAdd(a2, At(q0 + 2 * len + j), v);
+      a3 = DigestMulAdd(a3, At(q0 + 3 * len + j), v);
     }
     out[i] = HorizontalSum256i(a0);
     out[i + 1] = HorizontalSum256i(a1);
@@ -201,12 +206,9 @@ CXLKV_AVX2 void DigestDotAvx2(const int16_t* q, uint32_t heads, const int8_t* ro
     out[i + 3] = HorizontalSum256i(a3);
   }
   for (; i < heads; ++i) {
-    const int16_t* qi = q + uint64_t{i} * len;
+    const uint8_t* qi = q + uint64_t{i} * len;
     __m256i a = _mm256_setzero_si256();
-    for (uint32_t j = 0; j < len; j += 16) {
-      const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + j)));
-      a = _mm256_add_epi32(a, _mm256_madd_epi16(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qi + j))));
-    }
+    for (uint32_t j = 0; j < len; j += 32) a = DigestMulAdd(a, At(qi + j), At(rows + j));
     out[i] = HorizontalSum256i(a);
   }
 }
@@ -394,60 +396,68 @@ CXLKV_AVX512 void GroupAxpyAvx512(KvDtype dtype, const void* row, const float* w
   }
 }
 
-// StoreSums4 (int_sums.h) reduces four heads' accumulators at once.
-// 32 digest values widened to int16 once for every head (AVX-512BW).
-__attribute__((target("avx512f,avx512bw"))) void DigestDotAvx512(const int16_t* q, uint32_t heads,
+// StoreSums4 (int_sums.h) reduces four heads' accumulators at once. 2n bytes are a multiple of
+// 32: whole 64-byte steps, and the last half step masked (DigestChunk, int_sums.h).
+// 64 query bytes against 64 digest values: u8×s8 pairs summed exactly in int16 (kernels.h), then
+// widened into int32 lanes (AVX-512BW).
+__attribute__((target("avx512f,avx512bw"))) inline __m512i DigestMulAdd512(__m512i acc, __m512i q, __m512i v) {
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(q, v), _mm512_set1_epi16(1)));
+}
+
+__attribute__((target("avx512f,avx512bw"))) void DigestDotAvx512(const uint8_t* q, uint32_t heads,
                                                                   const int8_t* rows, uint32_t n, int32_t* out) {
-  const uint32_t len = 2 * n;  // a multiple of 32
+  const uint32_t len = 2 * n;
   uint32_t i = 0;
   for (; i + 4 <= heads; i += 4) {
-    const int16_t* q0 = q + uint64_t{i} * len;
+    const uint8_t* q0 = q + uint64_t{i} * len;
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-    for (uint32_t j = 0; j < len; j += 32) {
-      const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + j)));
-      a0 = _mm512_add_epi32(a0, _mm512_madd_epi16(v, _mm512_loadu_si512(q0 + j)));
-      a1 = _mm512_add_epi32(a1, _mm512_madd_epi16(v, _mm512_loadu_si512(q0 + len + j)));
-      a2 = _mm512_add_epi32(a2, _mm512_madd_epi16(v, _mm512_loadu_si512(q0 + 2 * len + j)));
-      a3 = _mm512_add_epi32(a3, _mm512_madd_epi16(v, _mm512_loadu_si512(q0 + 3 * len + j)));
+    for (uint32_t j = 0; j < len; j += 64) {
+      const __mmask64 m = DigestChunkMask(len - j);
+      const __m512i v = _mm512_maskz_loadu_epi8(m, rows + j);
+      a0 = DigestMulAdd512(a0, _mm512_maskz_loadu_epi8(m, q0 + j), v);
+      a1 = DigestMulAdd512(a1, _mm512_maskz_loadu_epi8(m, q0 + len + j), v);
+      a2 = DigestMulAdd512(a2, _mm512_maskz_loadu_epi8(m, q0 + 2 * len + j), v);
+      a3 = DigestMulAdd512(a3, _mm512_maskz_loadu_epi8(m, q0 + 3 * len + j), v);
     }
     StoreSums4(a0, a1, a2, a3, out + i);
   }
   for (; i < heads; ++i) {
-    const int16_t* qi = q + uint64_t{i} * len;
+    const uint8_t* qi = q + uint64_t{i} * len;
     __m512i a = _mm512_setzero_si512();
-    for (uint32_t j = 0; j < len; j += 32) {
-      const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + j)));
-      a = _mm512_add_epi32(a, _mm512_madd_epi16(v, _mm512_loadu_si512(qi + j)));
+    for (uint32_t j = 0; j < len; j += 64) {
+      const __mmask64 m = DigestChunkMask(len - j);
+      a = DigestMulAdd512(a, _mm512_maskz_loadu_epi8(m, qi + j), _mm512_maskz_loadu_epi8(m, rows + j));
     }
     out[i] = _mm512_reduce_add_epi32(a);
   }
 }
 
-// The same sums with vpdpwssd, which multiplies int16 pairs and adds them into the int32
-// accumulator in one instruction (AVX512_VNNI). Integer sums: the same result as above.
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) void DigestDotAvx512Vnni(const int16_t* q, uint32_t heads,
+// The same sums with vpdpbusd, which multiplies u8 by s8 in groups of four and adds them into
+// the int32 accumulator in one instruction (AVX512_VNNI). Integer sums: the same result as above.
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void DigestDotAvx512Vnni(const uint8_t* q, uint32_t heads,
                                                                               const int8_t* rows, uint32_t n,
                                                                               int32_t* out) {
-  const uint32_t len = 2 * n;  // a multiple of 32
+  const uint32_t len = 2 * n;
   uint32_t i = 0;
   for (; i + 4 <= heads; i += 4) {
-    const int16_t* q0 = q + uint64_t{i} * len;
+    const uint8_t* q0 = q + uint64_t{i} * len;
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-    for (uint32_t j = 0; j < len; j += 32) {
-      const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + j)));
-      a0 = _mm512_dpwssd_epi32(a0, v, _mm512_loadu_si512(q0 + j));
-      a1 = _mm512_dpwssd_epi32(a1, v, _mm512_loadu_si512(q0 + len + j));
-      a2 = _mm512_dpwssd_epi32(a2, v, _mm512_loadu_si512(q0 + 2 * len + j));
-      a3 = _mm512_dpwssd_epi32(a3, v, _mm512_loadu_si512(q0 + 3 * len + j));
+    for (uint32_t j = 0; j < len; j += 64) {
+      const __mmask64 m = DigestChunkMask(len - j);
+      const __m512i v = _mm512_maskz_loadu_epi8(m, rows + j);
+      a0 = _mm512_dpbusd_epi32(a0, _mm512_maskz_loadu_epi8(m, q0 + j), v);
+      a1 = _mm512_dpbusd_epi32(a1, _mm512_maskz_loadu_epi8(m, q0 + len + j), v);
+      a2 = _mm512_dpbusd_epi32(a2, _mm512_maskz_loadu_epi8(m, q0 + 2 * len + j), v);
+      a3 = _mm512_dpbusd_epi32(a3, _mm512_maskz_loadu_epi8(m, q0 + 3 * len + j), v);
     }
     StoreSums4(a0, a1, a2, a3, out + i);
   }
   for (; i < heads; ++i) {
-    const int16_t* qi = q + uint64_t{i} * len;
+    const uint8_t* qi = q + uint64_t{i} * len;
     __m512i a = _mm512_setzero_si512();
-    for (uint32_t j = 0; j < len; j += 32) {
-      const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + j)));
-      a = _mm512_dpwssd_epi32(a, v, _mm512_loadu_si512(qi + j));
+    for (uint32_t j = 0; j < len; j += 64) {
+      const __mmask64 m = DigestChunkMask(len - j);
+      a = _mm512_dpbusd_epi32(a, _mm512_maskz_loadu_epi8(m, qi + j), _mm512_maskz_loadu_epi8(m, rows + j));
     }
     out[i] = _mm512_reduce_add_epi32(a);
   }

@@ -16,7 +16,7 @@
 namespace cxlkv::pnm::internal {
 
 // kAvx512Vnni is kAvx512's table with the digests' integer dot product on AVX512_VNNI's fused
-// multiply-add-accumulate (vpdpwssd): one instruction where AVX-512BW needs two.
+// multiply-add-accumulate (vpdpbusd): one instruction where AVX-512BW needs three.
 enum class Isa : uint8_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
 
 // One page of one KV head, as attend_page reads it: the head's K and V rows of `tokens` tokens,
@@ -31,8 +31,12 @@ struct PageHead {
   const void* next_v = nullptr;
 };
 
-// The largest query magnitude digest_dot takes: 1024 dimensions × 16383 × 127 stays below 2^31.
-inline constexpr int32_t kDigestQueryMax = 16383;
+// The largest query magnitude digest_dot takes: one byte. A query's 2n values pair up as
+// (q⁺_d, q⁻_d), one of them 0, so a pair's products sum to at most 255·127 — inside int16, which
+// AVX2's and AVX-512BW's u8×s8 pair multiply (vpmaddubsw) saturates to — and 1024 dimensions
+// stay far below 2^31. Finer than the digests' own int8 bounds; the needle and attention-mass
+// tests select as they did with a 14-bit query.
+inline constexpr int32_t kDigestQueryMax = 255;
 
 struct Kernels {
   Isa isa;
@@ -56,16 +60,16 @@ struct Kernels {
   // y[i] += a * x[i]. REQUIRES: n % 16 == 0.
   void (*axpy)(float a, const float* x, float* y, uint32_t n);
   // A digest's integer score (digest.h): out[i] = Σ_{j < 2n} q[i·2n + j]·rows[j], for `heads`
-  // consecutive query vectors of 2n int16 (|q| <= kDigestQueryMax) against one KV head's 2n
-  // int8 digest values (|v| <= 127). Exact in int32 for n <= 1024, so every table gives the same
-  // result. REQUIRES: n % 16 == 0.
-  void (*digest_dot)(const int16_t* q, uint32_t heads, const int8_t* rows, uint32_t n, int32_t* out);
+  // consecutive query vectors of 2n uint8 (q[2d]·q[2d + 1] == 0: a dimension is positive or
+  // negative) against one KV head's 2n int8 digest values (|v| <= 127). Exact in int32 for
+  // n <= 1024, so every table gives the same result. REQUIRES: n % 16 == 0.
+  void (*digest_dot)(const uint8_t* q, uint32_t heads, const int8_t* rows, uint32_t n, int32_t* out);
   // digest_dot over `pages` digests at rows + p·stride: out[p·heads + i], the same sums, with
   // the query held in registers across the pages (two heads at a time): loading it again for
   // every page held digest_dot to the load ports. Returns false, having written nothing, for a
   // head size it does not hold (it holds 32, 64 and 128). Null where the table has none. Either
   // way SelectPages then calls digest_dot page by page.
-  bool (*digest_dot_block)(const int16_t* q, uint32_t heads, const int8_t* rows, uint64_t stride, uint32_t pages,
+  bool (*digest_dot_block)(const uint8_t* q, uint32_t heads, const int8_t* rows, uint64_t stride, uint32_t pages,
                            uint32_t n, int32_t* out);
 
   // The group kernels: one row of KV (dtype) read and widened once for the `heads` query heads
@@ -99,7 +103,7 @@ bool BoundsExtentAvx512(const float* lo, const float* hi, const float* probe, ui
 void QuantizeBoundsScalar(const float* lo, const float* hi, uint32_t n, double inv_scale, bool merge, int8_t* values);
 void QuantizeBoundsAvx512(const float* lo, const float* hi, uint32_t n, double inv_scale, bool merge, int8_t* values);
 // The VNNI table's digest_dot_block (digest_kernels.cc). REQUIRES: ForIsa(kAvx512Vnni).
-bool DigestDotBlockAvx512Vnni(const int16_t* q, uint32_t heads, const int8_t* rows, uint64_t stride, uint32_t pages,
+bool DigestDotBlockAvx512Vnni(const uint8_t* q, uint32_t heads, const int8_t* rows, uint64_t stride, uint32_t pages,
                               uint32_t n, int32_t* out);
 
 // The AVX-512 table's exp_sum and attend_page (in attend_kernels.cc). REQUIRES: ForIsa(kAvx512).

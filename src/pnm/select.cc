@@ -61,11 +61,11 @@ void JoinKvHeadShares(std::span<const Selection> shares, std::span<const uint32_
 
 namespace {
 
-// A query head in int16: for each dimension its positive part then its negative part (one of
+// A query head in bytes: for each dimension its positive part then its negative part (one of
 // them 0), in units of `scale` (max |q_d| / kDigestQueryMax), rounded to nearest: each is off by
 // at most half a unit. Returns the scale; NaN when a component is not finite (every page is then
 // the best), 0 for a zero query.
-double QuantizeQuery(const float* q, uint32_t dim, int16_t* out) {
+double QuantizeQuery(const float* q, uint32_t dim, uint8_t* out) {
   double m = 0;
   bool finite = true;
   for (uint32_t d = 0; d < dim; ++d) {
@@ -76,8 +76,8 @@ double QuantizeQuery(const float* q, uint32_t dim, int16_t* out) {
   const double scale = m / internal::kDigestQueryMax;
   for (uint32_t d = 0; d < dim; ++d) {
     const double units = m > 0 ? std::min(std::nearbyint(std::fabs(double{q[d]}) / scale), double{internal::kDigestQueryMax}) : 0;
-    out[2 * d] = static_cast<int16_t>(q[d] > 0 ? units : 0);
-    out[2 * d + 1] = static_cast<int16_t>(q[d] < 0 ? units : 0);
+    out[2 * d] = static_cast<uint8_t>(q[d] > 0 ? units : 0);
+    out[2 * d + 1] = static_cast<uint8_t>(q[d] < 0 ? units : 0);
   }
   return scale;
 }
@@ -142,7 +142,7 @@ int32_t PassFrom(double scale, int8_t e, uint32_t dim, float threshold) {
 }  // namespace
 
 float PageScoreBound(const Geometry& g, const float* q_head, const uint8_t* page_digest, uint32_t kv_head) {
-  std::vector<int16_t> quantized(2 * size_t{g.head_dim});
+  std::vector<uint8_t> quantized(2 * size_t{g.head_dim});
   const double scale = QuantizeQuery(q_head, g.head_dim, quantized.data());
   int32_t dot = 0;
   internal::Active().digest_dot(quantized.data(), 1, DigestValues(g, page_digest, kv_head), g.head_dim, &dot);
@@ -285,7 +285,7 @@ Status SelectPagesOfKvHeads(const Geometry& g, const float* q, const uint8_t* di
     uint32_t* kept_size = out->kept_size_.data();
     float* threshold = out->threshold_.data();
     int32_t* pass_from = out->pass_from_.data();
-    const int16_t* quantized = out->query_.data();
+    const uint8_t* quantized = out->query_.data();
     const double* scale = out->query_scale_.data();
     int32_t* dots = out->dots_.data();
     auto head_scores = [&](const uint8_t* page, uint32_t h) {  // KV head h's group into dots
@@ -374,7 +374,7 @@ Status SelectPagesOfKvHeads(const Geometry& g, const float* q, const uint8_t* di
             const uint8_t* line = from - reinterpret_cast<uintptr_t>(from) % 64;
             for (; line < from + head_bytes; line += 64) __builtin_prefetch(line, 0, 1);
           }
-          const int16_t* hq = quantized + uint64_t{h} * group * 2 * dim;
+          const uint8_t* hq = quantized + uint64_t{h} * group * 2 * dim;
           const auto* rows = reinterpret_cast<const int8_t*>(block + header + h * head_bytes);
           if (k.digest_dot_block == nullptr || !k.digest_dot_block(hq, group, rows, page_bytes, np, dim, block_dots)) {
             for (uint32_t j = 0; j < np; ++j) k.digest_dot(hq, group, rows + j * page_bytes, dim, block_dots + j * group);

@@ -13,8 +13,8 @@
 // Always selected, outside the budget's competition: the first `sink_pages` pages (attention
 // sinks) and the last `recent_pages` pages (where the query sits, often partial).
 //
-// Scores are integer multiply-adds (digest.h): the query head is rounded to int16 (|q_d| scaled
-// to at most 16383, split into its positive and negative parts), dotted with the page's int8
+// Scores are integer multiply-adds (digest.h): the query head is rounded to bytes (|q_d| scaled
+// to at most 255, split into its positive and negative parts), dotted with the page's int8
 // bounds exactly, and the sum of the rounding (half a step per dimension, at most 127 units)
 // is added back, so the score stays >= the exact max of q·k over the page.
 //
@@ -111,7 +111,7 @@ class Selection {
   std::vector<float> threshold_;
   std::vector<uint64_t> taken_;  // a bit per page, while one KV head's union is taken
   std::vector<uint32_t> sorted_;  // per query head, how many of its buffer's best are in order
-  std::vector<int16_t> query_;   // per query head, its int16 form (select.cc)
+  std::vector<uint8_t> query_;   // per query head, its one-byte form (select.cc)
   std::vector<double> query_scale_;
   std::vector<int32_t> dots_;     // one page's integer scores, every query head
   // Per exponent and query head ([e + 128][head]), the least integer score whose bound reaches

@@ -87,7 +87,7 @@ TEST(PnmKernels, EveryIsaAgreesOnDotAndAxpy) {
 TEST(PnmKernels, EveryIsaComputesTheDigestDotExactly) {
   std::mt19937_64 rng(17);
   std::uniform_int_distribution<int> value(-127, 127), query(0, internal::kDigestQueryMax);
-  auto reference = [](const std::vector<int16_t>& q, uint32_t head, const std::vector<int8_t>& v) {
+  auto reference = [](const std::vector<uint8_t>& q, uint32_t head, const std::vector<int8_t>& v) {
     int64_t sum = 0;
     for (size_t j = 0; j < v.size(); ++j) sum += int64_t{q[head * v.size() + j]} * v[j];
     return sum;
@@ -95,15 +95,15 @@ TEST(PnmKernels, EveryIsaComputesTheDigestDotExactly) {
   for (uint32_t dim : {16u, 48u, 64u, 128u, 256u, 1024u}) {
     for (uint32_t heads : {1u, 3u, 4u, 6u}) {
       std::vector<int8_t> v(2 * dim);
-      std::vector<int16_t> q(uint64_t{heads} * 2 * dim);
+      std::vector<uint8_t> q(uint64_t{heads} * 2 * dim);
       for (auto& x : v) x = static_cast<int8_t>(value(rng));
       for (uint32_t j = 0; j < q.size(); j += 2) {  // one of each pair is 0, as QuantizeQuery makes them
-        const int16_t m = static_cast<int16_t>(query(rng));
+        const uint8_t m = static_cast<uint8_t>(query(rng));
         q[j] = rng() & 1 ? m : 0;
         q[j + 1] = q[j] == 0 ? m : 0;
       }
-      std::vector<int8_t> worst(2 * dim);  // every product at its largest: 1024 × 16383 × 127
-      std::vector<int16_t> worst_q(uint64_t{heads} * 2 * dim);
+      std::vector<int8_t> worst(2 * dim);  // every product at its largest: 1024 × 255 × 127
+      std::vector<uint8_t> worst_q(uint64_t{heads} * 2 * dim);
       for (uint32_t j = 0; j < worst.size(); ++j) worst[j] = j % 2 == 0 ? 127 : -127;
       for (uint32_t j = 0; j < worst_q.size(); j += 2) worst_q[j] = internal::kDigestQueryMax;
       for (const Kernels* k : AvailableKernels()) {
@@ -113,6 +113,12 @@ TEST(PnmKernels, EveryIsaComputesTheDigestDotExactly) {
         for (uint32_t i = 0; i < heads; ++i) ASSERT_EQ(out[i], reference(q, i, v)) << "head " << i;
         k->digest_dot(worst_q.data(), heads, worst.data(), dim, out.data());
         for (uint32_t i = 0; i < heads; ++i) ASSERT_EQ(out[i], int64_t{dim} * internal::kDigestQueryMax * 127);
+        // ... and at its most negative (every negative part at 255 against −127): no saturation
+        // of the pair sums, no wrap.
+        std::vector<uint8_t> low_q(worst_q.size());
+        for (uint32_t j = 0; j < low_q.size(); j += 2) low_q[j + 1] = internal::kDigestQueryMax;
+        k->digest_dot(low_q.data(), heads, worst.data(), dim, out.data());
+        for (uint32_t i = 0; i < heads; ++i) ASSERT_EQ(out[i], -int64_t{dim} * internal::kDigestQueryMax * 127);
       }
     }
   }
@@ -130,13 +136,13 @@ TEST(PnmKernels, TheBlockDigestDotEqualsThePageByPageOne) {
         const uint64_t stride = 2 * dim + 16 * (rng() % 4);
         std::vector<int8_t> rows(pages * stride);
         for (auto& x : rows) x = static_cast<int8_t>(value(rng));
-        std::vector<int16_t> q(uint64_t{heads} * 2 * dim);
+        std::vector<uint8_t> q(uint64_t{heads} * 2 * dim);
         for (uint32_t j = 0; j < q.size(); j += 2) {
-          const int16_t m = static_cast<int16_t>(query(rng));
+          const uint8_t m = static_cast<uint8_t>(query(rng));
           q[j] = rng() & 1 ? m : 0;
           q[j + 1] = q[j] == 0 ? m : 0;
         }
-        if (pages == 16) {  // the largest sums: every product at 16383 × 127
+        if (pages == 16) {  // the largest sums: every product at 255 × 127
           for (uint64_t j = 0; j < rows.size(); ++j) rows[j] = j % 2 == 0 ? 127 : -127;
           for (uint32_t j = 0; j < q.size(); j += 2) q[j] = internal::kDigestQueryMax, q[j + 1] = 0;
         }
