@@ -20,7 +20,7 @@
 //
 // Threads: `threads` workers per engine, plus the serving thread (first engine) or the lead
 // thread (the others). Idle threads sleep on condition variables (the machine may have two
-// cores). Thread-safety: Create, stats from any thread; Run from one thread at a time.
+// cores). Thread-safety: Create, stats from any thread; Attend from one thread at a time.
 #ifndef CXLKV_SRC_DAEMON_NODE_ENGINES_H_
 #define CXLKV_SRC_DAEMON_NODE_ENGINES_H_
 
