@@ -28,19 +28,18 @@ std::unique_ptr<NodeEngines> NodeEngines::Create(std::span<const std::span<uint8
   auto self = std::unique_ptr<NodeEngines>(new NodeEngines());
   self->platform_ = options.platform != nullptr ? options.platform : &region::Platform::Default();
   self->engine_of_region_.assign(regions.size(), 0);
-  auto first = std::make_unique<Engine>();
+  Engine& first = *self->engines_.emplace_back(std::make_unique<Engine>());
   if (!options.bind_numa) {
-    first->note = "not bound (--pnm-no-numa)";
+    first.note = "not bound (--pnm-no-numa)";
   } else {
     // Bound where the memory is: attention streams it (PNM §3.2).
     std::vector<int> nodes;
     for (const auto& r : regions) nodes.push_back(self->platform_->NumaNodeOf(r.data()));
     if (nodes[0] < 0) {
-      first->note = "not bound: the region's NUMA node is unknown (" + region::ErrnoText(nodes[0]) + ")";
+      first.note = "not bound: the region's NUMA node is unknown (" + region::ErrnoText(nodes[0]) + ")";
     } else {
-      first->node = nodes[0];
+      first.node = nodes[0];
     }
-    self->engines_.push_back(std::move(first));
     for (size_t i = 1; i < regions.size(); ++i) {
       if (nodes[i] < 0) continue;  // unknown: the first engine's
       auto same = std::find_if(self->engines_.begin(), self->engines_.end(),
@@ -54,7 +53,6 @@ std::unique_ptr<NodeEngines> NodeEngines::Create(std::span<const std::span<uint8
       self->engine_of_region_[i] = static_cast<uint32_t>(same - self->engines_.begin());
     }
   }
-  if (self->engines_.empty()) self->engines_.push_back(std::move(first));
   for (uint32_t idx : self->engine_of_region_) ++self->engines_[idx]->regions;
   NodeEngines* s = self.get();
   for (size_t i = 0; i < self->engines_.size(); ++i) {
@@ -124,14 +122,10 @@ void NodeEngines::Run(std::span<std::vector<pnm::AttendJob>> per_engine) {
     Engine& e = *engines_[i];
     for (const pnm::AttendJob& j : per_engine[i]) {
       if (!j.status.ok()) continue;
-      uint64_t pages = j.g->PagesFor(j.ctx.tokens) * j.g->num_kv_heads;  // every page
-      if (j.selection != nullptr) {  // (heads may share one list: counted per head)
-        pages = 0;
-        for (uint32_t h = 0; h < j.selection->num_kv_heads(); ++h) pages += j.selection->Of(h).size();
-      }
+      const uint64_t pages = pnm::PageHeadsAttended(*j.g, j.g->PagesFor(j.ctx.tokens), j.selection);
       e.jobs.fetch_add(1);
       e.pages.fetch_add(pages);
-      e.kv_bytes.fetch_add(pages * 2 * j.g->SlabBytes() / j.g->num_kv_heads);
+      e.kv_bytes.fetch_add(pages * j.g->HeadPageKvBytes());
     }
   }
 }

@@ -469,14 +469,10 @@ Result<size_t> NearMemoryService::RunAttend(const rpc::Request& req, std::vector
       continue;
     }
     const Context& c = *ctx[i];
-    uint64_t pages = c.pages() * c.g.num_kv_heads;  // dense
-    if (jobs[i].budget_tokens != 0) {  // heads may share one list (a budget covering the context)
-      const pnm::Selection& attended = split ? near[i] : selections[i];
-      pages = 0;
-      for (uint32_t h = 0; h < attended.num_kv_heads(); ++h) pages += attended.Of(h).size();
-    }
+    const uint64_t pages = pnm::PageHeadsAttended(
+        c.g, c.pages(), split ? &near[i] : jobs[i].budget_tokens == 0 ? nullptr : &selections[i]);
     pages_attended_.fetch_add(pages);
-    kv_bytes_read_.fetch_add(pages * 2 * c.g.SlabBytes() / c.g.num_kv_heads);
+    kv_bytes_read_.fetch_add(pages * c.g.HeadPageKvBytes());
     link_bytes_.fetch_add(jobs[i].q.size() * sizeof(float) + partials[i].out.size() * sizeof(float) +
                           partials[i].lse.size() * sizeof(float));
     const uint32_t attended = static_cast<uint32_t>(std::min<uint64_t>(pages, UINT32_MAX));

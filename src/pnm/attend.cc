@@ -236,6 +236,13 @@ Status Attend(const Geometry& g, const float* q, const ContextView& ctx, const S
   return Status::Ok();
 }
 
+uint64_t PageHeadsAttended(const Geometry& g, uint64_t pages, const Selection* selection) {
+  if (selection == nullptr) return pages * g.num_kv_heads;
+  uint64_t n = 0;
+  for (uint32_t h = 0; h < selection->num_kv_heads(); ++h) n += selection->Of(h).size();
+  return n;
+}
+
 Status MergeInto(const Partial& part, Partial* acc) {
   if (acc->num_heads == 0) {
     *acc = part;

@@ -37,6 +37,10 @@ struct Partial {
 Status Attend(const Geometry& g, const float* q, const ContextView& ctx, const Selection* selection, float scale,
               Partial* out);
 
+// Pages × KV heads that Attend reads over a context of `pages` pages: every one when
+// `selection` is null, else each head's list (heads may share one list: counted per head).
+uint64_t PageHeadsAttended(const Geometry& g, uint64_t pages, const Selection* selection);
+
 // What Attend checks before it reads anything: the geometry, the context, the selection.
 Status CheckAttend(const Geometry& g, const ContextView& ctx, const Selection* selection);
 

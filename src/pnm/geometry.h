@@ -40,6 +40,8 @@ struct Geometry {
   uint64_t SlabBytes() const { return RowBytes() * page_tokens; }
   // Bytes of one KV head's row of one token.
   uint64_t HeadBytes() const { return uint64_t{head_dim} * elem_bytes(); }
+  // K and V bytes of one KV head's page: what attention reads per page and head.
+  uint64_t HeadPageKvBytes() const { return 2 * HeadBytes() * page_tokens; }
   // Within a slab: from one token's row of a head to the next token's, and where head h's row
   // of token 0 starts.
   uint64_t TokenStride() const { return head_major ? HeadBytes() : RowBytes(); }

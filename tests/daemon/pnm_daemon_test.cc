@@ -33,14 +33,7 @@ struct InProcess {
 
   explicit InProcess(daemon::NearMemoryServiceOptions o = {}) {
     MakePool(path.path());
-    // No test here is about this node's lease (the process tests below are): a long one, so a
-    // beat thread starved on a loaded two-core sanitizer run cannot end the node's life midway,
-    // which makes the service forget every context (the batch attend once failed under TSan).
-    PoolOpenOptions po;
-    po.lease_ms = 5000;
-    auto opened = Pool::Open({path.path()}, po);
-    EXPECT_TRUE(opened.ok()) << opened.status().ToString();
-    if (opened.ok()) pool = std::move(*opened);
+    pool = OpenOrNull({path.path()}, 0, 0, kQuietLeaseMs);  // the process tests below test the lease
     if (pool == nullptr) return;
     cache = *pool->Cache();
     ns = *cache->Namespace(TestNamespace());

@@ -12,6 +12,7 @@
 
 #include "daemon/node_engines.h"
 #include "daemon/pnm_service.h"
+#include "../pool/pool_test_util.h"
 #include "pnm_daemon_util.h"
 #include "region/offset.h"
 #include "test_region.h"
@@ -121,19 +122,17 @@ TEST(NearMemoryService, EachMemoryNodesEngineAttendsThePagesItsNodeHolds) {
   co.overwrite = true;
   co.chunk_bytes = 256 << 10;  // 16 blocks a chunk: a context's chunks alternate between the regions
   ASSERT_TRUE(Pool::Create({a.path(), b.path()}, co).ok());
-  PoolOpenOptions po;
-  po.lease_ms = 5000;  // not a lease test (pnm_daemon_test.cc's InProcess says why)
-  auto pool = Pool::Open({a.path(), b.path()}, po);
-  ASSERT_TRUE(pool.ok()) << pool.status().ToString();
-  KvCache* cache = *(*pool)->Cache();
+  auto pool = OpenOrNull({a.path(), b.path()}, 0, 0, kQuietLeaseMs);
+  ASSERT_NE(pool, nullptr);
+  KvCache* cache = *pool->Cache();
   const NamespaceHandle ns = *cache->Namespace(TestNamespace());
   FakeNodes fake;
-  fake.ranges = (*pool)->MappedRanges();
+  fake.ranges = pool->MappedRanges();
   fake.nodes = {0, 1};
   daemon::NearMemoryServiceOptions so;
   so.threads = 1;
   so.platform = &fake;
-  auto started = daemon::NearMemoryService::Start(**pool, so);
+  auto started = daemon::NearMemoryService::Start(*pool, so);
   ASSERT_TRUE(started.ok()) << started.status().ToString();
   std::unique_ptr<daemon::NearMemoryService> service = std::move(*started);
   ASSERT_TRUE(service->server().WaitServing(std::chrono::seconds(10)));
@@ -146,7 +145,7 @@ TEST(NearMemoryService, EachMemoryNodesEngineAttendsThePagesItsNodeHolds) {
   ASSERT_GT(on_second, 0u);  // the test's premise: the context spans both nodes
   ASSERT_LT(on_second, kPages);
 
-  auto client = Client::Open(**pool, 0);
+  auto client = Client::Open(*pool, 0);
   ASSERT_TRUE(client.ok()) << client.status().ToString();
   auto ctx = (*client)->OpenContext(TestNamespace(), kHeads, keys);
   ASSERT_TRUE(ctx.ok()) << ctx.status().ToString();
