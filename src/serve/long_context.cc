@@ -12,6 +12,7 @@
 #include "engine/model.h"
 #include "engine/sparse_attention.h"
 #include "engine/weights.h"
+#include "serve/long_context_remote.h"
 #include "util/units.h"
 
 namespace cxlkv::serve {
@@ -126,6 +127,30 @@ Result<Decoded> DecodeRun(const engine::Model& model, engine::PagedKvCache& cach
   return d;
 }
 
+// A sparse, hybrid or remote run's row: its step times, the bytes its stats counted per step,
+// and its agreement with the dense run it was teacher-forced by.
+LongContextRow RowOf(uint64_t n, const std::string& mode, uint32_t budget, const Decoded& run,
+                     const engine::SparseAttentionStats& st, const Decoded& dense,
+                     const std::vector<int32_t>& forced) {
+  LongContextRow r;
+  r.context_tokens = n;
+  r.mode = mode;
+  r.budget_tokens = budget;
+  r.step_ms = Median(run.step_s) * 1e3;
+  for (double s : run.step_s) r.step_ms_samples.push_back(s * 1e3);
+  r.steps = static_cast<uint32_t>(run.step_s.size());
+  const double steps = std::max<double>(1, r.steps);
+  r.engine_bytes_per_step = double(st.link_bytes) / steps;
+  r.kv_read_bytes_per_step = double(st.near_kv_bytes + st.engine_kv_bytes) / steps;
+  r.recalled_bytes_per_step = double(st.recalled_bytes) / steps;
+  for (uint32_t i = 0; i < run.logits.size(); ++i) {
+    if (engine::Model::Argmax(run.logits[i]) == forced[i]) r.tokens_agree++;
+    r.logits_rel_err_max =
+        std::max(r.logits_rel_err_max, RelativeError(run.logits[i], dense.logits[i]));
+  }
+  return r;
+}
+
 }  // namespace
 
 Result<LongContextResult> RunLongContextDecode(const LongContextOptions& o) {
@@ -204,23 +229,8 @@ Result<LongContextResult> RunLongContextDecode(const LongContextOptions& o) {
       CXLKV_ASSIGN_OR_RETURN(Decoded run,
                              DecodeRun(model, cache, *table, static_cast<uint32_t>(n), first,
                                        o.decode_steps, attention.get(), forced));
-      const engine::SparseAttentionStats st = attention->stats();
-      LongContextRow r;
-      r.context_tokens = n;
-      r.mode = label;
-      r.budget_tokens = budget;
-      r.step_ms = Median(run.step_s) * 1e3;
-      for (double s : run.step_s) r.step_ms_samples.push_back(s * 1e3);
+      LongContextRow r = RowOf(n, label, budget, run, attention->stats(), dense, forced);
       r.speedup = d.step_ms / r.step_ms;
-      r.steps = o.decode_steps;
-      r.engine_bytes_per_step = double(st.link_bytes) / o.decode_steps;
-      r.kv_read_bytes_per_step = double(st.near_kv_bytes + st.engine_kv_bytes) / o.decode_steps;
-      r.recalled_bytes_per_step = double(st.recalled_bytes) / o.decode_steps;
-      for (uint32_t i = 0; i < run.logits.size(); ++i) {
-        if (engine::Model::Argmax(run.logits[i]) == forced[i]) r.tokens_agree++;
-        r.logits_rel_err_max =
-            std::max(r.logits_rel_err_max, RelativeError(run.logits[i], dense.logits[i]));
-      }
       if (audit) {  // the attention mass the selection kept, measured apart: the audit attends
                     // densely too
         so.audit = true;
@@ -258,23 +268,65 @@ Result<LongContextResult> RunLongContextDecode(const LongContextOptions& o) {
       result.rows.push_back(sparse);
       result.rows.push_back(hybrid);
     }
+    if (!o.remote_region.empty()) {
+      say("  remote: the context's blocks into a pool at " + o.remote_region +
+          ", a near-memory service over it");
+      CXLKV_ASSIGN_OR_RETURN(auto remote,
+                             RemoteLongContext::Create(o.remote_region, config, cache, *table,
+                                                       tokens, o.near_threads));
+      // One run through the service, teacher-forced with dense's tokens; opening the context
+      // there (its digests built for a budget) is timed apart from the steps.
+      auto run_remote = [&](uint32_t budget, uint32_t held_pages,
+                            const std::string& label) -> Result<LongContextRow> {
+        say("  " + label + " decode" +
+            (budget ? ", budget " + std::to_string(budget) + " tokens" : std::string()));
+        CXLKV_ASSIGN_OR_RETURN(auto attention, remote->Attention(config, budget, held_pages));
+        const auto t_open = Clock::now();
+        CXLKV_RETURN_IF_ERROR(attention->Open(remote->keys()));
+        const double open_s = Seconds(t_open);
+        attention->ResetStats();
+        CXLKV_ASSIGN_OR_RETURN(Decoded run,
+                               DecodeRun(model, cache, *table, static_cast<uint32_t>(n), first,
+                                         o.decode_steps, attention.get(), forced));
+        LongContextRow r = RowOf(n, label, budget, run, attention->stats(), dense, forced);
+        r.speedup = d.step_ms / r.step_ms;
+        r.mass_measured = false;
+        r.open_ms = open_s * 1e3;
+        return r;
+      };
+      CXLKV_ASSIGN_OR_RETURN(LongContextRow remote_dense, run_remote(0, 0, "remote-dense"));
+      result.rows.push_back(remote_dense);
+      for (uint32_t div : o.budget_divisors) {
+        const uint32_t budget =
+            static_cast<uint32_t>(std::max<uint64_t>(bs, n / std::max<uint32_t>(div, 1)));
+        // The hybrid holds half the budget's pages, as the in-process one and `cxlkv serve` do.
+        const uint32_t held = std::max<uint32_t>(1, budget / bs / 2);
+        for (const auto& [label, held_pages] :
+             {std::pair<std::string, uint32_t>{"remote-sparse", 0}, {"remote-hybrid", held}}) {
+          CXLKV_ASSIGN_OR_RETURN(LongContextRow r, run_remote(budget, held_pages, label));
+          r.speedup_vs_nm_dense = remote_dense.step_ms / r.step_ms;
+          result.rows.push_back(r);
+        }
+      }
+    }
     result.digest_build_tokens_per_s.push_back(digest_rate);
   }
   return result;
 }
 
 void PrintLongContext(FILE* out, const LongContextResult& r) {
-  std::fprintf(out, "%-8s %-8s %-7s %9s %8s %9s %14s %13s %9s %11s %9s\n", "context", "mode",
+  std::fprintf(out, "%-8s %-13s %-7s %9s %8s %9s %14s %13s %9s %11s %9s\n", "context", "mode",
                "budget", "step ms", "speedup", "vs nm", "to engine/step", "KV read/step",
                "mass kept", "tokens same", "logit err");
   for (const LongContextRow& row : r.rows) {
     const std::string budget =
         row.budget_tokens ? "1/" + std::to_string(row.context_tokens / row.budget_tokens) : "-";
     char mass[32] = "-";
-    if (row.budget_tokens) std::snprintf(mass, sizeof mass, "%.3f", row.mass_recall_mean);
+    if (row.budget_tokens && row.mass_measured)
+      std::snprintf(mass, sizeof mass, "%.3f", row.mass_recall_mean);
     char vs_nm[32] = "-";
     if (row.budget_tokens) std::snprintf(vs_nm, sizeof vs_nm, "%.2fx", row.speedup_vs_nm_dense);
-    std::fprintf(out, "%-8s %-8s %-7s %9.2f %7.2fx %9s %14s %13s %9s %8u/%-2u %9.2e\n",
+    std::fprintf(out, "%-8s %-13s %-7s %9.2f %7.2fx %9s %14s %13s %9s %8u/%-2u %9.2e\n",
                  (std::to_string(row.context_tokens / 1024) + "K").c_str(), row.mode.c_str(),
                  budget.c_str(), row.step_ms, row.speedup, vs_nm,
                  util::FormatBytes(static_cast<uint64_t>(row.engine_bytes_per_step)).c_str(),
@@ -295,8 +347,9 @@ nlohmann::json LongContextJson(const LongContextResult& r) {
                     {"engine_bytes_per_step", x.engine_bytes_per_step},
                     {"kv_read_bytes_per_step", x.kv_read_bytes_per_step},
                     {"recalled_bytes_per_step", x.recalled_bytes_per_step},
-                    {"mass_recall_mean", x.mass_recall_mean},
-                    {"mass_recall_min", x.mass_recall_min},
+                    {"mass_recall_mean", x.mass_measured ? nlohmann::json(x.mass_recall_mean) : nlohmann::json()},
+                    {"mass_recall_min", x.mass_measured ? nlohmann::json(x.mass_recall_min) : nlohmann::json()},
+                    {"open_ms", x.open_ms},
                     {"tokens_agree", x.tokens_agree},
                     {"steps", x.steps},
                     {"logits_rel_err_max", x.logits_rel_err_max}});

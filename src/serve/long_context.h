@@ -12,6 +12,10 @@
 // The sparse and hybrid runs are teacher-forced with the dense run's tokens, so every step is
 // compared with dense on the same input.
 //
+// With `remote_region` set, the same context is also put into a pool there and decoded through
+// a near-memory service over it (serve/long_context_remote.h): remote-dense (every page at the
+// service), remote-sparse and remote-hybrid, over the pool's RPC as cxlkvd serves engines.
+//
 // Thread-safety: one call at a time (it uses the process's memory and cores).
 #ifndef CXLKV_SRC_SERVE_LONG_CONTEXT_H_
 #define CXLKV_SRC_SERVE_LONG_CONTEXT_H_
@@ -35,6 +39,8 @@ struct LongContextOptions {
   double heavy_fraction = 0.002;  // share of context tokens with heavy-hitter keys
   double heavy_scale = 10.0;      // their key norm, in units of the model's key norm
   uint64_t seed = 1;
+  // Non-empty: also the remote rows, the pool's region created at this path and removed after.
+  std::string remote_region;
   std::function<void(const std::string&)> progress;  // one line per phase
 };
 
@@ -42,18 +48,21 @@ struct LongContextOptions {
 struct LongContextRow {
   uint64_t context_tokens = 0;
   // dense (the engine's attention), dense-nm (the near-memory kernel over every page), sparse,
-  // hybrid.
+  // hybrid; remote-dense, remote-sparse, remote-hybrid (the same at a near-memory service).
   std::string mode;
   uint32_t budget_tokens = 0;           // 0 for dense
   double step_ms = 0;                   // median decode step (all layers, the whole model)
   std::vector<double> step_ms_samples;  // every step
   double speedup = 1;                   // dense step_ms / step_ms
-  double speedup_vs_nm_dense = 0;       // sparse, hybrid: dense-nm step_ms / step_ms
+  // sparse, hybrid: dense-nm step_ms / step_ms; remote-sparse, remote-hybrid: remote-dense's.
+  double speedup_vs_nm_dense = 0;
   double engine_bytes_per_step =
       0;  // bytes that reach the engine per step if the KV lives in the pool
   double kv_read_bytes_per_step = 0;   // KV bytes attention reads per step (wherever it runs)
   double recalled_bytes_per_step = 0;  // hybrid: pages copied into the engine
   double mass_recall_mean = 1, mass_recall_min = 1;  // share of the dense softmax mass attended
+  bool mass_measured = true;  // false for the remote rows (the service's selection is not audited)
+  double open_ms = 0;         // remote rows: opening the context at the service (its digests)
   uint32_t tokens_agree = 0;                         // steps whose greedy token equals dense's
   uint32_t steps = 0;
   double logits_rel_err_max = 0;  // max over steps of ||logits - dense|| / ||dense||

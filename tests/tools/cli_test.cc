@@ -264,9 +264,13 @@ TEST(Cli, DemoComparesFourConfigurationsWithIdenticalTokens) {
   // tiers serving hits at all is asserted above.
   EXPECT_GE(tiered["second_half_hit_rate"].get<double>(), plain["second_half_hit_rate"].get<double>());
   EXPECT_TRUE(lc["tokens_identical"].get<bool>());
-  // Last, the long-context attention scenario: dense, then sparse and hybrid per budget.
+  // Last, the long-context attention scenario: dense, then sparse and hybrid per budget, in the
+  // engine's process and through a near-memory service over a pool (whose region is removed).
   EXPECT_THAT(r.out, HasSubstr("dense vs near-memory sparse vs hybrid attention"));
-  ASSERT_EQ(j["long_attention"]["rows"].size(), 6u) << j["long_attention"].dump();
+  ASSERT_EQ(j["long_attention"]["rows"].size(), 11u) << j["long_attention"].dump();
+  EXPECT_EQ(j["long_attention"]["rows"][6]["mode"], "remote-dense");
+  EXPECT_EQ(j["long_attention"]["rows"][6]["tokens_agree"], j["long_attention"]["rows"][6]["steps"]);
+  EXPECT_FALSE(std::filesystem::exists(path.path() + "-longctx"));
   // The SSD tier's file and catalog were removed with the region.
   EXPECT_TRUE(std::filesystem::is_empty(tier_dir));
   std::filesystem::remove_all(tier_dir);
@@ -324,7 +328,9 @@ TEST(Cli, ServeStreamsCapacityHitsIntoTheEngineWithoutPromoting) {
                  modes[m]);
     ASSERT_EQ(r.code, 0) << r.out;
     runs[m] = nlohmann::json::parse(r.stdout_only);
-    for (const std::string& f : {ssd, ssd + ".catalog", ssd + ".catalog.1", ssd + ".log"}) ::unlink(f.c_str());
+    for (const std::string& f : {ssd, ssd + ".catalog", ssd + ".catalog.1", ssd + ".log", ssd + ".namespaces"}) {
+      ::unlink(f.c_str());
+    }
     EXPECT_GT(runs[m]["tiers"]["spilled"].get<uint64_t>(), 0u) << modes[m];
     // 0.97 on an idle machine. The bar is what the tiers must deliver, not a timing: the region
     // alone serves about a sixth of the second pass (hit_rate_by_tier), so 0.5 needs the tiers'
@@ -475,6 +481,43 @@ TEST(Cli, LongContextComparesDenseSparseAndHybrid) {
   auto odd = Cli("longctx --contexts 1000");
   EXPECT_NE(odd.code, 0);
   EXPECT_THAT(odd.out, HasSubstr("multiple of 16"));
+}
+
+// The same scenario through a near-memory service over a pool holding the context: every page
+// there decodes as dense does, and a budget's answers cross as queries, outputs and LSEs only
+// (the hybrid's recalls besides). The pool's region is gone after; a region that cannot be
+// made is refused with what to do.
+TEST(Cli, LongContextDecodesThroughANearMemoryService) {
+  cxlkv::testing::TempRegionPath path("cli-longctx-remote");
+  auto r = Cli("longctx --contexts 4K --budgets 4,16 --steps 2 --json --remote-path " + path.path());
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.stdout_only);
+  ASSERT_EQ(j["rows"].size(), 11u);  // the six local rows, remote-dense, then sparse and hybrid per budget
+  const auto& dense = j["rows"][0];
+  const auto& remote_dense = j["rows"][6];
+  EXPECT_EQ(remote_dense["mode"], "remote-dense");
+  EXPECT_EQ(remote_dense["tokens_agree"].get<uint32_t>(), 2u) << "every page at the service must decode as dense does";
+  EXPECT_LT(remote_dense["logits_rel_err_max"].get<double>(), 1e-4);
+  EXPECT_GT(remote_dense["open_ms"].get<double>(), 0);
+  // Every page's KV is read next to the memory; what reaches the engine is a few KiB a step.
+  EXPECT_GE(remote_dense["kv_read_bytes_per_step"].get<double>(), dense["kv_read_bytes_per_step"].get<double>());
+  EXPECT_LT(remote_dense["engine_bytes_per_step"].get<double>(), 64 << 10);
+  for (size_t i = 7; i < 11; ++i) {
+    const auto& row = j["rows"][i];
+    EXPECT_EQ(row["mode"], i % 2 ? "remote-sparse" : "remote-hybrid");
+    EXPECT_EQ(row["budget_tokens"].get<uint32_t>(), i <= 8 ? 1024u : 256u);
+    EXPECT_TRUE(row["mass_recall_mean"].is_null()) << "the service's selection is not audited";
+    EXPECT_GT(row["speedup_vs_nm_dense"].get<double>(), 0);
+    EXPECT_LT(row["kv_read_bytes_per_step"].get<double>(), remote_dense["kv_read_bytes_per_step"].get<double>());
+    EXPECT_LT(row["engine_bytes_per_step"].get<double>(), dense["engine_bytes_per_step"].get<double>());
+  }
+  EXPECT_LT(j["rows"][7]["engine_bytes_per_step"].get<double>(), 64 << 10) << "remote-sparse moved more than q/out/lse";
+  EXPECT_EQ(j["rows"][7]["recalled_bytes_per_step"].get<double>(), 0);
+  EXPECT_GT(j["rows"][8]["recalled_bytes_per_step"].get<double>(), 0) << "the remote hybrid recalled nothing";
+  EXPECT_FALSE(std::filesystem::exists(path.path())) << "the remote rows' region was left behind";
+  auto bad = Cli("longctx --contexts 4K --budgets 4 --steps 1 --remote-path /nonexistent-dir/longctx");
+  EXPECT_NE(bad.code, 0);
+  EXPECT_THAT(bad.out, HasSubstr("remote context's pool"));
 }
 
 TEST(Cli, BenchLongctxQuickReportsStepTimesNextToDense) {

@@ -5,7 +5,8 @@
 // TCP handoff, and the cxlkv shared pool. Prints the table, checks that every configuration
 // generated the same tokens, and writes the JSON and a TTFT CDF plot. Then the long-context
 // scenario: a working set beyond the region, the pool without and with capacity tiers. Last, a
-// million-token context decoded with dense, near-memory sparse and hybrid attention.
+// million-token context decoded with dense, near-memory sparse and hybrid attention, in the
+// engine's process and through a near-memory service over a pool.
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -174,9 +175,14 @@ Status RunDemo(const DemoArgs& a) {
   }
   if (a.long_attention) {
     std::printf("\n== a million-token context: dense vs near-memory sparse vs hybrid attention ==\n");
-    const std::vector<uint64_t> contexts = a.quick ? std::vector<uint64_t>{32768} : std::vector<uint64_t>{131072, 1048576};
-    CXLKV_ASSIGN_OR_RETURN(results["long_attention"],
-                           RunLongContextAttention(config, contexts, {8, 32}, a.quick ? 4 : 8, 1, /*print=*/true));
+    serve::LongContextOptions lo;
+    lo.model_config = config;
+    lo.context_tokens = a.quick ? std::vector<uint64_t>{32768} : std::vector<uint64_t>{131072, 1048576};
+    lo.budget_divisors = {8, 32};
+    lo.decode_steps = a.quick ? 4 : 8;
+    // The remote rows: the context in a pool in the workdir, a near-memory service over it.
+    lo.remote_region = (a.path.empty() ? a.workdir + "/cxlkv-demo-" + std::to_string(::getpid()) : a.path) + "-longctx";
+    CXLKV_ASSIGN_OR_RETURN(results["long_attention"], RunLongContextAttention(lo, /*print=*/true));
   }
   const std::string out = a.out.empty() ? "/tmp/cxlkv-demo-" + std::to_string(::getuid()) : a.out;
   ::mkdir(out.c_str(), 0755);

@@ -1,6 +1,9 @@
 // cxlkv longctx: the long-context decode scenario (serve/long_context.h) on its own — dense,
 // near-memory sparse and hybrid attention side by side at 128K and 1M tokens. The demo runs the
 // same scenario after its serving tables.
+#include <unistd.h>
+
+#include <cinttypes>
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -24,6 +27,8 @@ struct LongCtxArgs {
   std::string model_config;
   std::string json_path;
   bool json = false;
+  bool remote = false;
+  std::string remote_path;  // default /dev/shm/cxlkv-longctx-<pid>
 };
 
 Result<std::vector<uint64_t>> ParseList(const std::string& list, bool sizes, const char* what) {
@@ -49,19 +54,7 @@ Result<std::vector<uint64_t>> ParseList(const std::string& list, bool sizes, con
 
 }  // namespace
 
-Result<nlohmann::json> RunLongContextAttention(const nlohmann::json& model_config,
-                                               std::vector<uint64_t> contexts,
-                                               std::vector<uint32_t> budget_divisors,
-                                               uint32_t steps, uint32_t threads, bool print,
-                                               double heavy_fraction, double heavy_scale) {
-  serve::LongContextOptions o;
-  if (heavy_fraction >= 0) o.heavy_fraction = heavy_fraction;
-  if (heavy_scale >= 0) o.heavy_scale = heavy_scale;
-  o.model_config = model_config;
-  o.context_tokens = std::move(contexts);
-  o.budget_divisors = std::move(budget_divisors);
-  o.decode_steps = steps;
-  o.near_threads = threads;
+Result<nlohmann::json> RunLongContextAttention(serve::LongContextOptions o, bool print) {
   if (print) o.progress = [](const std::string& s) { std::fprintf(stderr, "%s\n", s.c_str()); };
   CXLKV_ASSIGN_OR_RETURN(auto r, serve::RunLongContextDecode(o));
   if (print) {
@@ -72,6 +65,17 @@ Result<nlohmann::json> RunLongContextAttention(const nlohmann::json& model_confi
         "teacher-forced with dense's tokens\n\n",
         100 * o.heavy_fraction, o.heavy_scale);
     serve::PrintLongContext(stdout, r);
+    if (!o.remote_region.empty()) {
+      std::printf("remote-*: the context in a pool, attended by a near-memory service over the pool's RPC "
+                  "(queries, outputs and LSEs cross; the engine attends its decoded tokens and merges); "
+                  "their 'vs nm' is against remote-dense\n");
+      for (const serve::LongContextRow& row : r.rows) {
+        if (row.open_ms > 0) {
+          std::printf("  %" PRIu64 "K %s: context opened at the service in %.1f ms\n", row.context_tokens / 1024,
+                      row.mode.c_str(), row.open_ms);
+        }
+      }
+    }
     for (size_t i = 0; i < r.digest_build_tokens_per_s.size(); ++i) {
       std::printf("digests built after prefill at %.2f M tokens/s (all layers)\n",
                   r.digest_build_tokens_per_s[i] / 1e6);
@@ -102,6 +106,12 @@ void AddLongContextCommands(CLI::App& app, CommandResult& result) {
       ->capture_default_str();
   cmd->add_option("--model-config", a->model_config,
                   "Engine config JSON (default: the built-in tiny Llama)");
+  cmd->add_flag("--remote", a->remote,
+                "Also decode through a near-memory service over a pool holding the context "
+                "(remote-dense, remote-sparse, remote-hybrid rows)");
+  cmd->add_option("--remote-path", a->remote_path,
+                  "The remote rows' pool region (created, then removed; default "
+                  "/dev/shm/cxlkv-longctx-PID); implies --remote");
   cmd->add_option("--json-out", a->json_path, "Also write the results as JSON to this file");
   cmd->add_flag("--json", a->json, "Print JSON instead of the table");
   cmd->callback([a, &result] {
@@ -111,9 +121,20 @@ void AddLongContextCommands(CLI::App& app, CommandResult& result) {
       CXLKV_ASSIGN_OR_RETURN(auto divisors, ParseList(a->budgets, false, "--budgets"));
       if (a->steps == 0) return InvalidArgument("--steps must be at least 1");
       std::vector<uint32_t> budgets(divisors.begin(), divisors.end());
-      CXLKV_ASSIGN_OR_RETURN(
-          auto j, RunLongContextAttention(config, contexts, budgets, a->steps, a->threads, !a->json,
-                                          a->heavy_fraction, a->heavy_scale));
+      serve::LongContextOptions o;
+      o.model_config = config;
+      o.context_tokens = contexts;
+      o.budget_divisors = budgets;
+      o.decode_steps = a->steps;
+      o.near_threads = a->threads;
+      o.heavy_fraction = a->heavy_fraction;
+      o.heavy_scale = a->heavy_scale;
+      if (a->remote || !a->remote_path.empty()) {
+        o.remote_region = a->remote_path.empty()
+                              ? "/dev/shm/cxlkv-longctx-" + std::to_string(::getpid())
+                              : a->remote_path;
+      }
+      CXLKV_ASSIGN_OR_RETURN(auto j, RunLongContextAttention(o, !a->json));
       if (a->json) std::printf("%s\n", j.dump(2).c_str());
       if (!a->json_path.empty()) {
         std::ofstream f(a->json_path);

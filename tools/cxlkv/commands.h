@@ -10,6 +10,7 @@
 #include "cxlkv/pool.h"
 #include "cxlkv/region.h"
 #include "cxlkv/status.h"
+#include "serve/long_context.h"
 
 namespace cxlkv::cli {
 
@@ -30,11 +31,8 @@ void AddLongContextCommands(CLI::App& app, CommandResult& result);  // longctx
 void AddGenerateCommands(CLI::App& app, CommandResult& result);     // generate
 
 // The long-context decode scenario (cmd_longctx.cc), shared by longctx and demo: runs it,
-// prints its table when `print`, returns its JSON. Negative heavy_* keep the scenario's defaults.
-Result<nlohmann::json> RunLongContextAttention(const nlohmann::json& model_config, std::vector<uint64_t> contexts,
-                                               std::vector<uint32_t> budget_divisors, uint32_t steps,
-                                               uint32_t threads, bool print, double heavy_fraction = -1,
-                                               double heavy_scale = -1);
+// prints its table (and progress on stderr) when `print`, returns its JSON.
+Result<nlohmann::json> RunLongContextAttention(serve::LongContextOptions o, bool print);
 
 // Joins the pool as a short-lived client (no recovery, no prefault): as `node`, or (node < 0)
 // as a node id nobody uses (cmd_cache.cc).

@@ -1,0 +1,102 @@
+#include "serve/long_context_remote.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+
+#include "util/units.h"
+
+namespace cxlkv::serve {
+
+namespace {
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+
+// The region for `blocks` of `block_bytes`: the payload with room to spare (the allocator's
+// rounding, the cache's watermarks: eviction starts at 95% of the data) and the pool's own
+// metadata (index, locks, RPC rings), rounded to its 2 MiB chunks.
+uint64_t RegionBytesFor(uint64_t blocks, uint64_t block_bytes) {
+  const uint64_t payload = blocks * block_bytes;
+  const uint64_t bytes = payload + payload / 4 + 128 * kMiB;
+  return (bytes + kDefaultChunkBytes - 1) / kDefaultChunkBytes * kDefaultChunkBytes;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<RemoteLongContext>> RemoteLongContext::Create(const std::string& region_path,
+                                                                     const engine::ModelConfig& config,
+                                                                     const engine::PagedKvCache& cache,
+                                                                     std::span<const uint32_t> table,
+                                                                     std::span<const int32_t> tokens,
+                                                                     uint32_t threads) {
+  std::unique_ptr<RemoteLongContext> r(new RemoteLongContext());
+  const uint32_t bs = cache.block_size();
+  const uint64_t full_blocks = tokens.size() / bs;
+  if (full_blocks > table.size()) {
+    return InvalidArgument("the remote context's block table holds " + std::to_string(table.size()) +
+                           " blocks, fewer than its " + std::to_string(full_blocks) + " full blocks");
+  }
+  // A block as the engine's layout stores it (the pool block format RemoteDecodeAttention
+  // reads): per layer the block's K rows, then its V rows.
+  const uint64_t slab = uint64_t{bs} * cache.row_floats();
+  const uint64_t block_floats = 2 * slab * cache.num_layers();
+  r->path_ = region_path;
+  r->block_size_ = bs;
+  r->region_bytes_ = RegionBytesFor(full_blocks, block_floats * sizeof(float));
+  PoolCreateOptions co;
+  co.size = r->region_bytes_;
+  co.max_nodes = 4;
+  co.overwrite = true;
+  if (Status created = Pool::Create({region_path}, co); !created.ok()) {
+    return Status(created.code(), "the remote context's pool of " + util::FormatBytes(r->region_bytes_) + " at " +
+                                      region_path + ": " + created.message() +
+                                      " (pass shorter contexts, or a path with room)");
+  }
+  CXLKV_ASSIGN_OR_RETURN(r->pool_, Pool::Open({region_path}, PoolOpenOptions{}));
+  CXLKV_ASSIGN_OR_RETURN(KvCache * kv, r->pool_->Cache());
+  r->ns_.model_id = config.name.empty() ? "longctx" : config.name;
+  r->ns_.layout = cache.Layout().Signature();
+  CXLKV_ASSIGN_OR_RETURN(NamespaceHandle handle, kv->Namespace(r->ns_));
+  r->keys_ = KvCache::ChainKeys(handle, tokens.first(full_blocks * bs));
+  std::vector<float> block(block_floats);
+  for (uint64_t b = 0; b < full_blocks; ++b) {
+    for (uint32_t l = 0; l < cache.num_layers(); ++l) {
+      std::memcpy(&block[2 * l * slab], cache.Key(l, table[b], 0), slab * sizeof(float));
+      std::memcpy(&block[(2 * l + 1) * slab], cache.Value(l, table[b], 0), slab * sizeof(float));
+    }
+    Status put = kv->Put(handle, r->keys_[b], block.data(), block_floats * sizeof(float));
+    // A repeated block key (the same tokens and prefix) is the same block: already there.
+    if (!put.ok() && put.code() != StatusCode::kAlreadyExists) {
+      return Status(put.code(), "putting block " + std::to_string(b) + " of " + std::to_string(full_blocks) +
+                                    " of the remote context into its pool: " + put.message());
+    }
+  }
+  daemon::NearMemoryServiceOptions so;
+  so.threads = threads;
+  CXLKV_ASSIGN_OR_RETURN(r->service_, daemon::NearMemoryService::Start(*r->pool_, so));
+  if (!r->service_->server().WaitServing(std::chrono::seconds(10))) {
+    return Unavailable("the near-memory service over the remote context's pool did not start serving in 10 s");
+  }
+  CXLKV_ASSIGN_OR_RETURN(r->client_, pnm::NearMemoryClient::Open(*r->pool_, PoolOpenOptions{}.node_id));
+  return r;
+}
+
+RemoteLongContext::~RemoteLongContext() {
+  client_.reset();
+  service_.reset();  // releases its contexts' pins while the pool is open
+  pool_.reset();
+  if (!path_.empty()) ::unlink(path_.c_str());
+}
+
+Result<std::unique_ptr<engine::RemoteDecodeAttention>> RemoteLongContext::Attention(const engine::ModelConfig& config,
+                                                                                    uint32_t budget_tokens,
+                                                                                    uint32_t held_pages) {
+  engine::RemoteAttentionOptions o;
+  o.budget_tokens = budget_tokens;
+  o.held_pages = held_pages;
+  CXLKV_ASSIGN_OR_RETURN(KvCache * kv, pool_->Cache());
+  return engine::RemoteDecodeAttention::Create(config, block_size_, *client_, ns_, o, kv);
+}
+
+}  // namespace cxlkv::serve
