@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -100,7 +101,12 @@ void CheckPnmRequest(const cxlkv::rpc::Frame& f) {
       auto split = DecodeAttendSplitAnswer(f.payload, shapes, kv_heads);
       if (split.ok()) {
         for (const AttendJobAnswer& a : *split) {
-          if (a.status.ok() && a.ranked.size() != kv_heads[0]) Fail("a pnm split answer without a list per KV head");
+          if (a.status.ok() && a.heads.size() != kv_heads[0]) Fail("a pnm split answer without a part per KV head");
+          for (const SplitHeadAnswer& h : a.heads) {
+            if (std::adjacent_find(h.recall.begin(), h.recall.end(), std::greater_equal<>()) != h.recall.end()) {
+              Fail("a pnm split answer's recalls decoded out of order");
+            }
+          }
         }
       }
       break;

@@ -415,7 +415,7 @@ Result<size_t> NearMemoryService::RunAttend(const rpc::Request& req, std::vector
     answer_bytes += ctx[i] != nullptr ? pnm::AttendJobAnswerBytes(ctx[i]->g.num_heads, ctx[i]->g.head_dim)
                                       : 10 + pnm::kMaxJobMessage;
     if (split && ctx[i] != nullptr) {
-      answer_bytes += pnm::SplitRanksBytesBound(j, ctx[i]->g.num_kv_heads, ctx[i]->pages(), ctx[i]->g.page_tokens);
+      answer_bytes += pnm::SplitAnswerBytesBound(j, ctx[i]->g.num_kv_heads, ctx[i]->pages(), ctx[i]->g.page_tokens);
     }
   }
   if (answer_bytes > out.size()) {
@@ -477,14 +477,15 @@ Result<size_t> NearMemoryService::RunAttend(const rpc::Request& req, std::vector
                           partials[i].lse.size() * sizeof(float));
     const uint32_t attended = static_cast<uint32_t>(std::min<uint64_t>(pages, UINT32_MAX));
     if (split) {
-      std::vector<std::span<const uint32_t>> ranked;
-      uint64_t listed = 0;  // the held lists in, the ranks out
+      std::vector<pnm::SplitHeadAnswer> heads;
       for (uint32_t h = 0; h < c.g.num_kv_heads; ++h) {
-        ranked.push_back(selections[i].RankedOf(h));
-        listed += jobs[i].held[h].size() + ranked.back().size();
+        heads.push_back(pnm::SplitHeadOf(selections[i].RankedOf(h), jobs[i].held[h], jobs[i].hold_capacity));
       }
-      link_bytes_.fetch_add(listed * sizeof(uint32_t));
-      pnm::PutSplitJobOk(w, attended, partials[i], ranked);
+      const size_t before = w.size();
+      pnm::PutSplitJobOk(w, attended, partials[i], heads);
+      // The held lists in and the steps out (the partial is counted above).
+      link_bytes_.fetch_add(pnm::HeldListsBytes(jobs[i].held) + (w.size() - before) -
+                            pnm::AttendJobAnswerBytes(c.g.num_heads, c.g.head_dim));
     } else {
       pnm::PutJobOk(w, attended, partials[i]);
     }

@@ -147,7 +147,8 @@ Status RemoteDecodeAttention::AttendContext(uint32_t layer, const float* q) {
     held_lists_.resize(g.num_kv_heads);
     for (uint32_t h = 0; h < g.num_kv_heads; ++h) held_lists_[h] = held_[layer]->Held(h);
     job.held = held_lists_;
-    job.ranked = &ranked_;
+    job.hold_capacity = options_.held_pages;
+    job.steps = &steps_;
   }
   auto run = [&] { return hybrid ? client_.AttendSplit({&job, 1}) : client_.Attend({&job, 1}); };
   const uint64_t link_before = client_.link_bytes();
@@ -168,7 +169,7 @@ Status RemoteDecodeAttention::AttendContext(uint32_t layer, const float* q) {
   uint64_t selected = job.pages_attended;
   if (hybrid) {
     selected = 0;
-    for (const auto& list : ranked_) selected += list.size();
+    for (const pnm::HeldStep& st : steps_) selected += st.selected;
   }
   stats_.selected_pages += selected;
   stats_.near_kv_bytes += uint64_t{job.pages_attended} * 2 * g.page_tokens * g.head_dim * sizeof(float);
@@ -189,10 +190,7 @@ Status RemoteDecodeAttention::AttendHeld(uint32_t layer, const float* q) {
   mine_.resize(g.num_kv_heads);
   uint64_t mine_pages = 0;
   for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
-    mine_[h].clear();
-    for (uint32_t p : ranked_[h]) {
-      if (held.Holds(h, p)) mine_[h].push_back(p);
-    }
+    mine_[h] = steps_[h].stayed;
     mine_pages += mine_[h].size();
   }
   const pnm::Selection part = pnm::Selection::PerHead(mine_);
@@ -209,7 +207,11 @@ Status RemoteDecodeAttention::AttendHeld(uint32_t layer, const float* q) {
       const auto* v = reinterpret_cast<const float*>(base + (uint64_t{layer} * 2 + 1) * b.SlabBytes() + b.HeadOffset(h));
       return HeldPages::Rows{k, v, b.TokenStride() / sizeof(float)};
     };
-    CXLKV_ASSIGN_OR_RETURN(pnm::ResidentStep step, held.Step(h, ranked_[h], rows_of));
+    // Steady selection on what the daemon sent: the budget set as this step sees it is the held
+    // pages that stayed and the recalls, which fill exactly the room the others left.
+    step_pages_ = steps_[h].stayed;
+    step_pages_.insert(step_pages_.end(), steps_[h].recall.begin(), steps_[h].recall.end());
+    CXLKV_ASSIGN_OR_RETURN(pnm::ResidentStep step, held.Step(h, step_pages_, rows_of));
     stats_.recalled_pages += step.recalled.size();
     stats_.recalled_bytes += step.recalled.size() * held.PageBytes();
     stats_.link_bytes += step.recalled.size() * held.PageBytes();

@@ -15,10 +15,11 @@
 //
 // The hybrid (PNM §3.3), with `held_pages`: the engine holds up to that many of the context's
 // pages per (layer, KV head), chosen by steady-token selection (HeldPages), and tells the daemon
-// which; the daemon attends the rest of its selection and answers with the ranks
+// which; the daemon attends the rest of its selection and answers per KV head with the held
+// pages still selected and the best ones to recall into the room left
 // (NearMemoryClient::AttendSplit). The engine attends its held selected pages from its copies,
-// merges, then steps its held set on the ranks: recalls are copies out of the pool blocks,
-// counted, and they serve from the next step on.
+// merges, then steps its held set: recalls are copies out of the pool blocks, counted, and they
+// serve from the next step on.
 //
 // A context the daemon closed (its lease ran out while this engine was paused) is opened again
 // once, transparently; any other error fails the decode step.
@@ -125,7 +126,9 @@ class RemoteDecodeAttention final : public DecodeAttention {
   std::vector<BlockPin> pins_;
   uint64_t pin_life_ = 0;  // the node life the pins were taken under
   std::vector<std::unique_ptr<HeldPages>> held_;
-  std::vector<std::vector<uint32_t>> held_lists_, ranked_, mine_;
+  std::vector<std::vector<uint32_t>> held_lists_, mine_;
+  std::vector<pnm::HeldStep> steps_;  // the daemon's answer per KV head
+  std::vector<uint32_t> step_pages_;  // one head's stayed pages, then its recalls
   SparseAttentionStats stats_;
   uint64_t reopened_ = 0;
   uint64_t repinned_ = 0;

@@ -10,6 +10,48 @@
 
 namespace cxlkv::pnm {
 
+namespace {
+
+// A split answer's heads as the job's HeldSteps, checked: the answer comes from shared memory
+// and its pages index the engine's per-page state, so a bit per held page, recalls inside the
+// context, not held and within the room the held set has.
+Status HeldStepsOf(size_t j, const NearMemoryClient::Job& job, uint64_t context_pages,
+                   std::span<const SplitHeadAnswer> heads) {
+  auto bad = [&](size_t h, const std::string& why) {
+    return Corrupted("pnm split attend answer: job " + std::to_string(j) + ", KV head " + std::to_string(h) + ": " + why);
+  };
+  std::vector<HeldStep>& steps = *job.steps;
+  steps.resize(heads.size());
+  for (size_t h = 0; h < heads.size(); ++h) {
+    const SplitHeadAnswer& a = heads[h];
+    const std::vector<uint32_t>& held = job.held[h];
+    if (a.stays.size() != held.size()) {
+      return bad(h, std::to_string(a.stays.size()) + " bits for " + std::to_string(held.size()) + " held pages");
+    }
+    HeldStep& s = steps[h];
+    s.selected = a.selected;
+    s.stayed.clear();
+    for (size_t i = 0; i < held.size(); ++i) {
+      if (a.stays[i]) s.stayed.push_back(held[i]);
+    }
+    const size_t room = job.hold_capacity > s.stayed.size() ? job.hold_capacity - s.stayed.size() : 0;
+    if (a.recall.size() > room || s.stayed.size() + a.recall.size() > a.selected) {
+      return bad(h, std::to_string(a.recall.size()) + " recalls for room " + std::to_string(room) + " and " +
+                        std::to_string(a.selected) + " pages selected");
+    }
+    for (uint32_t p : a.recall) {  // ascending by the encoding
+      if (p >= context_pages || std::binary_search(held.begin(), held.end(), p)) {
+        return bad(h, "recalls page " + std::to_string(p) + ", past a context of " + std::to_string(context_pages) +
+                          " pages or held already");
+      }
+    }
+    s.recall = a.recall;
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<std::unique_ptr<NearMemoryClient>> NearMemoryClient::Open(Pool& pool, uint32_t node,
                                                                   const rpc::RpcClientOptions& options) {
   auto rpc = rpc::RpcClient::Open(pool, PnmServiceName(node), options);
@@ -117,16 +159,21 @@ Status NearMemoryClient::RunJobs(std::span<Job> jobs, bool split) {
       kv_heads[i] = info.kv_heads;
       context_pages[i] = info.pages;
       if (!split) continue;
-      if (jobs[i].budget_tokens == 0 || jobs[i].ranked == nullptr || jobs[i].held.size() != info.kv_heads) {
-        return InvalidArgument("split attend job " + std::to_string(i) + ": needs a budget, a place for the ranks and " +
+      if (jobs[i].budget_tokens == 0 || jobs[i].steps == nullptr || jobs[i].held.size() != info.kv_heads) {
+        return InvalidArgument("split attend job " + std::to_string(i) + ": needs a budget, a place for the steps and " +
                                std::to_string(info.kv_heads) + " held-page lists (one per KV head), got " +
                                std::to_string(jobs[i].held.size()));
+      }
+      if (std::string why = UnorderedHeldList(jobs[i].held); !why.empty()) {
+        return InvalidArgument("split attend job " + std::to_string(i) + ": " + why);
       }
       AttendJobRequest shape;  // the fields the bound reads
       shape.budget_tokens = jobs[i].budget_tokens;
       shape.sink_pages = jobs[i].sink_pages;
       shape.recent_pages = jobs[i].recent_pages;
-      ranked_bytes[i] = SplitRanksBytesBound(shape, info.kv_heads, info.pages, info.page_tokens);
+      shape.hold_capacity = jobs[i].hold_capacity;
+      shape.held.assign(jobs[i].held.begin(), jobs[i].held.end());
+      ranked_bytes[i] = SplitAnswerBytesBound(shape, info.kv_heads, info.pages, info.page_tokens);
     }
   }
   // Pack consecutive jobs while the request and its answer fit their slots.
@@ -141,7 +188,7 @@ Status NearMemoryClient::RunJobs(std::span<Job> jobs, bool split) {
     size_t req = 4, ans = 0, j = i;
     while (j < jobs.size()) {
       const size_t q = size_t{shapes[j].first} * shapes[j].second;
-      const size_t r = AttendJobRequestBytes(q) + (split ? PageListsBytes(jobs[j].held) : 0);
+      const size_t r = AttendJobRequestBytes(q) + (split ? HeldListsBytes(jobs[j].held) : 0);
       const size_t a = std::max(AttendJobAnswerBytes(shapes[j].first, shapes[j].second) + ranked_bytes[j],
                                 10 + kMaxJobMessage);
       if (j > i && (req + r > req_cap || ans + a > ans_cap)) break;
@@ -166,7 +213,10 @@ Status NearMemoryClient::RunJobs(std::span<Job> jobs, bool split) {
       e.recent_pages = jobs[k].recent_pages;
       e.scale = jobs[k].scale;
       e.q.assign(jobs[k].q, jobs[k].q + size_t{shapes[k].first} * shapes[k].second);
-      if (split) e.held.assign(jobs[k].held.begin(), jobs[k].held.end());
+      if (split) {
+        e.held.assign(jobs[k].held.begin(), jobs[k].held.end());
+        e.hold_capacity = jobs[k].hold_capacity;
+      }
     }
     Batch b{i, j, {}, 0};
     if (split) {
@@ -220,17 +270,11 @@ Status NearMemoryClient::RunJobs(std::span<Job> jobs, bool split) {
       if (a.status.ok()) {
         *jobs[j].out = std::move(a.partial);
         if (split) {
-          // The ranks index the engine's per-page state: a page past the context is refused.
-          for (const auto& list : a.ranked) {
-            for (uint32_t p : list) {
-              if (p >= context_pages[j]) {
-                for (size_t other : in_flight) rpc_->Abandon(batches[other].ticket);
-                return Corrupted("pnm split attend answer: job " + std::to_string(j) + " ranks page " +
-                                 std::to_string(p) + " of a context of " + std::to_string(context_pages[j]) + " pages");
-              }
-            }
+          Status checked = HeldStepsOf(j, jobs[j], context_pages[j], a.heads);
+          if (!checked.ok()) {
+            for (size_t other : in_flight) rpc_->Abandon(batches[other].ticket);
+            return checked;
           }
-          *jobs[j].ranked = std::move(a.ranked);
         }
       } else if (first.ok()) {
         first = a.status;

@@ -35,6 +35,14 @@
 
 namespace cxlkv::pnm {
 
+// One KV head's answer to a split attend: what the engine needs to attend its held part and to
+// step its held set (steady selection, steady.h) — not the whole ranking.
+struct HeldStep {
+  uint32_t selected = 0;          // pages in the head's selection, held ones included
+  std::vector<uint32_t> stayed;   // the held pages still selected, ascending
+  std::vector<uint32_t> recall;   // the best selected pages not held, at most capacity − stayed, ascending
+};
+
 class NearMemoryClient {
  public:
   // Opens the channel to node `node`'s service. Errors: kNotFound (that node's cxlkvd does not
@@ -67,19 +75,23 @@ class NearMemoryClient {
     Partial* out = nullptr;       // the attention over the context's tokens, with its lse
     uint32_t pages_attended = 0;  // summed over KV heads
     Status status;                // this job's outcome
-    // AttendSplit only: per KV head, the context pages the engine holds (the daemon leaves
-    // them out of `out`), and where the step's selection goes, per KV head best first.
+    // AttendSplit only: per KV head, the context pages the engine holds, strictly ascending
+    // (the daemon leaves them out of `out`); how many it holds at most per KV head; and where
+    // each KV head's HeldStep goes.
     std::span<const std::vector<uint32_t>> held;
-    std::vector<std::vector<uint32_t>>* ranked = nullptr;
+    uint32_t hold_capacity = 0;
+    std::vector<HeldStep>* steps = nullptr;
   };
   // Runs the jobs at the daemon, each answer awaited up to the options' timeout. Returns the
   // first job's error, or a transport error (then no job has an answer). Jobs of contexts this
   // client did not open are refused locally.
   Status Attend(std::span<Job> jobs);
   // The hybrid's step (PNM §3.3): as Attend with a budget, but `out` covers only the selected
-  // pages the job's `held` does not list, and `ranked` gets the whole selection, best first, so
-  // the engine attends its held selected pages itself and merges by LSE. Errors: Attend's, and
-  // kInvalidArgument for a job without a budget or `ranked`, or held lists not one per KV head.
+  // pages the job's `held` does not list, and `steps` gets per KV head the held pages still
+  // selected and the best selected pages to recall into the room left (steady selection), so
+  // the engine attends its held selected pages itself, merges by LSE, and steps its held set.
+  // Errors: Attend's, and kInvalidArgument for a job without a budget or `steps`, or held lists
+  // not one per KV head or not strictly ascending.
   Status AttendSplit(std::span<Job> jobs);
   // Keeps idle contexts open; returns how many the daemon still had.
   Result<uint32_t> Renew(std::span<const uint64_t> contexts);

@@ -1,6 +1,8 @@
 #include "pnm/service_protocol.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <functional>
 #include <cstring>
 
 namespace cxlkv::pnm {
@@ -28,30 +30,72 @@ bool GetFloats(meta::WireReader& r, size_t n, std::vector<float>* out) {
   return r.Bytes(out->data(), n * sizeof(float));
 }
 
-void PutPageLists(meta::WireWriter& w, std::span<const std::span<const uint32_t>> lists) {
-  w.Put(static_cast<uint32_t>(lists.size()));
-  for (const auto& list : lists) {
-    w.Put(static_cast<uint32_t>(list.size()));
-    w.Bytes(list.data(), list.size() * sizeof(uint32_t));
-  }
+// LEB128, shortest form: 7 bits a byte, low first, the high bit set on every byte but the last.
+size_t VarintBytes(uint32_t v) {
+  size_t n = 1;
+  for (; v >= 0x80; v >>= 7) ++n;
+  return n;
 }
 
-// At most `max_lists` lists; every count checked against the bytes left before it is allocated.
-bool GetPageLists(meta::WireReader& r, uint32_t max_lists, std::vector<std::vector<uint32_t>>* out) {
-  uint32_t lists = 0;
-  if (!r.Get(&lists) || lists > max_lists || lists > r.remaining() / 4) return false;
-  out->resize(lists);
-  for (auto& list : *out) {
-    uint32_t n = 0;
-    if (!r.Get(&n) || n > r.remaining() / sizeof(uint32_t)) return false;
-    list.resize(n);
-    if (!r.Bytes(list.data(), size_t{n} * sizeof(uint32_t))) return false;
+void PutVarint(meta::WireWriter& w, uint32_t v) {
+  for (; v >= 0x80; v >>= 7) w.Put(static_cast<uint8_t>((v & 0x7f) | 0x80));
+  w.Put(static_cast<uint8_t>(v));
+}
+
+// Refuses a value past 32 bits and a longer form than needed (a last byte of 0 after others),
+// so every list has one encoding.
+bool GetVarint(meta::WireReader& r, uint32_t* v) {
+  uint64_t value = 0;
+  for (int shift = 0; shift < 35; shift += 7) {
+    uint8_t b = 0;
+    if (!r.Get(&b)) return false;
+    value |= uint64_t{b & 0x7fu} << shift;
+    if ((b & 0x80) == 0) {
+      if (b == 0 && shift > 0) return false;
+      if (value > UINT32_MAX) return false;
+      *v = static_cast<uint32_t>(value);
+      return true;
+    }
+  }
+  return false;
+}
+
+// An ascending page list (service_protocol.h): the first page, then each gap minus 1.
+size_t AscendingBytes(std::span<const uint32_t> pages) {
+  size_t bytes = 4;
+  for (size_t i = 0; i < pages.size(); ++i) bytes += VarintBytes(i == 0 ? pages[0] : pages[i] - pages[i - 1] - 1);
+  return bytes;
+}
+
+// REQUIRES: `pages` strictly ascending.
+void PutAscending(meta::WireWriter& w, std::span<const uint32_t> pages) {
+  w.Put(static_cast<uint32_t>(pages.size()));
+  for (size_t i = 0; i < pages.size(); ++i) PutVarint(w, i == 0 ? pages[0] : pages[i] - pages[i - 1] - 1);
+}
+
+// Every count checked against the bytes left (a page takes at least one) before it is allocated;
+// a list that would pass page 2^32 - 1 is refused.
+bool GetAscending(meta::WireReader& r, std::vector<uint32_t>* out) {
+  uint32_t n = 0;
+  if (!r.Get(&n) || n > r.remaining()) return false;
+  out->resize(n);
+  uint64_t next = 0;  // the least the next page may be
+  for (uint32_t i = 0; i < n; ++i) {
+    uint32_t v = 0;
+    if (!GetVarint(r, &v)) return false;
+    const uint64_t page = next + v;
+    if (page > UINT32_MAX) return false;
+    (*out)[i] = static_cast<uint32_t>(page);
+    next = page + 1;
   }
   return true;
 }
 
-std::vector<std::span<const uint32_t>> Spans(const std::vector<std::vector<uint32_t>>& lists) {
-  return {lists.begin(), lists.end()};
+// The most bytes an ascending list of `n` pages below `limit` takes: a byte per page, and one
+// more per page for each 7 bits its value needs past the first 7 — values that sum to below
+// `limit`, so at most limit / 128 of them need two bytes, limit / 2^14 three, and so on.
+size_t AscendingBytesBound(uint64_t n, uint64_t limit) {
+  return static_cast<size_t>(4 + n + limit / (1u << 7) + limit / (1u << 14) + limit / (1u << 21) + limit / (1u << 28));
 }
 
 void PutJobFields(meta::WireWriter& w, const AttendJobRequest& j) {
@@ -226,43 +270,88 @@ Result<std::vector<AttendJobAnswer>> DecodeAttendAnswer(std::span<const uint8_t>
   return out;
 }
 
-size_t PageListsBytes(std::span<const std::vector<uint32_t>> lists) {
-  size_t bytes = 4;
-  for (const auto& list : lists) bytes += 4 + list.size() * sizeof(uint32_t);
+size_t HeldListsBytes(std::span<const std::vector<uint32_t>> held) {
+  size_t bytes = 8;  // the capacity and the list count
+  for (const auto& list : held) bytes += AscendingBytes(list);
   return bytes;
 }
 
-size_t SplitRanksBytesBound(const AttendJobRequest& j, uint32_t kv_heads, uint64_t pages, uint32_t page_tokens) {
+std::string UnorderedHeldList(std::span<const std::vector<uint32_t>> held) {
+  for (size_t h = 0; h < held.size(); ++h) {
+    if (std::adjacent_find(held[h].begin(), held[h].end(), std::greater_equal<>()) != held[h].end()) {
+      return "the held pages of KV head " + std::to_string(h) + " are not strictly ascending";
+    }
+  }
+  return {};
+}
+
+size_t SplitAnswerBytesBound(const AttendJobRequest& j, uint32_t kv_heads, uint64_t pages, uint32_t page_tokens) {
   const uint64_t most =
       std::min<uint64_t>(pages, uint64_t{j.budget_tokens} / std::max<uint32_t>(page_tokens, 1) + 1 + j.sink_pages +
                                     j.recent_pages);
-  return 4 + size_t{kv_heads} * (4 + most * sizeof(uint32_t));
+  size_t bytes = 0;
+  for (uint32_t h = 0; h < kv_heads; ++h) {
+    const uint64_t held = h < j.held.size() ? j.held[h].size() : 0;
+    bytes += 4 + 4 + (held + 7) / 8 + AscendingBytesBound(std::min<uint64_t>(most, j.hold_capacity), pages);
+  }
+  return bytes;
+}
+
+SplitHeadAnswer SplitHeadOf(std::span<const uint32_t> ranked, std::span<const uint32_t> held, uint32_t capacity) {
+  SplitHeadAnswer a;
+  a.selected = static_cast<uint32_t>(ranked.size());
+  std::vector<uint32_t> selected(ranked.begin(), ranked.end());
+  std::sort(selected.begin(), selected.end());
+  a.stays.resize(held.size());
+  uint32_t stayed = 0;
+  for (size_t i = 0; i < held.size(); ++i) {
+    a.stays[i] = std::binary_search(selected.begin(), selected.end(), held[i]) ? 1 : 0;
+    stayed += a.stays[i];
+  }
+  // The best selected pages the engine lacks, as many as its held set has room for after the
+  // pages that left it: what steady selection recalls (steady.h).
+  const uint32_t room = capacity > stayed ? capacity - stayed : 0;
+  for (uint32_t page : ranked) {
+    if (a.recall.size() == room) break;
+    if (!std::binary_search(held.begin(), held.end(), page)) a.recall.push_back(page);
+  }
+  std::sort(a.recall.begin(), a.recall.end());
+  return a;
 }
 
 void EncodeAttendSplit(std::span<const AttendJobRequest> jobs, std::vector<uint8_t>& out) {
   size_t bytes = 4;
-  for (const auto& j : jobs) bytes += AttendJobRequestBytes(j.q.size()) + PageListsBytes(j.held);
+  for (const auto& j : jobs) bytes += AttendJobRequestBytes(j.q.size()) + HeldListsBytes(j.held);
   out.resize(bytes);
   meta::WireWriter w(out);
   w.Put(static_cast<uint32_t>(jobs.size()));
   for (const auto& j : jobs) {
     PutJobFields(w, j);
-    PutPageLists(w, Spans(j.held));
+    w.Put(j.hold_capacity);
+    w.Put(static_cast<uint32_t>(j.held.size()));
+    for (const auto& list : j.held) PutAscending(w, list);
   }
 }
 
 Result<std::vector<AttendJobRequest>> DecodeAttendSplit(std::span<const uint8_t> in) {
   meta::WireReader r(in);
   uint32_t count = 0;
-  if (!r.Get(&count) || count == 0 || count > r.remaining() / (AttendJobRequestBytes(0) + 4)) {
+  if (!r.Get(&count) || count == 0 || count > r.remaining() / (AttendJobRequestBytes(0) + 8)) {
     return Malformed("split attend", in.size(), "the job count must be at least 1 and fit the request");
   }
   std::vector<AttendJobRequest> jobs(count);
   for (uint32_t i = 0; i < count; ++i) {
-    if (!GetJobFields(r, &jobs[i]) || !GetPageLists(r, kMaxQueryHeads, &jobs[i].held)) {
+    AttendJobRequest& j = jobs[i];
+    uint32_t lists = 0;
+    bool ok = GetJobFields(r, &j) && r.Get(&j.hold_capacity) && r.Get(&lists) && lists <= kMaxQueryHeads &&
+              lists <= r.remaining() / 4;
+    if (ok) j.held.resize(lists);
+    for (uint32_t h = 0; ok && h < lists; ++h) ok = GetAscending(r, &j.held[h]);
+    if (!ok) {
       return Malformed("split attend", in.size(),
-                       "job " + std::to_string(i) + " runs past the end or holds more than " +
-                           std::to_string(kMaxQueryHeads) + " page lists");
+                       "job " + std::to_string(i) + " runs past the end, holds more than " +
+                           std::to_string(kMaxQueryHeads) + " page lists, or a list's pages pass 2^32 or are not "
+                           "in the shortest form");
     }
   }
   if (!r.done()) return Malformed("split attend", in.size(), std::to_string(r.remaining()) + " bytes after the last job");
@@ -270,9 +359,18 @@ Result<std::vector<AttendJobRequest>> DecodeAttendSplit(std::span<const uint8_t>
 }
 
 void PutSplitJobOk(meta::WireWriter& w, uint32_t pages_attended, const Partial& p,
-                   std::span<const std::span<const uint32_t>> ranked) {
+                   std::span<const SplitHeadAnswer> heads) {
   PutJobOk(w, pages_attended, p);
-  PutPageLists(w, ranked);
+  for (const SplitHeadAnswer& h : heads) {
+    w.Put(h.selected);
+    w.Put(static_cast<uint32_t>(h.stays.size()));
+    for (size_t i = 0; i < h.stays.size(); i += 8) {
+      uint8_t bits = 0;
+      for (size_t b = 0; b < 8 && i + b < h.stays.size(); ++b) bits |= static_cast<uint8_t>((h.stays[i + b] ? 1 : 0) << b);
+      w.Put(bits);
+    }
+    PutAscending(w, h.recall);
+  }
 }
 
 Result<std::vector<AttendJobAnswer>> DecodeAttendSplitAnswer(std::span<const uint8_t> in,
@@ -284,9 +382,27 @@ Result<std::vector<AttendJobAnswer>> DecodeAttendSplitAnswer(std::span<const uin
     bool ok = false;
     CXLKV_RETURN_IF_ERROR(GetJobAnswer(r, i, shapes.size(), shapes[i], &out[i], &ok));
     if (!ok) continue;
-    if (!GetPageLists(r, kv_heads[i], &out[i].ranked) || out[i].ranked.size() != kv_heads[i]) {
-      return Corrupted("pnm split attend answer: job " + std::to_string(i) + "'s selection is cut short or not " +
-                       std::to_string(kv_heads[i]) + " lists");
+    if (kv_heads[i] > r.remaining() / 12) {
+      return Corrupted("pnm split attend answer: job " + std::to_string(i) + " is cut short before its " +
+                       std::to_string(kv_heads[i]) + " KV heads");
+    }
+    out[i].heads.resize(kv_heads[i]);
+    for (uint32_t h = 0; h < kv_heads[i]; ++h) {
+      SplitHeadAnswer& a = out[i].heads[h];
+      uint32_t bits = 0;
+      bool good = r.Get(&a.selected) && r.Get(&bits) && bits / 8 <= r.remaining();
+      if (good) a.stays.resize(bits);
+      for (uint32_t b = 0; good && b < bits; b += 8) {
+        uint8_t byte = 0;
+        good = r.Get(&byte);
+        const uint32_t used = std::min<uint32_t>(8, bits - b);
+        if (used < 8 && (byte >> used) != 0) good = false;  // spare bits must be 0: one encoding
+        for (uint32_t k = 0; good && k < used; ++k) a.stays[b + k] = (byte >> k) & 1;
+      }
+      if (!good || !GetAscending(r, &a.recall)) {
+        return Corrupted("pnm split attend answer: job " + std::to_string(i) + "'s KV head " + std::to_string(h) +
+                         " is cut short or malformed");
+      }
     }
   }
   if (!r.done()) return Corrupted("pnm split attend answer: " + std::to_string(r.remaining()) + " bytes after the last job");

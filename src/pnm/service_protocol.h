@@ -19,11 +19,19 @@
 //                the floats -> per job: u32 status code, u32 pages attended, then the output
 //                ([heads][head_dim] f32) and the lse ([heads] f32) if ok, else u16 length and
 //                the error's message
-//   kPnmAttendSplit  as kPnmAttend (a budget is required), each job followed by page lists: u32
-//                KV heads, per head u32 count and the pages the engine holds -> per job as
-//                kPnmAttend's answer, for the selected pages the engine does not hold, followed
-//                by page lists: per KV head the step's whole selection, best first (the hybrid,
-//                §3.3: the engine attends the held ones and steers what it holds by the ranks)
+//   kPnmAttendSplit  as kPnmAttend (a budget is required), each job followed by u32 hold
+//                capacity (pages per KV head), u32 KV heads, per head the pages the engine holds
+//                as an ascending page list -> per job as kPnmAttend's answer, for the selected
+//                pages the engine does not hold, followed per KV head by u32 pages selected, the
+//                held pages still selected as bits (u32 count, then (count + 7) / 8 bytes, bit i of
+//                byte i / 8 for the request's i-th page, spare bits 0) and the pages to recall as
+//                an ascending page list: the best selected pages not held, at most the capacity
+//                left. The hybrid (§3.3): the engine attends its held selected pages and steps
+//                its held set (steady selection, steady.h) without the whole ranking crossing.
+//   ascending page list: u32 count, then per page a LEB128 varint (shortest form): the first
+//                page, then each page minus the one before minus 1 — about a byte per page of
+//                a budget's selection, so a 1M-token context's hybrid fits a slot (4 bytes per
+//                page did not at 1/8)
 //   kPnmRenew    u32 count, u64 contexts -> u32 how many were renewed
 //   kPnmClose    u32 count, u64 contexts -> nothing (kNotFound naming the first one not open)
 #ifndef CXLKV_SRC_PNM_SERVICE_PROTOCOL_H_
@@ -94,15 +102,24 @@ struct AttendJobRequest {
   uint16_t recent_pages = 1;
   float scale = 0;
   std::vector<float> q;  // [heads][head_dim]
-  // kPnmAttendSplit: per KV head, the pages the engine holds (attended there, not here).
+  // kPnmAttendSplit: per KV head, the pages the engine holds, ascending (attended there, not
+  // here), and how many pages it holds at most per KV head (the answer's recalls fill the rest).
   std::vector<std::vector<uint32_t>> held;
+  uint32_t hold_capacity = 0;
+};
+// kPnmAttendSplit's answer for one KV head: what the engine needs to attend its part and step
+// its held set, instead of the whole ranking.
+struct SplitHeadAnswer {
+  uint32_t selected = 0;         // pages in the head's selection, held ones included
+  std::vector<uint8_t> stays;    // per held page of the request, in its order: 1 if still selected
+  std::vector<uint32_t> recall;  // the best selected pages not held, at most capacity − stayed; ascending
 };
 struct AttendJobAnswer {
   Status status;
   uint32_t pages_attended = 0;
   Partial partial;  // ok only
-  // kPnmAttendSplit, ok only: per KV head, the step's selection best first (held pages included).
-  std::vector<std::vector<uint32_t>> ranked;
+  // kPnmAttendSplit, ok only: one per KV head.
+  std::vector<SplitHeadAnswer> heads;
 };
 std::vector<uint8_t> EncodeOpen(const OpenRequest& r);
 Result<OpenRequest> DecodeOpen(std::span<const uint8_t> in);
@@ -126,19 +143,25 @@ void PutJobError(meta::WireWriter& w, const Status& s);
 Result<std::vector<AttendJobAnswer>> DecodeAttendAnswer(std::span<const uint8_t> in,
                                                         std::span<const std::pair<uint32_t, uint32_t>> shapes);
 
-// kPnmAttendSplit. Page lists take 4 bytes, then per list 4 plus 4 per page.
-size_t PageListsBytes(std::span<const std::vector<uint32_t>> lists);
-// The most bytes a split answer's ranks take for a job over a context of `pages` pages of
-// `page_tokens` tokens and `kv_heads` KV heads: each head's selection is the budget's pages plus
-// the forced ones, or every page when those cover the context. Client and daemon size slots by it.
-size_t SplitRanksBytesBound(const AttendJobRequest& j, uint32_t kv_heads, uint64_t pages, uint32_t page_tokens);
+// kPnmAttendSplit. The bytes a job's capacity and held lists take in a request (exact).
+size_t HeldListsBytes(std::span<const std::vector<uint32_t>> held);
+// Empty when every list is strictly ascending; else which list is not (the encoding needs it).
+std::string UnorderedHeldList(std::span<const std::vector<uint32_t>> held);
+// The most bytes a split answer's per-head part takes for a job (its held lists and capacity
+// read) over a context of `pages` pages of `page_tokens` tokens and `kv_heads` KV heads: each
+// head's selection is the budget's pages plus the forced ones, or every page when those cover
+// the context. Client and daemon size slots by it.
+size_t SplitAnswerBytesBound(const AttendJobRequest& j, uint32_t kv_heads, uint64_t pages, uint32_t page_tokens);
+// The answer's part for one KV head: `ranked` is its selection best first, `held` the request's
+// list for it (ascending), `capacity` the request's.
+SplitHeadAnswer SplitHeadOf(std::span<const uint32_t> ranked, std::span<const uint32_t> held, uint32_t capacity);
 void EncodeAttendSplit(std::span<const AttendJobRequest> jobs, std::vector<uint8_t>& out);
 // Refuses more than kMaxQueryHeads lists in a job (a context has at most as many KV heads).
 Result<std::vector<AttendJobRequest>> DecodeAttendSplit(std::span<const uint8_t> in);
-// An answer's job that succeeded: PutJobOk's record, then `ranked` (per KV head, best first).
+// An answer's job that succeeded: PutJobOk's record, then one SplitHeadAnswer per KV head.
 void PutSplitJobOk(meta::WireWriter& w, uint32_t pages_attended, const Partial& p,
-                   std::span<const std::span<const uint32_t>> ranked);
-// `kv_heads` per job: the lists an answer must carry for it.
+                   std::span<const SplitHeadAnswer> heads);
+// `kv_heads` per job: the heads an answer must carry for it.
 Result<std::vector<AttendJobAnswer>> DecodeAttendSplitAnswer(std::span<const uint8_t> in,
                                                              std::span<const std::pair<uint32_t, uint32_t>> shapes,
                                                              std::span<const uint32_t> kv_heads);

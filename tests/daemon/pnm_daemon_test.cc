@@ -112,9 +112,10 @@ TEST(NearMemoryService, AttentionAtTheDaemonEqualsLocalAttentionBitForBit) {
 }
 
 // The hybrid's step at the daemon (kPnmAttendSplit): the daemon attends the selected pages the
-// engine does not hold and returns its whole selection, ranked; the engine's attention over the
-// held selected pages merged with the daemon's part equals attention over the whole selection.
-TEST(NearMemoryService, ASplitAttendLeavesTheHeldPagesToTheEngineAndReturnsTheRanks) {
+// engine does not hold and says, per KV head, which held pages stay selected and the best ones
+// to recall into the room the held set has; the engine's attention over the held selected pages
+// merged with the daemon's part equals attention over the whole selection.
+TEST(NearMemoryService, ASplitAttendLeavesTheHeldPagesToTheEngineAndSaysWhatStaysAndWhatToRecall) {
   InProcess t;
   ASSERT_NE(t.service, nullptr);
   const auto keys = PutContext(*t.cache, t.ns, 96, 5);
@@ -123,6 +124,9 @@ TEST(NearMemoryService, ASplitAttendLeavesTheHeldPagesToTheEngineAndReturnsTheRa
   auto ctx = (*client)->OpenContext(TestNamespace(), kHeads, keys);
   ASSERT_TRUE(ctx.ok()) << ctx.status().ToString();
   const uint32_t budget = 256;  // 16 pages per KV head
+  // Held pages per KV head: room for 2 recalls beside variant 1's 8 held selected pages; all 16
+  // of variant 2's stay and it recalls none.
+  constexpr uint32_t kCapacity = 10;
   for (uint32_t layer = 0; layer < kLayers; ++layer) {
     LocalLayer local(*t.cache, t.ns, keys, layer);
     const auto q = Query(40 + layer);
@@ -150,17 +154,33 @@ TEST(NearMemoryService, ASplitAttendLeavesTheHeldPagesToTheEngineAndReturnsTheRa
           }
         }
       }
+      for (auto& list : held) std::sort(list.begin(), list.end());  // the wire wants them ascending
       pnm::Partial near;
-      std::vector<std::vector<uint32_t>> ranks;
+      std::vector<pnm::HeldStep> steps;
       Client::Job j = MakeJob(ctx->context, layer, q.data(), budget, &near);
       j.held = held;
-      j.ranked = &ranks;
+      j.hold_capacity = kCapacity;
+      j.steps = &steps;
       ASSERT_TRUE((*client)->AttendSplit({&j, 1}).ok()) << j.status.ToString();
       const std::string what = "layer " + std::to_string(layer) + ", variant " + std::to_string(variant);
-      ASSERT_EQ(ranks.size(), kKvHeads) << what;
+      ASSERT_EQ(steps.size(), kKvHeads) << what;
       for (uint32_t h = 0; h < kKvHeads; ++h) {
+        // What steady selection needs of the ranking: the held pages still selected, and the
+        // best selected pages not held, as many as the held set has room for.
         const auto w = want.RankedOf(h);
-        EXPECT_EQ(ranks[h], std::vector<uint32_t>(w.begin(), w.end())) << what << ", KV head " << h;
+        std::vector<uint32_t> stayed, recall;
+        for (uint32_t p : w) {
+          if (std::binary_search(held[h].begin(), held[h].end(), p)) stayed.push_back(p);
+        }
+        for (uint32_t p : w) {
+          if (recall.size() + stayed.size() == std::max<size_t>(kCapacity, stayed.size())) break;
+          if (!std::binary_search(held[h].begin(), held[h].end(), p)) recall.push_back(p);
+        }
+        std::sort(stayed.begin(), stayed.end());
+        std::sort(recall.begin(), recall.end());
+        EXPECT_EQ(steps[h].selected, w.size()) << what << ", KV head " << h;
+        EXPECT_EQ(steps[h].stayed, stayed) << what << ", KV head " << h;
+        EXPECT_EQ(steps[h].recall, recall) << what << ", KV head " << h;
       }
       EXPECT_EQ(j.pages_attended, near_pages) << what;
       if (variant == 0) {
@@ -182,23 +202,31 @@ TEST(NearMemoryService, ASplitAttendLeavesTheHeldPagesToTheEngineAndReturnsTheRa
   // lists not one per KV head (at the client, before sending).
   const auto q = Query(50);
   pnm::Partial out;
-  std::vector<std::vector<uint32_t>> ranks;
+  std::vector<pnm::HeldStep> steps;
   std::vector<std::vector<uint32_t>> past(kKvHeads);
   past[1].push_back(96);
   Client::Job bad = MakeJob(ctx->context, 0, q.data(), budget, &out);
   bad.held = past;
-  bad.ranked = &ranks;
+  bad.steps = &steps;
   EXPECT_EQ((*client)->AttendSplit({&bad, 1}).code(), StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status.message().find("page 96"), std::string::npos) << bad.status.ToString();
   std::vector<std::vector<uint32_t>> one(1);
   Client::Job short_lists = MakeJob(ctx->context, 0, q.data(), budget, &out);
   short_lists.held = one;
-  short_lists.ranked = &ranks;
+  short_lists.steps = &steps;
   EXPECT_EQ((*client)->AttendSplit({&short_lists, 1}).code(), StatusCode::kInvalidArgument);
+  std::vector<std::vector<uint32_t>> unordered(kKvHeads);
+  unordered[0] = {5, 3};
+  Client::Job descending = MakeJob(ctx->context, 0, q.data(), budget, &out);
+  descending.held = unordered;
+  descending.steps = &steps;
+  Status refused = (*client)->AttendSplit({&descending, 1});
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("ascending"), std::string::npos) << refused.ToString();
   std::vector<std::vector<uint32_t>> none(kKvHeads);
   Client::Job dense = MakeJob(ctx->context, 0, q.data(), 0, &out);
   dense.held = none;
-  dense.ranked = &ranks;
+  dense.steps = &steps;
   EXPECT_EQ((*client)->AttendSplit({&dense, 1}).code(), StatusCode::kInvalidArgument);
   EXPECT_TRUE((*client)->Close({&ctx->context, 1}).ok());
 }
@@ -370,21 +398,27 @@ int ClientProcess(const std::string& path, uint32_t node, bool hybrid, int in, i
   CHILD_CHECK(ctx.ok(), "open context: %s", ctx.status().ToString().c_str());
   const auto q = Query(9);
   pnm::Partial partial;
-  std::vector<std::vector<uint32_t>> held(kKvHeads), ranked;
+  std::vector<std::vector<uint32_t>> held(kKvHeads);
+  std::vector<pnm::HeldStep> steps;
   auto attend = [&](uint64_t id) {
-    constexpr uint32_t kBudget = 128;  // 8 pages per KV head
+    constexpr uint32_t kBudget = 128;  // 8 pages per KV head, half of them held
     Client::Job j = MakeJob(id, 0, q.data(), kBudget, &partial);
     if (hybrid) {
       j.held = held;
-      j.ranked = &ranked;
+      j.hold_capacity = kBudget / kPage / 2;
+      j.steps = &steps;
     }
     Status s = hybrid ? (*client)->AttendSplit({&j, 1}) : (*client)->Attend({&j, 1});
     if (!s.ok()) return s.code() == StatusCode::kNotFound ? 1 : 2;
     if (hybrid) {
-      if (ranked.size() != kKvHeads) return 3;
+      if (steps.size() != kKvHeads) return 3;
       for (uint32_t h = 0; h < kKvHeads; ++h) {
-        if (ranked[h].size() != kBudget / kPage) return 3;
-        held[h].assign(ranked[h].begin(), ranked[h].begin() + ranked[h].size() / 2);
+        // The held set steps to what stayed and what was recalled: always full here.
+        if (steps[h].selected != kBudget / kPage) return 3;
+        held[h] = steps[h].stayed;
+        held[h].insert(held[h].end(), steps[h].recall.begin(), steps[h].recall.end());
+        std::sort(held[h].begin(), held[h].end());
+        if (held[h].size() != kBudget / kPage / 2) return 3;
       }
     }
     return 0;
