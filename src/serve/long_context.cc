@@ -268,12 +268,20 @@ Result<LongContextResult> RunLongContextDecode(const LongContextOptions& o) {
       result.rows.push_back(sparse);
       result.rows.push_back(hybrid);
     }
-    if (!o.remote_region.empty()) {
+    // The remote rows: the context in a pool, decoded through a near-memory service over it.
+    auto remote_rows = [&]() -> Status {
       say("  remote: the context's blocks into a pool at " + o.remote_region +
           ", a near-memory service over it");
-      CXLKV_ASSIGN_OR_RETURN(auto remote,
-                             RemoteLongContext::Create(o.remote_region, config, cache, *table,
-                                                       tokens, o.near_threads));
+      auto made = RemoteLongContext::Create(o.remote_region, config, cache, *table, tokens,
+                                            o.near_threads);
+      if (!made.ok() && o.remote_optional && made.status().code() == StatusCode::kNoSpace) {
+        result.notes.push_back("no remote rows at " + std::to_string(n / 1024) +
+                               "K tokens: " + made.status().message());
+        say("  " + result.notes.back());
+        return Status::Ok();
+      }
+      CXLKV_RETURN_IF_ERROR(made.status());
+      std::unique_ptr<RemoteLongContext> remote = std::move(made).value();
       // One run through the service, teacher-forced with dense's tokens; opening the context
       // there (its digests built for a budget) is timed apart from the steps.
       auto run_remote = [&](uint32_t budget, uint32_t held_pages,
@@ -308,7 +316,9 @@ Result<LongContextResult> RunLongContextDecode(const LongContextOptions& o) {
           result.rows.push_back(r);
         }
       }
-    }
+      return Status::Ok();
+    };
+    if (!o.remote_region.empty()) CXLKV_RETURN_IF_ERROR(remote_rows());
     result.digest_build_tokens_per_s.push_back(digest_rate);
   }
   return result;
@@ -333,6 +343,7 @@ void PrintLongContext(FILE* out, const LongContextResult& r) {
                  util::FormatBytes(static_cast<uint64_t>(row.kv_read_bytes_per_step)).c_str(), mass,
                  row.tokens_agree, row.steps, row.logits_rel_err_max);
   }
+  for (const std::string& note : r.notes) std::fprintf(out, "note: %s\n", note.c_str());
 }
 
 nlohmann::json LongContextJson(const LongContextResult& r) {
@@ -356,7 +367,8 @@ nlohmann::json LongContextJson(const LongContextResult& r) {
   }
   return {{"rows", rows},
           {"digest_build_tokens_per_s", r.digest_build_tokens_per_s},
-          {"fill_s", r.fill_s}};
+          {"fill_s", r.fill_s},
+          {"notes", r.notes}};
 }
 
 }  // namespace cxlkv::serve

@@ -41,6 +41,9 @@ struct LongContextOptions {
   uint64_t seed = 1;
   // Non-empty: also the remote rows, the pool's region created at this path and removed after.
   std::string remote_region;
+  // A remote region that cannot be made (no room for it) skips that context's remote rows with
+  // a note instead of failing the run (the demo: its other rows stand on their own).
+  bool remote_optional = false;
   std::function<void(const std::string&)> progress;  // one line per phase
 };
 
@@ -73,6 +76,7 @@ struct LongContextResult {
   std::vector<double>
       digest_build_tokens_per_s;  // per context: the bulk digest build after prefill
   std::vector<double> fill_s;     // per context: synthesizing and prefilling
+  std::vector<std::string> notes;  // what was skipped, and why
 };
 
 // Errors: an invalid model config; kNoSpace naming the bytes when the context's KV cannot be
