@@ -534,6 +534,15 @@ TEST(Cli, BenchLongctxQuickReportsStepTimesNextToDense) {
   }
   EXPECT_EQ(by_name["step_ms/32K/sparse/1_32"]["reference"], "step_ms/32K/dense");
   EXPECT_LT(by_name["engine_bytes/32K/sparse/1_32"]["ratio"].get<double>(), 0.01);
+  // Through the near-memory service, next to the same attention in the engine's process.
+  for (const std::string name : {"step_ms/32K/remote-dense", "step_ms/32K/remote-sparse/1_32",
+                                 "step_ms/32K/remote-hybrid/1_8", "engine_bytes/32K/remote-sparse/1_32"}) {
+    ASSERT_TRUE(by_name.count(name)) << name << " is missing";
+    EXPECT_GT(by_name[name]["ratio"].get<double>(), 0) << name;
+  }
+  EXPECT_EQ(by_name["step_ms/32K/remote-dense"]["reference"], "step_ms/32K/dense-nm");
+  EXPECT_EQ(by_name["step_ms/32K/remote-sparse/1_32"]["reference"], "step_ms/32K/sparse/1_32");
+  EXPECT_LT(by_name["engine_bytes/32K/remote-sparse/1_32"]["ratio"].get<double>(), 0.01);
 }
 
 TEST(Cli, ServeRejectsBadInputClearly) {
