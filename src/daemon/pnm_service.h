@@ -95,7 +95,8 @@ class NearMemoryService {
   Result<size_t> AttendSplit(const rpc::Request& req, std::span<uint8_t> out);
   // A split attend's held pages: a list per KV head, each page inside the context, and a budget.
   static Status CheckHeld(const Context& c, const pnm::AttendJobRequest& j);
-  // Both attends: `split` leaves each job's held pages to the engine and answers with the ranks.
+  // Both attends: `split` leaves each job's held pages to the engine and answers, per KV head,
+  // with the held pages that stay selected and the pages to recall (SplitHeadOf).
   Result<size_t> RunAttend(const rpc::Request& req, std::vector<pnm::AttendJobRequest>& jobs, bool split,
                            std::span<uint8_t> out);
   Result<size_t> Renew(const rpc::Request& req, std::span<uint8_t> out);

@@ -44,7 +44,10 @@ class HeldPages {
 
   // Steady step of KV head h on its budget pages, best first (full pages only: a partial page is
   // still being written): evicts the held pages that left the set and recalls as many of the
-  // best missing ones as slots came free, copying each page's rows from rows_of(page). Errors:
+  // best missing ones as slots came free, copying each page's rows from rows_of(page). The
+  // remote hybrid passes the held pages that stayed and then the daemon's recalls, in page
+  // order: the same step, since those recalls are never more than the slots that come free
+  // (pnm::SplitHeadOf), so every one is taken and their order decides nothing. Errors:
   // pnm::ResidentPages' (a page past the context or repeated); nothing changes then.
   Result<pnm::ResidentStep> Step(uint32_t h, std::span<const uint32_t> ranked, const RowsOf& rows_of);
 

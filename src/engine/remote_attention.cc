@@ -197,7 +197,7 @@ Status RemoteDecodeAttention::AttendHeld(uint32_t layer, const float* q) {
   CXLKV_RETURN_IF_ERROR(held.Attend(q, part, &held_part_));
   CXLKV_RETURN_IF_ERROR(pnm::MergeInto(held_part_, &remote_));
   stats_.engine_kv_bytes += mine_pages * held.PageBytes();
-  // Then the held set follows the ranks; what it recalls serves from the next step. A page's
+  // Then the held set steps; what it recalls serves from the next step. A page's
   // rows for KV head h: its pool block's slab of this layer, in the namespace's order.
   for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
     auto rows_of = [&](uint32_t p) {

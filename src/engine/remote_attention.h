@@ -119,7 +119,7 @@ class RemoteDecodeAttention final : public DecodeAttention {
   std::vector<pnm::PageKv> local_pages_;
   pnm::Partial remote_, local_, held_part_;
   // The hybrid: the pool's cache and the namespace's handle, the context's blocks pinned (to
-  // recall from), per layer the held pages, and a step's held lists and ranks.
+  // recall from), per layer the held pages, and a step's held lists and the daemon's steps.
   KvCache* cache_ = nullptr;
   std::optional<NamespaceHandle> handle_;
   pnm::Geometry pool_geometry_;  // geometry_ in the namespace's block format (a recall's source)

@@ -144,7 +144,7 @@ Status NearMemoryClient::AttendSplit(std::span<Job> jobs) { return RunJobs(jobs,
 Status NearMemoryClient::RunJobs(std::span<Job> jobs, bool split) {
   std::vector<std::pair<uint32_t, uint32_t>> shapes(jobs.size());
   std::vector<uint32_t> kv_heads(jobs.size());
-  std::vector<size_t> ranked_bytes(jobs.size(), 0);  // a split answer's ranks, at most
+  std::vector<size_t> split_bytes(jobs.size(), 0);  // a split answer's per-head part, at most
   std::vector<uint64_t> context_pages(jobs.size(), 0);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -173,7 +173,7 @@ Status NearMemoryClient::RunJobs(std::span<Job> jobs, bool split) {
       shape.recent_pages = jobs[i].recent_pages;
       shape.hold_capacity = jobs[i].hold_capacity;
       shape.held.assign(jobs[i].held.begin(), jobs[i].held.end());
-      ranked_bytes[i] = SplitAnswerBytesBound(shape, info.kv_heads, info.pages, info.page_tokens);
+      split_bytes[i] = SplitAnswerBytesBound(shape, info.kv_heads, info.pages, info.page_tokens);
     }
   }
   // Pack consecutive jobs while the request and its answer fit their slots.
@@ -189,7 +189,7 @@ Status NearMemoryClient::RunJobs(std::span<Job> jobs, bool split) {
     while (j < jobs.size()) {
       const size_t q = size_t{shapes[j].first} * shapes[j].second;
       const size_t r = AttendJobRequestBytes(q) + (split ? HeldListsBytes(jobs[j].held) : 0);
-      const size_t a = std::max(AttendJobAnswerBytes(shapes[j].first, shapes[j].second) + ranked_bytes[j],
+      const size_t a = std::max(AttendJobAnswerBytes(shapes[j].first, shapes[j].second) + split_bytes[j],
                                 10 + kMaxJobMessage);
       if (j > i && (req + r > req_cap || ans + a > ans_cap)) break;
       req += r;
@@ -198,7 +198,7 @@ Status NearMemoryClient::RunJobs(std::span<Job> jobs, bool split) {
     }
     if (req > req_cap || ans > ans_cap) {
       return InvalidArgument("one query of " + std::to_string(shapes[i].first) + " heads" +
-                             (split ? " with its held pages and ranks" : "") + " does not fit a request slot (" +
+                             (split ? " with its held pages and what stays and is recalled" : "") + " does not fit a request slot (" +
                              std::to_string(req) + " and " + std::to_string(ans) + " bytes; slots hold " +
                              std::to_string(req_cap) + " and " + std::to_string(ans_cap) + ")" +
                              (split ? ": a smaller budget or fewer held pages" : ""));

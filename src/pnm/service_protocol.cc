@@ -390,7 +390,7 @@ Result<std::vector<AttendJobAnswer>> DecodeAttendSplitAnswer(std::span<const uin
     for (uint32_t h = 0; h < kv_heads[i]; ++h) {
       SplitHeadAnswer& a = out[i].heads[h];
       uint32_t bits = 0;
-      bool good = r.Get(&a.selected) && r.Get(&bits) && bits / 8 <= r.remaining();
+      bool good = r.Get(&a.selected) && r.Get(&bits) && (uint64_t{bits} + 7) / 8 <= r.remaining();
       if (good) a.stays.resize(bits);
       for (uint32_t b = 0; good && b < bits; b += 8) {
         uint8_t byte = 0;

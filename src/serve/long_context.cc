@@ -273,7 +273,7 @@ Result<LongContextResult> RunLongContextDecode(const LongContextOptions& o) {
       say("  remote: the context's blocks into a pool at " + o.remote_region +
           ", a near-memory service over it");
       auto made = RemoteLongContext::Create(o.remote_region, config, cache, *table, tokens,
-                                            o.near_threads);
+                                            o.near_threads, o.remote_region_bytes);
       if (!made.ok() && o.remote_optional && made.status().code() == StatusCode::kNoSpace) {
         result.notes.push_back("no remote rows at " + std::to_string(n / 1024) +
                                "K tokens: " + made.status().message());

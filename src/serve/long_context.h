@@ -39,8 +39,10 @@ struct LongContextOptions {
   double heavy_fraction = 0.002;  // share of context tokens with heavy-hitter keys
   double heavy_scale = 10.0;      // their key norm, in units of the model's key norm
   uint64_t seed = 1;
-  // Non-empty: also the remote rows, the pool's region created at this path and removed after.
+  // Non-empty: also the remote rows, the pool's region created at this path (and its name
+  // removed once mapped), of remote_region_bytes (0: sized to the context).
   std::string remote_region;
+  uint64_t remote_region_bytes = 0;
   // A remote region that cannot be made (no room for it) skips that context's remote rows with
   // a note instead of failing the run (the demo: its other rows stand on their own).
   bool remote_optional = false;

@@ -1,5 +1,6 @@
 #include "serve/long_context_remote.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -29,7 +30,7 @@ Result<std::unique_ptr<RemoteLongContext>> RemoteLongContext::Create(const std::
                                                                      const engine::PagedKvCache& cache,
                                                                      std::span<const uint32_t> table,
                                                                      std::span<const int32_t> tokens,
-                                                                     uint32_t threads) {
+                                                                     uint32_t threads, uint64_t region_bytes) {
   std::unique_ptr<RemoteLongContext> r(new RemoteLongContext());
   const uint32_t bs = cache.block_size();
   const uint64_t full_blocks = tokens.size() / bs;
@@ -41,9 +42,14 @@ Result<std::unique_ptr<RemoteLongContext>> RemoteLongContext::Create(const std::
   // reads): per layer the block's K rows, then its V rows.
   const uint64_t slab = uint64_t{bs} * cache.row_floats();
   const uint64_t block_floats = 2 * slab * cache.num_layers();
-  r->path_ = region_path;
   r->block_size_ = bs;
-  r->region_bytes_ = RegionBytesFor(full_blocks, block_floats * sizeof(float));
+  const uint64_t payload = full_blocks * block_floats * sizeof(float);
+  r->region_bytes_ = region_bytes != 0 ? region_bytes : RegionBytesFor(full_blocks, block_floats * sizeof(float));
+  if (r->region_bytes_ < payload) {
+    return NoSpace("a remote context's pool of " + util::FormatBytes(r->region_bytes_) + " cannot hold its " +
+                   util::FormatBytes(payload) + " of KV: give it " + util::FormatBytes(RegionBytesFor(full_blocks, block_floats * sizeof(float))) +
+                   " (0 sizes it), or pass shorter contexts");
+  }
   PoolCreateOptions co;
   co.size = r->region_bytes_;
   co.max_nodes = 4;
@@ -53,6 +59,7 @@ Result<std::unique_ptr<RemoteLongContext>> RemoteLongContext::Create(const std::
                                       region_path + ": " + created.message() +
                                       " (pass shorter contexts, or a path with room)");
   }
+  r->path_ = region_path;  // ours to remove from here on
   CXLKV_ASSIGN_OR_RETURN(r->pool_, Pool::Open({region_path}, PoolOpenOptions{}));
   CXLKV_ASSIGN_OR_RETURN(KvCache * kv, r->pool_->Cache());
   r->ns_.model_id = config.name.empty() ? "longctx" : config.name;
@@ -79,14 +86,24 @@ Result<std::unique_ptr<RemoteLongContext>> RemoteLongContext::Create(const std::
     return Unavailable("the near-memory service over the remote context's pool did not start serving in 10 s");
   }
   CXLKV_ASSIGN_OR_RETURN(r->client_, pnm::NearMemoryClient::Open(*r->pool_, PoolOpenOptions{}.node_id));
+  // Everything that uses the region has it mapped: its name can go now, so a run killed or
+  // interrupted leaves no gigabytes behind in /dev/shm (the memory is freed at the last unmap).
+  r->RemoveRegionFile();
   return r;
+}
+
+void RemoteLongContext::RemoveRegionFile() {
+  struct stat st {};
+  // Only a file this object created: a device (a DAX path) is never unlinked.
+  if (!path_.empty() && ::lstat(path_.c_str(), &st) == 0 && S_ISREG(st.st_mode)) ::unlink(path_.c_str());
+  path_.clear();
 }
 
 RemoteLongContext::~RemoteLongContext() {
   client_.reset();
   service_.reset();  // releases its contexts' pins while the pool is open
   pool_.reset();
-  if (!path_.empty()) ::unlink(path_.c_str());
+  RemoveRegionFile();  // a Create that failed half way
 }
 
 Result<std::unique_ptr<engine::RemoteDecodeAttention>> RemoteLongContext::Attention(const engine::ModelConfig& config,

@@ -27,24 +27,26 @@ namespace cxlkv::serve {
 
 class RemoteLongContext {
  public:
-  // Creates a pool at `region_path` (replacing a file there) big enough for `context_tokens` of
-  // `config`'s KV, puts the context's blocks into it — `tokens` name them, `cache` and `table`
-  // hold their KV — and starts a near-memory service with `threads` workers over it.
-  // Errors: kNoSpace (naming the bytes) when the region cannot be created or filled; the pool's
-  // and the service's errors.
+  // Creates a pool at `region_path` (replacing a file there) of `region_bytes`, or (0) big
+  // enough for the context's full blocks, puts those blocks into it — `tokens` name them,
+  // `cache` and `table` hold their KV — and starts a near-memory service with `threads` workers
+  // over it. The region's file is removed once everything has it mapped.
+  // Errors: kNoSpace (naming the bytes) when `region_bytes` cannot hold the KV or the region
+  // cannot be created or filled; the pool's and the service's errors.
   static Result<std::unique_ptr<RemoteLongContext>> Create(const std::string& region_path,
                                                            const engine::ModelConfig& config,
                                                            const engine::PagedKvCache& cache,
                                                            std::span<const uint32_t> table,
                                                            std::span<const int32_t> tokens,
-                                                           uint32_t threads);
-  // Stops the service, closes the pool and removes its region.
+                                                           uint32_t threads, uint64_t region_bytes = 0);
+  // Stops the service and closes the pool (its memory goes with the last mapping).
   ~RemoteLongContext();
   RemoteLongContext(const RemoteLongContext&) = delete;
   RemoteLongContext& operator=(const RemoteLongContext&) = delete;
 
   // An attention over the context at the service: budget 0 attends every page there; held_pages
-  // (with a budget) makes it the hybrid. Not yet opened: Open(keys()).
+  // (with a budget) makes it the hybrid. Not yet opened: Open(keys()). It uses this object's
+  // client and pool: it must not outlive this object.
   Result<std::unique_ptr<engine::RemoteDecodeAttention>> Attention(const engine::ModelConfig& config,
                                                                    uint32_t budget_tokens,
                                                                    uint32_t held_pages);
@@ -53,6 +55,7 @@ class RemoteLongContext {
 
  private:
   RemoteLongContext() = default;
+  void RemoveRegionFile();
 
   std::string path_;
   uint64_t region_bytes_ = 0;

@@ -377,9 +377,10 @@ TEST(NearMemoryService, AnIdleContextIsClosedAtItsLeaseAndARenewedOneIsNot) {
 // A client on `node`: opens a context over the first `pages` blocks of seed 7 and attends once,
 // then reports and obeys commands: 1 = attend again (reply 0 ok, 1 not found, 2 other error;
 // on "not found" it reopens and attends, replying 10 + the retry's outcome), 0 = exit.
-// `hybrid`: each attend is the hybrid's split step (kPnmAttendSplit), holding the best half of
-// the previous step's ranks per KV head; an answer whose ranks are not the budget's pages is
-// reply 3.
+// `hybrid`: each attend is the hybrid's split step (kPnmAttendSplit) with room for half the
+// budget's pages per KV head, holding what the previous step left (the pages that stayed and
+// those recalled); an answer whose selection is not the budget's size, or whose held set does
+// not come out full, is reply 3.
 int ClientProcess(const std::string& path, uint32_t node, bool hybrid, int in, int out) {
   auto pool = OpenOrNull({path}, node);
   CHILD_CHECK(pool != nullptr, "open");
@@ -481,7 +482,7 @@ void ClientsKilledAndPaused() {
   ASSERT_NE(w.pool, nullptr);
   ASSERT_EQ(Command(killed, 1), 100u);
   ASSERT_EQ(Command(paused, 1), 100u);
-  ASSERT_EQ(Command(paused, 1), 0u) << "a split step holding half the ranks (3: ranks not the budget's)";
+  ASSERT_EQ(Command(paused, 1), 0u) << "a split step, the held set half the budget (3: a wrong selection count or held set)";
   EXPECT_EQ(*w.cache->Evict(w.ns, w.keys), 0u) << "two open contexts pin every block";
   EXPECT_EQ(SumOf(Scrape(d.MetricsPort()), "cxlkv_pnm_contexts_open"), 2);
 
@@ -504,7 +505,7 @@ void ClientsKilledAndPaused() {
 
   // Resumed, the paused client's context is gone: it is told so, reopens and attends.
   ::kill(paused.pid, SIGCONT);
-  EXPECT_EQ(Command(paused, 1), 10u) << "1x: not found, then reopened (0: ok, 2: another error, 3: bad ranks)";
+  EXPECT_EQ(Command(paused, 1), 10u) << "1x: not found, then reopened (0: ok, 2: another error, 3: a wrong selection count or held set)";
   EXPECT_EQ(Command(paused, 1), 0u);
   ASSERT_TRUE(paused.Send(0));
   EXPECT_EQ(paused.Wait(), 0);
@@ -530,7 +531,7 @@ void DaemonPaused() {
   ASSERT_NE(w.pool, nullptr);
   ASSERT_EQ(Command(client, 1), 100u);
   ASSERT_EQ(Command(hybrid, 1), 100u);
-  ASSERT_EQ(Command(hybrid, 1), 0u) << "a split step holding half the ranks (3: ranks not the budget's)";
+  ASSERT_EQ(Command(hybrid, 1), 0u) << "a split step, the held set half the budget (3: a wrong selection count or held set)";
   EXPECT_EQ(*w.cache->Evict(w.ns, w.keys), 0u) << "pinned by the daemon's contexts";
 
   ::kill(d.pid, SIGSTOP);
@@ -547,7 +548,7 @@ void DaemonPaused() {
 
   EXPECT_EQ(Command(client, 1), 10u) << "1x: not found, then reopened (0: the old context answered, 2: another error)";
   EXPECT_EQ(Command(client, 1), 0u);
-  EXPECT_EQ(Command(hybrid, 1), 10u) << "the hybrid too (3: ranks not the budget's)";
+  EXPECT_EQ(Command(hybrid, 1), 10u) << "the hybrid too (3: a wrong selection count or held set)";
   EXPECT_EQ(Command(hybrid, 1), 0u);
   EXPECT_EQ(SumOf(Scrape(d.MetricsPort()), "cxlkv_pnm_contexts_open"), 2);
   ASSERT_TRUE(client.Send(0));

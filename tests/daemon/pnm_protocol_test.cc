@@ -37,10 +37,23 @@ std::vector<uint32_t> RandomPages(std::mt19937& rng, uint32_t n, uint32_t limit)
 TEST(PnmProtocol, HeldListsRoundTripInTheirOneEncodingAndMalformedOnesAreRefused) {
   AttendJobRequest j = SplitJob(4, 16, 512);
   j.hold_capacity = 9;
-  // Gaps at every varint length's edges, the largest page, an empty list.
-  j.held = {{0, 1, 128, 129, 16512, 2113664, 0xfffffffeu, 0xffffffffu}, {}, {127}};
+  // Encoded values (the first page, then each gap minus 1) on both sides of every varint
+  // length's edge — 1, 2, 3, 4 and 5 bytes — ending at the largest page; an empty list.
+  const std::vector<uint32_t> values = {0,       127,           128,           16383,
+                                        16384,   (1u << 21) - 1, 1u << 21,      (1u << 28) - 1,
+                                        1u << 28};
+  std::vector<uint32_t> edges;
+  uint64_t page = 0;
+  for (size_t i = 0; i < values.size(); ++i) {
+    page = i == 0 ? values[0] : page + 1 + values[i];
+    edges.push_back(static_cast<uint32_t>(page));
+  }
+  edges.push_back(0xffffffffu);  // a gap past 2^28: five bytes
+  j.held = {edges, {}, {127}};
   std::vector<uint8_t> bytes;
   EncodeAttendSplit({&j, 1}, bytes);
+  // The capacity, the list count, three counts, then 1+1+2+2+3+3+4+4+5+5 bytes and 1 byte.
+  EXPECT_EQ(HeldListsBytes(j.held), 8 + 3 * 4 + 30 + 1);
   EXPECT_EQ(bytes.size(), 4 + AttendJobRequestBytes(j.q.size()) + HeldListsBytes(j.held));
   auto back = DecodeAttendSplit(bytes);
   ASSERT_TRUE(back.ok()) << back.status().ToString();
@@ -145,24 +158,34 @@ TEST(PnmProtocol, AMillionTokenHybridAtAnEighthFitsOneSlot) {
         AttendJobAnswerBytes(c.heads, c.head_dim) + SplitAnswerBytesBound(j, c.kv_heads, c.pages, 16);
     EXPECT_LE(request, request_room) << c.heads << " heads, " << c.pages << " pages";
     EXPECT_LE(answer, answer_room) << c.heads << " heads, " << c.pages << " pages";
-    // The encoder stays within the bound: every held page staying, recalls over the whole context.
+    // The encoder stays within the bound on the widest answer it can write: a bit per held page
+    // and `capacity` recalls, as many of them two bytes long (gaps of 129) as the context has
+    // room for, and one last recall at the context's last page.
     std::vector<SplitHeadAnswer> heads(c.kv_heads);
     for (auto& h : heads) {
       h.selected = budget_pages;
       h.stays.assign(j.hold_capacity, 1);
-      for (uint32_t k = 0; k < j.hold_capacity; ++k) {
-        h.recall.push_back(static_cast<uint32_t>(k * (c.pages / j.hold_capacity)));
+      uint64_t next = 0;
+      for (uint32_t k = 0; k + 1 < j.hold_capacity; ++k) {
+        const uint64_t left = j.hold_capacity - 1 - k;  // recalls still to place after this one
+        h.recall.push_back(static_cast<uint32_t>(next));
+        next += next + 129 + left < c.pages ? 129 : 1;
       }
+      h.recall.push_back(static_cast<uint32_t>(c.pages - 1));
     }
     Partial p;
     p.num_heads = c.heads;
     p.head_dim = c.head_dim;
     p.out.assign(size_t{c.heads} * c.head_dim, 0.0f);
     p.lse.assign(c.heads, 0.0f);
-    std::vector<uint8_t> out(answer);
+    std::vector<uint8_t> out(answer + (64 << 10));
     meta::WireWriter w(out);
     PutSplitJobOk(w, 0, p, heads);
-    EXPECT_FALSE(w.overflow()) << "an answer larger than its bound";
+    ASSERT_FALSE(w.overflow());
+    EXPECT_LE(w.size(), answer) << "an answer larger than its bound";
+    EXPECT_GT(w.size(), AttendJobAnswerBytes(c.heads, c.head_dim) + c.kv_heads * (12 + j.hold_capacity / 8 +
+                                                                                   j.hold_capacity))
+        << "the answer is not the widest one";
   }
 }
 

@@ -267,9 +267,16 @@ TEST(Cli, DemoComparesFourConfigurationsWithIdenticalTokens) {
   // Last, the long-context attention scenario: dense, then sparse and hybrid per budget, in the
   // engine's process and through a near-memory service over a pool (whose region is removed).
   EXPECT_THAT(r.out, HasSubstr("dense vs near-memory sparse vs hybrid attention"));
-  ASSERT_EQ(j["long_attention"]["rows"].size(), 11u) << j["long_attention"].dump();
-  EXPECT_EQ(j["long_attention"]["rows"][6]["mode"], "remote-dense");
-  EXPECT_EQ(j["long_attention"]["rows"][6]["tokens_agree"], j["long_attention"]["rows"][6]["steps"]);
+  // A /dev/shm without room for the pool skips the remote rows with a note (LongContextRemote).
+  const auto& la = j["long_attention"];
+  if (la["notes"].empty()) {
+    ASSERT_EQ(la["rows"].size(), 11u) << la.dump();
+    EXPECT_EQ(la["rows"][6]["mode"], "remote-dense");
+    EXPECT_EQ(la["rows"][6]["tokens_agree"], la["rows"][6]["steps"]);
+  } else {
+    ASSERT_EQ(la["rows"].size(), 6u) << la.dump();
+    EXPECT_NE(la["notes"][0].get<std::string>().find("no remote rows"), std::string::npos) << la.dump();
+  }
   EXPECT_FALSE(std::filesystem::exists(path.path() + "-longctx"));
   // The SSD tier's file and catalog were removed with the region.
   EXPECT_TRUE(std::filesystem::is_empty(tier_dir));
@@ -534,7 +541,12 @@ TEST(Cli, BenchLongctxQuickReportsStepTimesNextToDense) {
   }
   EXPECT_EQ(by_name["step_ms/32K/sparse/1_32"]["reference"], "step_ms/32K/dense");
   EXPECT_LT(by_name["engine_bytes/32K/sparse/1_32"]["ratio"].get<double>(), 0.01);
-  // Through the near-memory service, next to the same attention in the engine's process.
+  // Through the near-memory service, next to the same attention in the engine's process (unless
+  // /dev/shm had no room for its pool, which the scenario notes).
+  if (!j["scenario"]["notes"].empty()) {
+    EXPECT_FALSE(by_name.count("step_ms/32K/remote-dense")) << j["scenario"]["notes"].dump();
+    return;
+  }
   for (const std::string name : {"step_ms/32K/remote-dense", "step_ms/32K/remote-sparse/1_32",
                                  "step_ms/32K/remote-hybrid/1_8", "engine_bytes/32K/remote-sparse/1_32"}) {
     ASSERT_TRUE(by_name.count(name)) << name << " is missing";

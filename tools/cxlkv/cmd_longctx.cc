@@ -29,6 +29,7 @@ struct LongCtxArgs {
   bool json = false;
   bool remote = false;
   std::string remote_path;  // default /dev/shm/cxlkv-longctx-<pid>
+  std::string remote_size;  // default: sized to the context
 };
 
 Result<std::vector<uint64_t>> ParseList(const std::string& list, bool sizes, const char* what) {
@@ -112,6 +113,8 @@ void AddLongContextCommands(CLI::App& app, CommandResult& result) {
   cmd->add_option("--remote-path", a->remote_path,
                   "The remote rows' pool region (created, then removed; default "
                   "/dev/shm/cxlkv-longctx-PID); implies --remote");
+  cmd->add_option("--remote-size", a->remote_size,
+                  "The remote rows' pool size (default: sized to the context); implies --remote");
   cmd->add_option("--json-out", a->json_path, "Also write the results as JSON to this file");
   cmd->add_flag("--json", a->json, "Print JSON instead of the table");
   cmd->callback([a, &result] {
@@ -129,7 +132,12 @@ void AddLongContextCommands(CLI::App& app, CommandResult& result) {
       o.near_threads = a->threads;
       o.heavy_fraction = a->heavy_fraction;
       o.heavy_scale = a->heavy_scale;
-      if (a->remote || !a->remote_path.empty()) {
+      if (!a->remote_size.empty()) {
+        auto bytes = util::ParseByteSize(a->remote_size);
+        if (!bytes.ok()) return InvalidArgument("--remote-size: " + bytes.status().message());
+        o.remote_region_bytes = *bytes;
+      }
+      if (a->remote || !a->remote_path.empty() || !a->remote_size.empty()) {
         o.remote_region = a->remote_path.empty()
                               ? "/dev/shm/cxlkv-longctx-" + std::to_string(::getpid())
                               : a->remote_path;
