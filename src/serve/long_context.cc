@@ -212,6 +212,18 @@ Result<LongContextResult> RunLongContextDecode(const LongContextOptions& o) {
     d.steps = d.tokens_agree = o.decode_steps;
     result.rows.push_back(d);
 
+    // The steps of one sparse, hybrid or remote attention, teacher-forced with dense's tokens,
+    // counted from here (what preparing or opening it cost is not in them), as a row.
+    auto decoded_row = [&](auto& attention, const std::string& label,
+                           uint32_t budget) -> Result<LongContextRow> {
+      attention.ResetStats();
+      CXLKV_ASSIGN_OR_RETURN(Decoded run,
+                             DecodeRun(model, cache, *table, static_cast<uint32_t>(n), first,
+                                       o.decode_steps, &attention, forced));
+      LongContextRow r = RowOf(n, label, budget, run, attention.stats(), dense, forced);
+      r.speedup = d.step_ms / r.step_ms;
+      return r;
+    };
     double digest_rate = 0;
     // One sparse or hybrid run at `budget` tokens, teacher-forced with dense's tokens.
     auto run_sparse = [&](engine::AttentionMode mode, uint32_t budget, const std::string& label,
@@ -225,12 +237,7 @@ Result<LongContextResult> RunLongContextDecode(const LongContextOptions& o) {
       const auto t_digest = Clock::now();
       CXLKV_RETURN_IF_ERROR(attention->Prepare(cache, *table, n));
       if (digest_rate == 0) digest_rate = double(n) * config.num_layers / Seconds(t_digest);
-      attention->ResetStats();
-      CXLKV_ASSIGN_OR_RETURN(Decoded run,
-                             DecodeRun(model, cache, *table, static_cast<uint32_t>(n), first,
-                                       o.decode_steps, attention.get(), forced));
-      LongContextRow r = RowOf(n, label, budget, run, attention->stats(), dense, forced);
-      r.speedup = d.step_ms / r.step_ms;
+      CXLKV_ASSIGN_OR_RETURN(LongContextRow r, decoded_row(*attention, label, budget));
       if (audit) {  // the attention mass the selection kept, measured apart: the audit attends
                     // densely too
         so.audit = true;
@@ -292,12 +299,7 @@ Result<LongContextResult> RunLongContextDecode(const LongContextOptions& o) {
         const auto t_open = Clock::now();
         CXLKV_RETURN_IF_ERROR(attention->Open(remote->keys()));
         const double open_s = Seconds(t_open);
-        attention->ResetStats();
-        CXLKV_ASSIGN_OR_RETURN(Decoded run,
-                               DecodeRun(model, cache, *table, static_cast<uint32_t>(n), first,
-                                         o.decode_steps, attention.get(), forced));
-        LongContextRow r = RowOf(n, label, budget, run, attention->stats(), dense, forced);
-        r.speedup = d.step_ms / r.step_ms;
+        CXLKV_ASSIGN_OR_RETURN(LongContextRow r, decoded_row(*attention, label, budget));
         r.mass_measured = false;
         r.open_ms = open_s * 1e3;
         return r;
