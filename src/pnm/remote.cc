@@ -146,6 +146,7 @@ Status NearMemoryClient::RunJobs(std::span<Job> jobs, bool split) {
   std::vector<uint32_t> kv_heads(jobs.size());
   std::vector<size_t> split_bytes(jobs.size(), 0);  // a split answer's per-head part, at most
   std::vector<uint64_t> context_pages(jobs.size(), 0);
+  std::vector<AttendJobRequest> requests(jobs.size());  // each job as it goes on the wire
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < jobs.size(); ++i) {
@@ -158,6 +159,14 @@ Status NearMemoryClient::RunJobs(std::span<Job> jobs, bool split) {
       shapes[i] = info.shape;
       kv_heads[i] = info.kv_heads;
       context_pages[i] = info.pages;
+      AttendJobRequest& e = requests[i];
+      e.context = jobs[i].context;
+      e.layer = jobs[i].layer;
+      e.budget_tokens = jobs[i].budget_tokens;
+      e.sink_pages = jobs[i].sink_pages;
+      e.recent_pages = jobs[i].recent_pages;
+      e.scale = jobs[i].scale;
+      e.q.assign(jobs[i].q, jobs[i].q + size_t{info.shape.first} * info.shape.second);
       if (!split) continue;
       if (jobs[i].budget_tokens == 0 || jobs[i].steps == nullptr || jobs[i].held.size() != info.kv_heads) {
         return InvalidArgument("split attend job " + std::to_string(i) + ": needs a budget, a place for the steps and " +
@@ -167,13 +176,9 @@ Status NearMemoryClient::RunJobs(std::span<Job> jobs, bool split) {
       if (std::string why = UnorderedHeldList(jobs[i].held); !why.empty()) {
         return InvalidArgument("split attend job " + std::to_string(i) + ": " + why);
       }
-      AttendJobRequest shape;  // the fields the bound reads
-      shape.budget_tokens = jobs[i].budget_tokens;
-      shape.sink_pages = jobs[i].sink_pages;
-      shape.recent_pages = jobs[i].recent_pages;
-      shape.hold_capacity = jobs[i].hold_capacity;
-      shape.held.assign(jobs[i].held.begin(), jobs[i].held.end());
-      split_bytes[i] = SplitAnswerBytesBound(shape, info.kv_heads, info.pages, info.page_tokens);
+      e.held.assign(jobs[i].held.begin(), jobs[i].held.end());
+      e.hold_capacity = jobs[i].hold_capacity;
+      split_bytes[i] = SplitAnswerBytesBound(e, info.kv_heads, info.pages, info.page_tokens);
     }
   }
   // Pack consecutive jobs while the request and its answer fit their slots.
@@ -187,8 +192,7 @@ Status NearMemoryClient::RunJobs(std::span<Job> jobs, bool split) {
   for (size_t i = 0; i < jobs.size();) {
     size_t req = 4, ans = 0, j = i;
     while (j < jobs.size()) {
-      const size_t q = size_t{shapes[j].first} * shapes[j].second;
-      const size_t r = AttendJobRequestBytes(q) + (split ? HeldListsBytes(jobs[j].held) : 0);
+      const size_t r = AttendJobRequestBytes(requests[j].q.size()) + (split ? HeldListsBytes(requests[j].held) : 0);
       const size_t a = std::max(AttendJobAnswerBytes(shapes[j].first, shapes[j].second) + split_bytes[j],
                                 10 + kMaxJobMessage);
       if (j > i && (req + r > req_cap || ans + a > ans_cap)) break;
@@ -203,21 +207,7 @@ Status NearMemoryClient::RunJobs(std::span<Job> jobs, bool split) {
                              std::to_string(req_cap) + " and " + std::to_string(ans_cap) + ")" +
                              (split ? ": a smaller budget or fewer held pages" : ""));
     }
-    std::vector<AttendJobRequest> encoded(j - i);
-    for (size_t k = i; k < j; ++k) {
-      AttendJobRequest& e = encoded[k - i];
-      e.context = jobs[k].context;
-      e.layer = jobs[k].layer;
-      e.budget_tokens = jobs[k].budget_tokens;
-      e.sink_pages = jobs[k].sink_pages;
-      e.recent_pages = jobs[k].recent_pages;
-      e.scale = jobs[k].scale;
-      e.q.assign(jobs[k].q, jobs[k].q + size_t{shapes[k].first} * shapes[k].second);
-      if (split) {
-        e.held.assign(jobs[k].held.begin(), jobs[k].held.end());
-        e.hold_capacity = jobs[k].hold_capacity;
-      }
-    }
+    const std::span<const AttendJobRequest> encoded = std::span(requests).subspan(i, j - i);
     Batch b{i, j, {}, 0};
     if (split) {
       EncodeAttendSplit(encoded, b.request);

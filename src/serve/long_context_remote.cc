@@ -3,9 +3,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
-#include <cstring>
 
+#include "transfer/transfer.h"
 #include "util/units.h"
 
 namespace cxlkv::serve {
@@ -38,16 +39,14 @@ Result<std::unique_ptr<RemoteLongContext>> RemoteLongContext::Create(const std::
     return InvalidArgument("the remote context's block table holds " + std::to_string(table.size()) +
                            " blocks, fewer than its " + std::to_string(full_blocks) + " full blocks");
   }
-  // A block as the engine's layout stores it (the pool block format RemoteDecodeAttention
-  // reads): per layer the block's K rows, then its V rows.
-  const uint64_t slab = uint64_t{bs} * cache.row_floats();
-  const uint64_t block_floats = 2 * slab * cache.num_layers();
+  const EngineKvLayout layout = cache.Layout();  // pool block format 1, what the service reads
+  const uint64_t block_bytes = layout.PoolBlockBytes();
   r->block_size_ = bs;
-  const uint64_t payload = full_blocks * block_floats * sizeof(float);
-  r->region_bytes_ = region_bytes != 0 ? region_bytes : RegionBytesFor(full_blocks, block_floats * sizeof(float));
+  const uint64_t payload = full_blocks * block_bytes;
+  r->region_bytes_ = region_bytes != 0 ? region_bytes : RegionBytesFor(full_blocks, block_bytes);
   if (r->region_bytes_ < payload) {
     return NoSpace("a remote context's pool of " + util::FormatBytes(r->region_bytes_) + " cannot hold its " +
-                   util::FormatBytes(payload) + " of KV: give it " + util::FormatBytes(RegionBytesFor(full_blocks, block_floats * sizeof(float))) +
+                   util::FormatBytes(payload) + " of KV: give it " + util::FormatBytes(RegionBytesFor(full_blocks, block_bytes)) +
                    " (0 sizes it), or pass shorter contexts");
   }
   PoolCreateOptions co;
@@ -63,20 +62,19 @@ Result<std::unique_ptr<RemoteLongContext>> RemoteLongContext::Create(const std::
   CXLKV_ASSIGN_OR_RETURN(r->pool_, Pool::Open({region_path}, PoolOpenOptions{}));
   CXLKV_ASSIGN_OR_RETURN(KvCache * kv, r->pool_->Cache());
   r->ns_.model_id = config.name.empty() ? "longctx" : config.name;
-  r->ns_.layout = cache.Layout().Signature();
+  r->ns_.layout = layout.Signature();
   CXLKV_ASSIGN_OR_RETURN(NamespaceHandle handle, kv->Namespace(r->ns_));
   r->keys_ = KvCache::ChainKeys(handle, tokens.first(full_blocks * bs));
-  std::vector<float> block(block_floats);
-  for (uint64_t b = 0; b < full_blocks; ++b) {
-    for (uint32_t l = 0; l < cache.num_layers(); ++l) {
-      std::memcpy(&block[2 * l * slab], cache.Key(l, table[b], 0), slab * sizeof(float));
-      std::memcpy(&block[(2 * l + 1) * slab], cache.Value(l, table[b], 0), slab * sizeof(float));
-    }
-    Status put = kv->Put(handle, r->keys_[b], block.data(), block_floats * sizeof(float));
-    // A repeated block key (the same tokens and prefix) is the same block: already there.
-    if (!put.ok() && put.code() != StatusCode::kAlreadyExists) {
-      return Status(put.code(), "putting block " + std::to_string(b) + " of " + std::to_string(full_blocks) +
-                                    " of the remote context into its pool: " + put.message());
+  // The engine's blocks into the pool as the serving path stores them, a batch at a time.
+  transfer::CpuTransfer transfer(*kv);
+  constexpr uint64_t kBatch = 4096;
+  for (uint64_t b = 0; b < full_blocks; b += kBatch) {
+    const uint64_t n = std::min(kBatch, full_blocks - b);
+    auto put = transfer.GatherWrite(handle, layout, table.subspan(b, n), std::span(r->keys_).subspan(b, n));
+    if (!put.ok()) {
+      return Status(put.status().code(), "putting blocks " + std::to_string(b) + ".." + std::to_string(b + n) +
+                                             " of " + std::to_string(full_blocks) +
+                                             " of the remote context into its pool: " + put.status().message());
     }
   }
   daemon::NearMemoryServiceOptions so;

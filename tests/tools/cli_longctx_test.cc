@@ -14,6 +14,7 @@
 namespace {
 
 using ::cxlkv::testing::Cli;
+using ::cxlkv::testing::FiguresByName;
 using ::testing::HasSubstr;
 
 // The long-context decode scenario at a small size: a row per mode and budget, each with its
@@ -89,8 +90,7 @@ TEST(Cli, BenchLongctxQuickReportsStepTimesNextToDense) {
   ASSERT_EQ(r.code, 0) << r.out;
   auto j = nlohmann::json::parse(r.stdout_only);
   EXPECT_EQ(j["suite"], "longctx");
-  std::map<std::string, nlohmann::json> by_name;
-  for (const auto& f : j["results"]) by_name[f["name"].get<std::string>()] = f;
+  auto by_name = FiguresByName(j);
   for (const std::string name : {"step_ms/32K/dense-nm", "step_ms/32K/sparse/1_32", "step_ms/32K/hybrid/1_8",
                                  "engine_bytes/32K/sparse/1_32", "mass_kept/32K/sparse/1_8"}) {
     ASSERT_TRUE(by_name.count(name)) << name << " is missing";

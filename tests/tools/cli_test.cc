@@ -19,6 +19,7 @@
 namespace {
 
 using ::cxlkv::testing::Cli;
+using ::cxlkv::testing::FiguresByName;
 using ::testing::HasSubstr;
 
 TEST(Cli, InitThenInfoJson) {
@@ -172,8 +173,7 @@ TEST(Cli, BenchTierQuickReportsTheSsdTierNextToFio) {
   ASSERT_EQ(r.code, 0) << r.out;
   auto j = nlohmann::json::parse(r.stdout_only);
   EXPECT_EQ(j["suite"], "tier");
-  std::map<std::string, nlohmann::json> by_name;
-  for (const auto& fig : j["results"]) by_name[fig["name"].get<std::string>()] = fig;
+  auto by_name = FiguresByName(j);
   for (const char* want : {"ssd_write/256KiB/qd1", "ssd_read/256KiB/qd32", "ssd_read/2MiB/qd32",
                            "vs_file_per_object/read/256KiB", "crc_cost/ssd_read/256KiB", "combined/256KiB"}) {
     ASSERT_TRUE(by_name.count(want)) << want;
@@ -470,11 +470,8 @@ TEST(Cli, BenchPnmQuickReportsEachFigureNextToItsReference) {
   ASSERT_EQ(r.code, 0) << r.out;
   auto j = nlohmann::json::parse(r.stdout_only);
   EXPECT_EQ(j["suite"], "pnm");
-  std::map<std::string, nlohmann::json> by_name;
-  for (const auto& f : j["results"]) {
-    by_name[f["name"].get<std::string>()] = f;
-    EXPECT_GT(f["median"].get<double>(), 0) << f.dump();
-  }
+  auto by_name = FiguresByName(j);
+  for (const auto& f : j["results"]) EXPECT_GT(f["median"].get<double>(), 0) << f.dump();
   const std::map<std::string, std::string> reference = {
       {"attend_bw/32K", "memory_read_bw"},
       {"speedup/128K/1_32", "byte_limit/128K/1_32"},

@@ -1,5 +1,5 @@
 // Runs the `cxlkv` binary (CXLKV_CLI, set by ctest) as a user would: its exit code, stdout, and
-// stdout with stderr. Shared by the CLI tests.
+// stdout with stderr; a bench report's figures by name. Shared by the CLI tests.
 #ifndef CXLKV_TESTS_TOOLS_CLI_UTIL_H_
 #define CXLKV_TESTS_TOOLS_CLI_UTIL_H_
 
@@ -9,9 +9,11 @@
 #include <array>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <string>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 namespace cxlkv::testing {
 
@@ -40,6 +42,13 @@ inline Output Cli(const std::string& args) {
   ::unlink(err_file.c_str());
   o.out = o.stdout_only + err;
   return o;
+}
+
+// A `cxlkv bench NAME --json` report's figures by name.
+inline std::map<std::string, nlohmann::json> FiguresByName(const nlohmann::json& report) {
+  std::map<std::string, nlohmann::json> by_name;
+  for (const auto& f : report["results"]) by_name[f["name"].get<std::string>()] = f;
+  return by_name;
 }
 
 }  // namespace cxlkv::testing
