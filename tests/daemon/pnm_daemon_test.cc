@@ -476,7 +476,10 @@ void ClientsKilledAndPaused() {
   MakePool(path.path());
   Child killed = ForkClient(path.path(), 2);
   Child paused = ForkClient(path.path(), 3, /*hybrid=*/true);
-  DaemonProcess d = DaemonProcess::Start(path.path(), 0, "--pnm-threads 1 --pnm-lease-ms 800 --metrics 127.0.0.1:0");
+  // A context lease long enough that the killed client's context outlives the paused client's
+  // two steps on a loaded machine (800 ms expired it once under TSan, the simulator and a build
+  // beside it); the pause below waits for the expiry however long the lease.
+  DaemonProcess d = DaemonProcess::Start(path.path(), 0, "--pnm-threads 1 --pnm-lease-ms 3000 --metrics 127.0.0.1:0");
   ASSERT_GT(d.MetricsPort(), 0) << d.first_line;
   Writer w(path.path());
   ASSERT_NE(w.pool, nullptr);
