@@ -251,6 +251,12 @@ class PyPool {
     return Take(use.cache->EvictAll());
   }
 
+  uint64_t EvictNamespace(const PyNamespace& ns) {
+    py::gil_scoped_release nogil;
+    PoolState::Use use(*state_);
+    return Take(use.cache->EvictNamespace(ns.handle));
+  }
+
   // `cuda_device` < 0: the layers are host memory; otherwise device pointers of that GPU.
   std::shared_ptr<PyKvStore> Register(const PyNamespace& ns, const EngineKvLayout& layout, uint32_t threads,
                                       int cuda_device) {
@@ -411,38 +417,52 @@ PYBIND11_MODULE(_cxlkv, m) {
              auto k = KeysOf(keys);
              return WithStore(s, [&](EngineKvStore& st) { return Take(st.ExistsPrefix(k)); });
            })
+      .def("assign_blocks",
+           [](PyKvStore& s, BlockOwner owner, const std::vector<uint32_t>& ids) {
+             WithStore(s, [&](EngineKvStore& st) { Check(st.AssignBlocks(owner, ids)); });
+           })
+      .def("release_blocks",
+           [](PyKvStore& s, BlockOwner owner, const std::vector<uint32_t>& ids) {
+             return WithStore(s, [&](EngineKvStore& st) { return st.ReleaseBlocks(owner, ids); });
+           })
+      .def("release_owner",
+           [](PyKvStore& s, BlockOwner owner) {
+             return WithStore(s, [&](EngineKvStore& st) { return st.ReleaseOwner(owner); });
+           })
       .def("put_many",
-           [](PyKvStore& s, const KeyArray& keys, const std::vector<uint32_t>& ids) {
+           [](PyKvStore& s, const KeyArray& keys, const std::vector<uint32_t>& ids, BlockOwner owner) {
              auto k = KeysOf(keys);
-             auto r = WithStore(s, [&](EngineKvStore& st) { return Take(st.PutMany(k, ids)); });
+             auto r = WithStore(s, [&](EngineKvStore& st) { return Take(st.PutMany(k, ids, owner)); });
              return std::make_pair(r.written, r.skipped);
-           })
+           }, py::arg("keys"), py::arg("ids"), py::arg("owner") = kAnyOwner)
       .def("get_many_into",
-           [](PyKvStore& s, const KeyArray& keys, const std::vector<uint32_t>& ids) {
+           [](PyKvStore& s, const KeyArray& keys, const std::vector<uint32_t>& ids, BlockOwner owner) {
              auto k = KeysOf(keys);
-             return WithStore(s, [&](EngineKvStore& st) { return Take(st.GetManyInto(k, ids)); });
-           })
+             return WithStore(s, [&](EngineKvStore& st) { return Take(st.GetManyInto(k, ids, owner)); });
+           }, py::arg("keys"), py::arg("ids"), py::arg("owner") = kAnyOwner)
       .def("start_get_many_into",
-           [](const std::shared_ptr<PyKvStore>& s, const KeyArray& keys, const std::vector<uint32_t>& ids) {
+           [](const std::shared_ptr<PyKvStore>& s, const KeyArray& keys, const std::vector<uint32_t>& ids,
+              BlockOwner owner) {
              auto k = KeysOf(keys);
              auto h = std::make_shared<PyKvLoad>();
              h->store = s;
-             h->op = WithStore(*s, [&](EngineKvStore& st) { return Take(st.StartGetManyInto(k, ids)); });
+             h->op = WithStore(*s, [&](EngineKvStore& st) { return Take(st.StartGetManyInto(k, ids, owner)); });
              h->blocks = h->op->blocks();
              Prune(s->loads);
              s->loads.push_back(h);
              return h;
-           })
+           }, py::arg("keys"), py::arg("ids"), py::arg("owner") = kAnyOwner)
       .def("start_put_many",
-           [](const std::shared_ptr<PyKvStore>& s, const KeyArray& keys, const std::vector<uint32_t>& ids) {
+           [](const std::shared_ptr<PyKvStore>& s, const KeyArray& keys, const std::vector<uint32_t>& ids,
+              BlockOwner owner) {
              auto k = KeysOf(keys);
              auto h = std::make_shared<PyKvSave>();
              h->store = s;
-             h->op = WithStore(*s, [&](EngineKvStore& st) { return Take(st.StartPutMany(k, ids)); });
+             h->op = WithStore(*s, [&](EngineKvStore& st) { return Take(st.StartPutMany(k, ids, owner)); });
              Prune(s->saves);
              s->saves.push_back(h);
              return h;
-           });
+           }, py::arg("keys"), py::arg("ids"), py::arg("owner") = kAnyOwner);
 
   py::class_<PyKvLoad, std::shared_ptr<PyKvLoad>>(m, "_KvLoad")
       .def_property_readonly("blocks", [](const PyKvLoad& l) { return l.blocks; })
@@ -492,6 +512,7 @@ PYBIND11_MODULE(_cxlkv, m) {
       .def("put_buffers", &PyPool::PutBuffers)
       .def("get_buffers", &PyPool::GetBuffers)
       .def("evict_all", &PyPool::EvictAll)
+      .def("evict_namespace", &PyPool::EvictNamespace)
       .def("register",
            [](PyPool& p, const PyNamespace& ns, uint32_t kind, uint32_t dtype, uint32_t num_blocks,
               uint32_t block_size, uint32_t heads, uint32_t head_size, uint32_t latent_dim, uint32_t tp_rank,

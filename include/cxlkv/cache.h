@@ -240,6 +240,9 @@ class KvCache {
   Result<uint64_t> Evict(const NamespaceHandle& ns, std::span<const BlockKey> keys);
   // Evicts every unpinned READY block; returns how many.
   Result<uint64_t> EvictAll();
+  // Evicts every unpinned READY block of `ns` and no other; returns how many (an engine's
+  // "clear my cache" on a pool other engines share).
+  Result<uint64_t> EvictNamespace(const NamespaceHandle& ns);
 
   cache::IndexApi& index() { return index_; }
   // Internal: what brings blocks on capacity tiers into the region for Lookup (src/tier

@@ -35,6 +35,11 @@
 
 namespace cxlkv {
 
+// The engine request a load or save is for, as the engine names it to the store (any nonzero
+// number; the Python adapters count requests). kAnyOwner: an untracked call.
+using BlockOwner = uint64_t;
+inline constexpr BlockOwner kAnyOwner = 0;
+
 struct PutManyResult {
   uint64_t written = 0;  // blocks copied and published by this call
   uint64_t skipped = 0;  // READY already, or being written by another writer: not copied
@@ -112,6 +117,23 @@ class EngineKvStore {
   const EngineKvLayout& layout() const;
   const NamespaceHandle& ns() const;
 
+  // Block ownership (src/kvstore/block_owners.h). An engine that tells the store which request
+  // holds which blocks gets a checked invariant: nothing is published from, or loaded into, a
+  // block its request does not hold. From the first AssignBlocks on, every load and save must
+  // name its request (`owner`); one naming a block the request does not hold is refused whole
+  // (kInvalidArgument, nothing moved), and a save publishes only if each of its blocks stayed
+  // held by the same assignment until its copies were done. Stores never told keep the
+  // untracked behaviour (owner kAnyOwner).
+  //
+  // `owner` now holds these blocks (a block may have several holders: shared prefixes).
+  Status AssignBlocks(BlockOwner owner, std::span<const uint32_t> block_ids);
+  // `owner` gives these blocks up (freed, or the request preempted), before the engine hands
+  // them to another request: waits for the owner's loads into them first. Returns how many of
+  // them it held.
+  size_t ReleaseBlocks(BlockOwner owner, std::span<const uint32_t> block_ids);
+  // The same for every block `owner` holds.
+  size_t ReleaseOwner(BlockOwner owner);
+
   // How many leading keys the pool holds (READY, capacity tiers included), without a pin or a
   // write: a scheduler's question. May be stale at once.
   Result<size_t> ExistsPrefix(std::span<const BlockKey> keys);
@@ -119,23 +141,27 @@ class EngineKvStore {
   // Engine blocks block_ids[i] → the pool under keys[i]. Keys already cached (or being written
   // elsewhere) are skipped and counted. Errors (nothing of this call published): kInvalidArgument
   // (sizes differ, a block id out of range), the cache's reserve errors (kNoSpace...).
-  Result<PutManyResult> PutMany(std::span<const BlockKey> keys, std::span<const uint32_t> block_ids);
+  Result<PutManyResult> PutMany(std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
+                                 BlockOwner owner = kAnyOwner);
 
   // The longest cached prefix of `keys` → engine blocks block_ids[0..n); returns n. Blocks on
   // capacity tiers are brought in first. Engine blocks past n are untouched. Errors (engine
   // untouched): kInvalidArgument (sizes differ, a block id out of range or repeated), a pool
   // block of another size (layout signature mismatch), the cache's lookup errors.
-  Result<size_t> GetManyInto(std::span<const BlockKey> keys, std::span<const uint32_t> block_ids);
+  Result<size_t> GetManyInto(std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
+                                 BlockOwner owner = kAnyOwner);
 
   // GetManyInto, layer by layer on the store's copy thread: returns once the prefix is pinned
   // and the copy queued. The engine waits per layer (EngineKvLoad::WaitLayer) before reading it.
   // Errors: as GetManyInto's, before anything is queued.
   Result<std::unique_ptr<EngineKvLoad>> StartGetManyInto(std::span<const BlockKey> keys,
-                                                         std::span<const uint32_t> block_ids);
+                                                         std::span<const uint32_t> block_ids,
+                                                         BlockOwner owner = kAnyOwner);
   // PutMany, layer by layer: reserves now, copies each layer when reported. Errors: as
   // PutMany's, before anything is reserved.
   Result<std::unique_ptr<EngineKvSave>> StartPutMany(std::span<const BlockKey> keys,
-                                                     std::span<const uint32_t> block_ids);
+                                                     std::span<const uint32_t> block_ids,
+                                                     BlockOwner owner = kAnyOwner);
 
  private:
   explicit EngineKvStore(std::unique_ptr<Impl> impl);

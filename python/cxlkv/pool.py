@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterable, List, NamedTuple, Optional, Sequence, Union
+from typing import Any, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -47,6 +47,32 @@ def _block_ids(ids: Any, what: str) -> List[int]:
     arr = np.asarray(ids, dtype=np.int64).reshape(-1)
     if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
         raise _cxlkv.InvalidArgumentError(f"{what}: block ids must be in 0..2^32-1")
+    return arr.tolist()
+
+
+def _owner(owner: int) -> int:
+    if not isinstance(owner, int) or not 0 < owner < 2**64:
+        raise _cxlkv.InvalidArgumentError(f"a block owner is a request number in 1..2^64-1, got {owner!r}")
+    return owner
+
+
+def _checked_addresses(ns: "Namespace", addresses: Sequence[int], size: int, within: Sequence[Tuple[int, int]],
+                       what: str) -> List[int]:
+    """``addresses`` as ints, each [a, a + size) inside one range of ``within``, size a block's."""
+    size = int(size)
+    if size <= 0 or (ns.block_bytes and size != ns.block_bytes):
+        raise _cxlkv.InvalidArgumentError(f"{what}: blocks of {size} bytes; a block of {ns!r} is {ns.block_bytes}")
+    arr = np.asarray(addresses, dtype=np.uint64).reshape(-1)
+    ok = np.zeros(arr.shape, dtype=bool)
+    for start, nbytes in within:
+        start, nbytes = int(start), int(nbytes)
+        ok |= (arr >= np.uint64(start)) & (arr + np.uint64(size) <= np.uint64(start + nbytes))
+    if not ok.all():
+        bad = int(np.argmin(ok))
+        ranges = ", ".join(f"[{int(s):#x}, +{int(n)})" for s, n in within) or "none"
+        raise _cxlkv.InvalidArgumentError(
+            f"{what}: block {bad} at {int(arr[bad]):#x} (+{size} bytes) is outside the registered host memory "
+            f"({ranges}): the page index is out of range, or the host pool was not the one registered")
     return arr.tolist()
 
 
@@ -181,11 +207,18 @@ class KvSave:
     """A layer-wise save in flight (KvStore.start_put_many): report each layer once the engine
     wrote it, then finish() publishes. Aborted (nothing published) if never finished."""
 
-    def __init__(self, native: Any):
+    def __init__(self, native: Any, num_layers: int):
         self._native = native
+        self.num_layers = num_layers
+        self._reported: set = set()
 
     def layer_computed(self, layer: int) -> None:
         self._native.layer_computed(layer)
+        self._reported.add(layer)
+
+    def unreported_layers(self) -> List[int]:
+        """Layers not reported yet (an engine step whose per-layer hooks did not run)."""
+        return [layer for layer in range(self.num_layers) if layer not in self._reported]
 
     def finish(self) -> PutResult:
         return PutResult(*self._native.finish())
@@ -216,25 +249,44 @@ class KvStore:
         """How many leading keys the pool holds, without pinning anything (a scheduler's question)."""
         return self._native.exists_prefix(_keys(keys))
 
-    def put_many(self, keys: Any, block_ids: Any) -> PutResult:
-        """Engine blocks ``block_ids[i]`` -> the pool under ``keys[i]``; cached keys are skipped."""
-        return PutResult(*self._native.put_many(_keys(keys), _block_ids(block_ids, "put_many")))
+    # Block ownership: once an engine names which request holds which blocks (assign_blocks),
+    # every load and save names its request (``owner``), and nothing is published from, or
+    # loaded into, a block that request does not hold (InvalidArgumentError, nothing moved; a
+    # save whose block is given up before its copies are done publishes nothing).
 
-    def get_many_into(self, keys: Any, block_ids: Any) -> int:
+    def assign_blocks(self, owner: int, block_ids: Any) -> None:
+        """Request ``owner`` (any nonzero number) now holds these engine blocks."""
+        self._native.assign_blocks(_owner(owner), _block_ids(block_ids, "assign_blocks"))
+
+    def release_blocks(self, owner: int, block_ids: Any) -> int:
+        """Request ``owner`` gave these blocks up (before the engine reuses them): waits for its
+        loads into them. Returns how many of them it held."""
+        return self._native.release_blocks(_owner(owner), _block_ids(block_ids, "release_blocks"))
+
+    def release_owner(self, owner: int) -> int:
+        """Request ``owner`` gave every block up (finished, preempted); returns how many it held."""
+        return self._native.release_owner(_owner(owner))
+
+    def put_many(self, keys: Any, block_ids: Any, owner: int = 0) -> PutResult:
+        """Engine blocks ``block_ids[i]`` -> the pool under ``keys[i]``; cached keys are skipped."""
+        return PutResult(*self._native.put_many(_keys(keys), _block_ids(block_ids, "put_many"), owner))
+
+    def get_many_into(self, keys: Any, block_ids: Any, owner: int = 0) -> int:
         """The longest cached prefix of ``keys`` -> engine blocks ``block_ids[:n]``; returns n.
         Blocks past n are untouched."""
-        return self._native.get_many_into(_keys(keys), _block_ids(block_ids, "get_many_into"))
+        return self._native.get_many_into(_keys(keys), _block_ids(block_ids, "get_many_into"), owner)
 
-    def start_get_many_into(self, keys: Any, block_ids: Any) -> KvLoad:
+    def start_get_many_into(self, keys: Any, block_ids: Any, owner: int = 0) -> KvLoad:
         """get_many_into layer by layer on a copy thread: returns once the prefix is pinned; wait
         per layer (KvLoad.wait_layer) before reading it, so layer l computes while l+1 moves."""
-        native = self._native.start_get_many_into(_keys(keys), _block_ids(block_ids, "get_many_into"))
+        native = self._native.start_get_many_into(_keys(keys), _block_ids(block_ids, "get_many_into"), owner)
         return KvLoad(native, self.namespace.num_layers)
 
-    def start_put_many(self, keys: Any, block_ids: Any) -> KvSave:
+    def start_put_many(self, keys: Any, block_ids: Any, owner: int = 0) -> KvSave:
         """put_many layer by layer: reserves now (cached keys skipped), copies each layer as it
         is reported, publishes at finish()."""
-        return KvSave(self._native.start_put_many(_keys(keys), _block_ids(block_ids, "put_many")))
+        return KvSave(self._native.start_put_many(_keys(keys), _block_ids(block_ids, "put_many"), owner),
+                      self.namespace.num_layers)
 
 
 class Pool:
@@ -302,6 +354,26 @@ class Pool:
         descs = [_buffers.describe(o, writable=True, what=f"destination {i}") for i, o in enumerate(outs)]
         size = self._block_size_of(ns, descs, "get")
         return self._native.get_buffers(ns._native, k, [d.address for d in descs], size)
+
+    # Raw addresses, for adapters that index an engine's own registered host memory by page
+    # (SGLang HiCache's zero-copy path): the same put/get, with each block's address given
+    # instead of a tensor. ``within`` holds the (address, nbytes) ranges the engine registered;
+    # every block must lie inside one of them, or nothing is done — so a bad index is an
+    # InvalidArgumentError, never a copy to or from memory the engine does not own.
+
+    def put_addresses(self, ns: Namespace, keys: Any, addresses: Sequence[int], size: int, *,
+                      within: Sequence[Tuple[int, int]]) -> PutResult:
+        """put of the ``size`` bytes at ``addresses[i]`` under ``keys[i]`` (all or nothing)."""
+        k = _keys(keys)
+        ptrs = _checked_addresses(ns, addresses, size, within, "put_addresses")
+        return PutResult(*self._native.put_buffers(ns._native, k, ptrs, size))
+
+    def get_addresses(self, ns: Namespace, keys: Any, addresses: Sequence[int], size: int, *,
+                      within: Sequence[Tuple[int, int]]) -> int:
+        """get of the longest cached prefix of ``keys`` into ``size`` bytes at each address; returns n."""
+        k = _keys(keys)
+        ptrs = _checked_addresses(ns, addresses, size, within, "get_addresses")
+        return self._native.get_buffers(ns._native, k, ptrs, size)
 
     @staticmethod
     def _block_size_of(ns: Namespace, descs: List[_buffers.Described], what: str) -> int:
@@ -374,6 +446,11 @@ class Pool:
     def evict_all(self) -> int:
         """Evicts every unpinned block of the pool; returns how many."""
         return self._native.evict_all()
+
+    def evict_namespace(self, ns: Namespace) -> int:
+        """Evicts every unpinned block of ``ns`` and nothing of any other namespace (one engine's
+        "clear" on a pool the rack shares); returns how many."""
+        return self._native.evict_namespace(ns._native)
 
     def stats(self, *, watch_ms: int = 0) -> dict:
         """The pool's ``cxlkv stat --json`` document (see cxlkv.stat)."""

@@ -245,6 +245,23 @@ Result<uint64_t> Index::EvictAll() {
   return evicted;
 }
 
+Result<uint64_t> Index::EvictNamespace(const NamespaceHandle& ns) {
+  CXLKV_RETURN_IF_ERROR(CheckHandle(ns));
+  uint64_t evicted = 0;
+  for (uint32_t stripe = 0; stripe < layout_.h.stripes; ++stripe) {
+    CXLKV_RETURN_IF_ERROR(LockStripe(stripe));
+    std::vector<std::pair<uint64_t, uint64_t>> victims;
+    for (uint32_t i = 0; i < layout_.h.slots_per_stripe; ++i) {
+      const uint64_t slot = SlotAt(stripe, i);
+      const Entry e = ReadEntry(slot);  // under the stripe lock: the namespace word is stable
+      if (StateOf(e.state) == kReady && e.ns == ns.id) victims.push_back({slot, GenOf(e.state)});
+    }
+    TryEvictManyLocked(victims, &evicted);
+    UnlockStripe(stripe);
+  }
+  return evicted;
+}
+
 uint64_t Index::UsedBytes() {
   uint64_t claimed = 0, released = 0;
   const bool central = CacheIsTable();

@@ -111,6 +111,7 @@ class Index final : public IndexApi {
   // Evicts these keys of `ns` (or every READY entry when `keys` is empty and `all`) if unpinned.
   Result<uint64_t> EvictKeys(const NamespaceHandle& ns, std::span<const BlockKey> keys) override;
   Result<uint64_t> EvictAll() override;
+  Result<uint64_t> EvictNamespace(const NamespaceHandle& ns) override;
   // What a reserve asks to make room before it drops blocks (the pool installs its capacity
   // promoter: a node's tiers spill instead). Null: evict.
   void SetRoomMaker(CapacityPromoter* tiers) { room_maker_.store(tiers, std::memory_order_release); }

@@ -41,6 +41,8 @@ class IndexApi {
   virtual Result<std::vector<KeyPeek>> Peek(const NamespaceHandle& ns, std::span<const BlockKey> keys) = 0;
   virtual Result<uint64_t> EvictKeys(const NamespaceHandle& ns, std::span<const BlockKey> keys) = 0;
   virtual Result<uint64_t> EvictAll() = 0;
+  // Every unpinned READY block of `ns` (one engine's namespace), and only those.
+  virtual Result<uint64_t> EvictNamespace(const NamespaceHandle& ns) = 0;
 
   // The payload side: where a block lives in this process's mapping, and how to read it.
   virtual uint8_t* Payload(uint64_t offset, uint64_t bytes) = 0;

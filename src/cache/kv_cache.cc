@@ -165,5 +165,6 @@ Result<uint64_t> KvCache::Evict(const NamespaceHandle& ns, std::span<const Block
   return index_.EvictKeys(ns, keys);
 }
 Result<uint64_t> KvCache::EvictAll() { return index_.EvictAll(); }
+Result<uint64_t> KvCache::EvictNamespace(const NamespaceHandle& ns) { return index_.EvictNamespace(ns); }
 
 }  // namespace cxlkv

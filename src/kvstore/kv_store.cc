@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "kvstore/block_owners.h"
 #include "transfer/cuda_transfer.h"
 #include "transfer/transfer.h"
 
@@ -16,7 +17,7 @@ namespace cxlkv {
 class EngineKvStore::Impl {
  public:
   Impl(KvCache& cache, const NamespaceHandle& ns, const EngineKvLayout& layout, uint32_t threads)
-      : cache_(cache), ns_(ns), layout_(layout), transfer_(cache, {.threads = threads}) {}
+      : cache_(cache), ns_(ns), layout_(layout), transfer_(cache, {.threads = threads}), owners_(layout.num_blocks) {}
 
   KvCache& cache_;
   const NamespaceHandle ns_;
@@ -24,6 +25,7 @@ class EngineKvStore::Impl {
   std::mutex mu_;  // one call at a time: the transfer engine's workers are this store's
   transfer::CpuTransfer transfer_;
   std::unique_ptr<transfer::CudaTransfer> cuda_;  // set: the tensors are in GPU memory
+  kvstore::BlockOwners owners_;  // its own lock: loads forget themselves from any thread
 
   // The hit's pins → engine blocks, complete on return. REQUIRES: mu_ held, ids validated.
   Status ScatterNow(std::span<const uint32_t> ids, std::span<const BlockPin> pins) {
@@ -39,14 +41,19 @@ class EngineKvStore::Impl {
 
 class EngineKvLoad::Impl {
  public:
-  Impl(KvCache& cache, LookupResult hit) : cache_(cache), hit_(std::move(hit)) {}
+  Impl(KvCache& cache, kvstore::BlockOwners& owners, LookupResult hit)
+      : cache_(cache), owners_(owners), hit_(std::move(hit)) {}
   ~Impl() {
-    load_.reset();  // waits for the copy: it reads the pinned blocks and writes the engine's tensors
+    if (load_) load_->Wait();  // the copy reads the pinned blocks and writes the engine's tensors
+    if (ticket_ != 0) owners_.Forget(ticket_);
+    load_.reset();
     cache_.Release(hit_.pins);
   }
   KvCache& cache_;
+  kvstore::BlockOwners& owners_;
   LookupResult hit_;
-  std::unique_ptr<transfer::LayerLoad> load_;  // null when nothing hit
+  std::shared_ptr<transfer::LayerLoad> load_;  // null when nothing hit; shared with owners_' list
+  uint64_t ticket_ = 0;                        // in owners_' list of loads in flight
 };
 
 EngineKvLoad::EngineKvLoad(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -64,6 +71,8 @@ class EngineKvSave::Impl {
   std::unique_ptr<transfer::LayerStore> store_;  // a host store: copies each layer as reported
   // A device store: the whole request at Finish, once every layer was reported.
   std::function<Result<PutManyResult>()> finish_whole_;
+  // Once the copies are done: whether every source block is still its request's.
+  std::function<Status()> still_held_;
   std::vector<bool> reported_;
   bool finished_ = false;
 };
@@ -92,7 +101,7 @@ Result<PutManyResult> EngineKvSave::Finish() {
     }
     return impl_->finish_whole_();
   }
-  CXLKV_ASSIGN_OR_RETURN(auto g, impl_->store_->Finish());
+  CXLKV_ASSIGN_OR_RETURN(auto g, impl_->store_->Finish(impl_->still_held_));
   return PutManyResult{g.written, g.already_cached};
 }
 
@@ -162,24 +171,43 @@ EngineKvStore::~EngineKvStore() = default;
 const EngineKvLayout& EngineKvStore::layout() const { return impl_->layout_; }
 const NamespaceHandle& EngineKvStore::ns() const { return impl_->ns_; }
 
+Status EngineKvStore::AssignBlocks(BlockOwner owner, std::span<const uint32_t> block_ids) {
+  return impl_->owners_.Assign(owner, block_ids);
+}
+// Under mu_: a synchronous copy in progress finishes before its blocks change hands. Loads in
+// flight are waited for inside (their copy thread never takes mu_).
+size_t EngineKvStore::ReleaseBlocks(BlockOwner owner, std::span<const uint32_t> block_ids) {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  return impl_->owners_.Release(owner, block_ids);
+}
+size_t EngineKvStore::ReleaseOwner(BlockOwner owner) {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  return impl_->owners_.ReleaseAll(owner);
+}
+
 Result<size_t> EngineKvStore::ExistsPrefix(std::span<const BlockKey> keys) {
   return impl_->cache_.Exists(impl_->ns_, keys);
 }
 
-Result<PutManyResult> EngineKvStore::PutMany(std::span<const BlockKey> keys, std::span<const uint32_t> block_ids) {
+Result<PutManyResult> EngineKvStore::PutMany(std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
+                                             BlockOwner owner) {
   CXLKV_RETURN_IF_ERROR(SameLength("put_many", keys.size(), block_ids.size()));
   if (keys.empty()) return PutManyResult{};
   std::lock_guard<std::mutex> lock(impl_->mu_);
+  // Copied and committed under mu_, which a release takes too: held at the check, held throughout.
+  CXLKV_RETURN_IF_ERROR(impl_->owners_.Check("put_many", owner, block_ids).status());
   CXLKV_ASSIGN_OR_RETURN(auto g, impl_->GatherNow(block_ids, keys));
   return PutManyResult{g.written, g.already_cached};
 }
 
-Result<size_t> EngineKvStore::GetManyInto(std::span<const BlockKey> keys, std::span<const uint32_t> block_ids) {
+Result<size_t> EngineKvStore::GetManyInto(std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
+                                          BlockOwner owner) {
   CXLKV_RETURN_IF_ERROR(SameLength("get_many_into", keys.size(), block_ids.size()));
   if (keys.empty()) return size_t{0};
   std::lock_guard<std::mutex> lock(impl_->mu_);
   // Validated whole before any pin: a bad block id anywhere fails the call with nothing read.
   CXLKV_RETURN_IF_ERROR(DistinctBlockIds("get_many_into", block_ids, impl_->layout_.num_blocks));
+  CXLKV_RETURN_IF_ERROR(impl_->owners_.Check("get_many_into", owner, block_ids).status());
   CXLKV_ASSIGN_OR_RETURN(LookupResult hit, impl_->cache_.Lookup(impl_->ns_, keys));
   Status s = impl_->ScatterNow(block_ids.first(hit.pins.size()), hit.pins);
   impl_->cache_.Release(hit.pins);
@@ -188,37 +216,50 @@ Result<size_t> EngineKvStore::GetManyInto(std::span<const BlockKey> keys, std::s
 }
 
 Result<std::unique_ptr<EngineKvLoad>> EngineKvStore::StartGetManyInto(std::span<const BlockKey> keys,
-                                                                      std::span<const uint32_t> block_ids) {
+                                                                      std::span<const uint32_t> block_ids,
+                                                                      BlockOwner owner) {
   CXLKV_RETURN_IF_ERROR(SameLength("get_many_into", keys.size(), block_ids.size()));
   CXLKV_RETURN_IF_ERROR(DistinctBlockIds("get_many_into", block_ids, impl_->layout_.num_blocks));
   std::lock_guard<std::mutex> lock(impl_->mu_);
+  CXLKV_RETURN_IF_ERROR(impl_->owners_.Check("get_many_into", owner, block_ids).status());
   LookupResult hit;
   if (!keys.empty()) {
     CXLKV_ASSIGN_OR_RETURN(hit, impl_->cache_.Lookup(impl_->ns_, keys));
   }
-  auto load = std::make_unique<EngineKvLoad::Impl>(impl_->cache_, std::move(hit));
+  auto load = std::make_unique<EngineKvLoad::Impl>(impl_->cache_, impl_->owners_, std::move(hit));
+  const auto dst = block_ids.first(load->hit_.pins.size());
   if (impl_->cuda_ && !load->hit_.pins.empty()) {  // one kernel for the request, complete now
-    CXLKV_RETURN_IF_ERROR(impl_->ScatterNow(block_ids.first(load->hit_.pins.size()), load->hit_.pins));
+    CXLKV_RETURN_IF_ERROR(impl_->ScatterNow(dst, load->hit_.pins));
   } else if (!load->hit_.pins.empty()) {
     // On failure `load` releases the pins as it goes.
-    CXLKV_ASSIGN_OR_RETURN(load->load_, impl_->transfer_.StartLoad(impl_->layout_,
-                                                                   block_ids.first(load->hit_.pins.size()),
-                                                                   load->hit_.pins));
+    CXLKV_ASSIGN_OR_RETURN(load->load_, impl_->transfer_.StartLoad(impl_->layout_, dst, load->hit_.pins));
+    // Releasing any of these blocks waits for this copy (it writes them).
+    load->ticket_ = impl_->owners_.AddLoad(owner, dst, load->load_);
   }
   return std::unique_ptr<EngineKvLoad>(new EngineKvLoad(std::move(load)));
 }
 
 Result<std::unique_ptr<EngineKvSave>> EngineKvStore::StartPutMany(std::span<const BlockKey> keys,
-                                                                  std::span<const uint32_t> block_ids) {
+                                                                  std::span<const uint32_t> block_ids,
+                                                                  BlockOwner owner) {
   CXLKV_RETURN_IF_ERROR(SameLength("put_many", keys.size(), block_ids.size()));
   std::lock_guard<std::mutex> lock(impl_->mu_);
+  CXLKV_ASSIGN_OR_RETURN(std::vector<kvstore::HeldBlock> held, impl_->owners_.Check("put_many", owner, block_ids));
   auto save = std::make_unique<EngineKvSave::Impl>();
+  if (!held.empty()) {
+    save->still_held_ = [owners = &impl_->owners_, owner, held = std::move(held)]() {
+      return owners->StillHeld("put_many", owner, held);
+    };
+  }
   if (impl_->cuda_) {
     CXLKV_RETURN_IF_ERROR(transfer::ValidateGather("put_many", impl_->ns_, impl_->layout_, block_ids, keys));
     save->reported_.assign(impl_->layout_.num_layers(), false);
-    save->finish_whole_ = [this, keys = std::vector<BlockKey>(keys.begin(), keys.end()),
-                           ids = std::vector<uint32_t>(block_ids.begin(), block_ids.end())]() {
-      return PutMany(keys, ids);
+    // The device path copies the whole request at Finish: the blocks must be the request's then.
+    save->finish_whole_ = [this, owner, still_held = save->still_held_,
+                           keys = std::vector<BlockKey>(keys.begin(), keys.end()),
+                           ids = std::vector<uint32_t>(block_ids.begin(), block_ids.end())]() -> Result<PutManyResult> {
+      if (still_held) CXLKV_RETURN_IF_ERROR(still_held());
+      return PutMany(keys, ids, owner);
     };
     return std::unique_ptr<EngineKvSave>(new EngineKvSave(std::move(save)));
   }

@@ -392,6 +392,18 @@ Result<uint64_t> CentralIndex::EvictAll() {
   return e;
 }
 
+Result<uint64_t> CentralIndex::EvictNamespace(const NamespaceHandle& ns) {
+  Scratch& s = ThreadScratch(16384, 16384);
+  WireWriter w(s.request);
+  w.Put(Writer());
+  w.Handle(ns);
+  CXLKV_ASSIGN_OR_RETURN(size_t got, Call(kEvictNamespace, {s.request.data(), w.size()}, s.answer));
+  WireReader r({s.answer.data(), got});
+  uint64_t e = 0;
+  if (!r.Get(&e) || !r.done()) return BadAnswer("evict-namespace");
+  return e;
+}
+
 bool CentralIndex::ReclaimProcess(uint32_t slot, uint64_t inc) {
   Scratch& s = ThreadScratch(16384, 16384);
   WireWriter w(s.request);

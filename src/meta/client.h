@@ -47,6 +47,7 @@ class CentralIndex final : public cache::IndexApi {
   Result<std::vector<KeyPeek>> Peek(const NamespaceHandle& ns, std::span<const BlockKey> keys) override;
   Result<uint64_t> EvictKeys(const NamespaceHandle& ns, std::span<const BlockKey> keys) override;
   Result<uint64_t> EvictAll() override;
+  Result<uint64_t> EvictNamespace(const NamespaceHandle& ns) override;
 
   uint8_t* Payload(uint64_t offset, uint64_t bytes) override { return local_.Payload(offset, bytes); }
   void ReadPayload(void* dst, const uint8_t* p, uint64_t bytes) override { local_.ReadPayload(dst, p, bytes); }

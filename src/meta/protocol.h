@@ -37,6 +37,7 @@ enum MetaOp : uint32_t {
   kEvictAll = 10,      // writer -> evicted count
   kReclaimWriter = 11, // writer, dead process's life and slot (same node) -> entries dropped
   kStats = 12,         // writer -> used bytes, capacity, entries reclaimed by sweeps
+  kEvictNamespace = 13,  // writer, handle -> evicted count
 };
 
 // 16 processes per node with 4 requests in flight each; 2 KiB requests (about 120 keys) and

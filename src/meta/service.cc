@@ -230,6 +230,18 @@ std::map<uint32_t, rpc::Handler> MetaService::Handlers() {
                     },
                     /*idempotent=*/false};
 
+  ops[kEvictNamespace] = {[&index, act](const rpc::Request& req, std::span<uint8_t> out) -> Result<size_t> {
+                            WireReader r(req.payload);
+                            CXLKV_RETURN_IF_ERROR(act(req, r, "evict-namespace"));
+                            NamespaceHandle h;
+                            if (!r.Handle(&h) || !r.done()) return Malformed("evict-namespace");
+                            CXLKV_ASSIGN_OR_RETURN(uint64_t evicted, index.EvictNamespace(h));
+                            WireWriter w(out);
+                            w.Put(evicted);
+                            return w.size();
+                          },
+                          /*idempotent=*/false};
+
   // A surviving process of the node reports a dead one: its reservations go (idempotent).
   ops[kReclaimWriter] = {[this, &index, act](const rpc::Request& req, std::span<uint8_t> out) -> Result<size_t> {
     WireReader r(req.payload);

@@ -161,7 +161,7 @@ Status LayerStore::LayerComputed(uint32_t layer) {
   return Status::Ok();
 }
 
-Result<GatherResult> LayerStore::Finish() {
+Result<GatherResult> LayerStore::Finish(const std::function<Status()>& before_commit) {
   if (finished_) return InvalidArgument("layer-wise store: already finished");
   uint32_t reported;
   {
@@ -175,6 +175,12 @@ Result<GatherResult> LayerStore::Finish() {
     for (auto& r : state_->reserved) (void)transfer_.cache_.Abort(r);
     return InvalidArgument("layer-wise store: finished with " + std::to_string(reported) + " of " +
                            std::to_string(state_->num_layers) + " layers computed: nothing published");
+  }
+  if (before_commit) {
+    if (Status veto = before_commit(); !veto.ok()) {
+      for (auto& r : state_->reserved) (void)transfer_.cache_.Abort(r);
+      return veto;
+    }
   }
   return CommitAll(transfer_.cache_, state_->reserved, state_->result);
 }

@@ -101,9 +101,11 @@ class LayerStore {
   // Errors: kInvalidArgument (layer out of range or reported twice).
   Status LayerComputed(uint32_t layer);
   // Waits for every layer (all must have been reported) and commits the blocks; returns what
-  // the call wrote. Errors: kInvalidArgument (a layer was never reported: nothing published,
-  // the reservations are aborted), the cache's commit errors.
-  Result<GatherResult> Finish();
+  // the call wrote. `before_commit`, when given, runs once every copy is done and may veto the
+  // commit (its error is returned, the reservations aborted). Errors: kInvalidArgument (a layer
+  // was never reported: nothing published, the reservations are aborted), the veto, the cache's
+  // commit errors.
+  Result<GatherResult> Finish(const std::function<Status()>& before_commit = {});
 
  private:
   friend class CpuTransfer;

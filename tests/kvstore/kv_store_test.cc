@@ -256,5 +256,44 @@ TEST(EngineKvStore, DeviceTensorsRoundTripOrACleanRefusal) {
 #endif
 }
 
+// Block ownership: a preempted request's blocks, released while its layer-wise load and save
+// are in flight, are neither overwritten after the release (the release waits for the load) nor
+// published from (the save is refused at Finish); a request's own blocks move as before.
+TEST(EngineKvStore, ReleasedBlocksAreNeitherLoadedIntoAfterwardsNorPublishedFrom) {
+  Fixture f("kvs-owner");
+  auto shape = Shape(EngineLayoutKind::kFlashAttn, KvDtype::kBf16, 4, 8, 2, 32);
+  EngineCache a(shape, 1), b(shape, 2);
+  auto ns = f.Ns(a.layout);
+  auto src = Register(f, ns, a.layout);
+  auto dst = Register(f, ns, b.layout);
+  ASSERT_TRUE(src && dst);
+  auto keys = Keys(ns, EngineHashes(6, 9));
+  const std::vector<uint32_t> first = {0, 1, 2}, rest = {3, 4, 5};
+  ASSERT_TRUE(src->PutMany(std::span(keys).first(3), first).ok());  // untracked: no owner needed
+  ASSERT_TRUE(dst->AssignBlocks(1, first).ok());
+  ASSERT_TRUE(src->AssignBlocks(2, rest).ok());
+  EXPECT_EQ(dst->GetManyInto(std::span(keys).first(3), first).status().code(), StatusCode::kInvalidArgument);
+  auto load = dst->StartGetManyInto(std::span(keys).first(3), first, 1);
+  ASSERT_TRUE(load.ok()) << load.status().ToString();
+  auto save = src->StartPutMany(std::span(keys).subspan(3), rest, 2);
+  ASSERT_TRUE(save.ok()) << save.status().ToString();
+  ASSERT_TRUE((*save)->LayerComputed(0).ok());
+  // Preempted: both give their blocks up. The load's copy is complete once the release returns.
+  EXPECT_EQ(dst->ReleaseOwner(1), 3u);
+  for (uint32_t i : first) EXPECT_EQ(b.Block(i), a.Block(i));
+  EXPECT_EQ(src->ReleaseBlocks(2, std::span(rest).first(1)), 1u);
+  for (uint32_t l = 1; l < 4; ++l) ASSERT_TRUE((*save)->LayerComputed(l).ok());
+  auto done = (*save)->Finish();
+  EXPECT_EQ(done.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(done.status().message(), HasSubstr("given up by its request"));
+  EXPECT_EQ(*src->ExistsPrefix(keys), 3u);  // nothing of the refused save
+  // Blocks 4 and 5 are still request 2's: they move; block 3 is nobody's now.
+  EXPECT_EQ(src->PutMany(std::span(keys).subspan(3, 1), std::span(rest).first(1), 2).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(src->AssignBlocks(0, rest).code(), StatusCode::kInvalidArgument);
+  load->reset();
+  EXPECT_EQ(*f.cache->EvictAll(), 3u);  // the load's pins were released
+}
+
 }  // namespace
 }  // namespace cxlkv

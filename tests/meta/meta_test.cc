@@ -172,6 +172,14 @@ TEST(Meta, InitRecordsTheModeAndTheCacheWorksThroughTheService) {
   EXPECT_EQ(cache.Reserve(*ns, KeyOf(999), 0).status().code(), StatusCode::kInvalidArgument);
   EXPECT_FALSE(cache.Reserve(*ns, KeyOf(999), 0).status().message().empty());
 
+  // One engine's "clear" through the service: its namespace goes, another's stays.
+  auto other = cache.Namespace(TestNamespace("other-model"));
+  ASSERT_TRUE(other.ok());
+  ASSERT_TRUE(PutBlock(cache, *other, KeyOf(5000)).ok());
+  EXPECT_EQ(*cache.EvictNamespace(*ns), 240u);
+  EXPECT_EQ(*cache.Exists(*ns, std::span(keys).subspan(10)), 0u);
+  EXPECT_EQ(*cache.Exists(*other, std::vector<BlockKey>{KeyOf(5000)}), 1u);
+
   // No stripe lock was taken by anyone: the service is the index's one writer.
   EXPECT_EQ(pool->impl().index->stripe_locks_taken(), 0u);
   // The region's state is one a decentralized reader would accept.
