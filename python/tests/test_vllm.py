@@ -165,10 +165,12 @@ def one_step(sched, worker, request, num_computed, block_ids):
     """One scheduler + worker step of a whole prompt, as the mini engine makes it."""
     from cxlkv.mini_engine.engine import CachedRequestData, NewRequestData, SchedulerOutput
     ext, _ = sched.get_num_new_matched_tokens(request, num_computed)
-    sched.update_state_after_alloc(request, KVCacheBlocks(block_ids), ext)
+    sched.update_state_after_alloc(request, KVCacheBlocks([block_ids]), ext)
     so = SchedulerOutput([NewRequestData(request.request_id, request.prompt_token_ids, (block_ids,), ext)],
                          CachedRequestData(), {request.request_id: request.num_tokens - ext}, set())
-    worker.bind_connector_metadata(sched.build_connector_meta(so))
+    meta = sched.build_connector_meta(so)
+    worker.bind_connector_metadata(meta)
+    worker.handle_preemptions(meta)
     worker.start_load_kv(None)
     for name in ("l0", "l1"):  # the model's layers, as vLLM's attention calls them
         worker.wait_for_layer_load(name)

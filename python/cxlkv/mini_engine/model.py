@@ -12,7 +12,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass, fields
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -107,11 +107,13 @@ class TorchLlama:
         a, b = v[..., :half], v[..., half:]
         return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
-    def forward(self, tokens: List[int], start: int, kv_caches: List[torch.Tensor], block_table: List[int],
+    def forward(self, tokens: List[int], start: int, kv_caches: List[torch.Tensor], block_table: Any,
                 block_size: int, layout: str = "flash_attn", on_layer=None) -> torch.Tensor:
         """Tokens at positions [start, start + len(tokens)); the KV of positions < start is in the
-        cache. ``on_layer(i, name, kv)`` runs around each layer as vLLM's attention does
-        (``("before", ...)`` then ``("after", ...)``). Returns the last token's logits."""
+        cache. ``block_table``: the request's block ids, or one list per layer (KV cache groups
+        with tables of their own). ``on_layer(i, name, kv)`` runs around each layer as vLLM's
+        attention does (``("before", ...)`` then ``("after", ...)``). Returns the last token's
+        logits."""
         c = self.config
         n = len(tokens)
         hd, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
@@ -120,10 +122,11 @@ class TorchLlama:
         cos, sin = torch.cos(ang).float()[:, None, :], torch.sin(ang).float()[:, None, :]
         x = self.embed[torch.tensor(tokens, dtype=torch.long)]
         total = start + n
-        table = torch.tensor(block_table, dtype=torch.long)
+        per_layer = block_table if block_table and isinstance(block_table[0], (list, tuple)) else None
         slots = torch.arange(start, total)
-        blk, off = table[slots // block_size], slots % block_size
         for i, w in enumerate(self.layers):
+            table = torch.tensor(per_layer[i] if per_layer else block_table, dtype=torch.long)
+            blk, off = table[slots // block_size], slots % block_size
             name = f"model.layers.{i}.self_attn"
             kv = kv_caches[i]
             if on_layer:
