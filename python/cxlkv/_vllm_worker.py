@@ -34,7 +34,7 @@ class Worker:
         self._copy_threads = copy_threads
         self._stores: List[KvStore] = []
         self._layer_of: Dict[str, Tuple[int, int]] = {}  # layer name -> (group, layer within group)
-        self._applied: Optional[int] = None               # id() of the plan whose ownership is in the stores
+        self._applied: Any = None  # the plan whose ownership is in the stores (held: an id() could be reused)
         self._whole_step = False
         self._loads: List[Tuple[int, Any]] = []           # (group, KvLoad) of this step
         self._saves: List[Tuple[int, str, Any]] = []      # (group, req_id, KvSave) of this step
@@ -79,9 +79,9 @@ class Worker:
 
     def apply_ownership(self, plan: Any) -> None:
         """Releases, then grants, once per plan (handle_preemptions and start_load_kv both ask)."""
-        if self._applied == id(plan):
+        if self._applied is plan:
             return
-        self._applied = id(plan)
+        self._applied = plan
         for owner in plan.released:
             for store in self._stores:
                 self._guard("release", lambda s=store: s.release_owner(owner))
