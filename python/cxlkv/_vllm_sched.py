@@ -127,9 +127,10 @@ class Planner:
         if st is not None:
             self._released.append(st.owner)
 
-    def plan(self, so: Any) -> StepPlan:
-        plan = StepPlan(released=self._released)
-        self._released = []
+    def plan(self, so: Any, plan: Optional[StepPlan] = None) -> StepPlan:
+        """This step's plan, filled into ``plan`` (a fresh StepPlan, or the connector's metadata)."""
+        plan = plan if plan is not None else StepPlan()
+        plan.released, self._released = self._released, []
         for req_id in getattr(so, "preempted_req_ids", None) or ():
             plan.preempted_req_ids.add(req_id)
             st = self._tracked.get(req_id)

@@ -207,11 +207,9 @@ class CxlKvHiCacheStorage(_Base):  # type: ignore[misc, valid-type]
         try:
             if n == 0:
                 return []
-            plan = self._require_plan()
-            addresses = plan.addresses(self.mem_pool_host, host_indices, n)
+            plan, args = self._zero_copy(keys, host_indices, n)
             start = time.perf_counter()
-            blocks = self.pool.get_addresses(plan.namespace, plan.keys(keys), addresses, plan.piece_bytes,
-                                             within=plan.within)
+            blocks = self.pool.get_addresses(*args, within=plan.within)
             pages = min(blocks // plan.pieces, n)
             self._moved("get", pages, blocks * plan.piece_bytes, time.perf_counter() - start)
             return [i < pages for i in range(n)]
@@ -226,11 +224,9 @@ class CxlKvHiCacheStorage(_Base):  # type: ignore[misc, valid-type]
         try:
             if n == 0:
                 return []
-            plan = self._require_plan()
-            addresses = plan.addresses(self.mem_pool_host, host_indices, n)
+            plan, args = self._zero_copy(keys, host_indices, n)
             start = time.perf_counter()
-            put = self.pool.put_addresses(plan.namespace, plan.keys(keys), addresses, plan.piece_bytes,
-                                          within=plan.within)
+            put = self.pool.put_addresses(*args, within=plan.within)
             self._moved("set", -(-put.written // plan.pieces), put.written * plan.piece_bytes,
                         time.perf_counter() - start, skipped=put.skipped)
             return [True] * n
@@ -411,6 +407,12 @@ class CxlKvHiCacheStorage(_Base):  # type: ignore[misc, valid-type]
         self._copying_seen = True
         logger.warning("cxlkv HiCache: interface_v1 is set but HiCache calls batch_get/batch_set: this SGLang "
                        "does not take the zero-copy path for the dynamic backend; answering for the copying path")
+
+    def _zero_copy(self, keys: List[str], host_indices: Any, n: int) -> tuple:
+        """The plan and the (namespace, keys, addresses, piece bytes) of a v1 call's pages."""
+        plan = self._require_plan()
+        addresses = plan.addresses(self.mem_pool_host, host_indices, n)
+        return plan, (plan.namespace, plan.keys(keys), addresses, plan.piece_bytes)
 
     def _require_plan(self) -> ZeroCopyPlan:
         if self._plan is None:

@@ -246,10 +246,7 @@ class CxlKvConnector(*_CONNECTOR_BASES):  # type: ignore[misc]
         self._planner.after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> CxlKvConnectorMetadata:
-        plan = self._planner.plan(scheduler_output)
-        meta = CxlKvConnectorMetadata()
-        meta.__dict__.update(plan.__dict__)
-        return meta
+        return self._planner.plan(scheduler_output, CxlKvConnectorMetadata())
 
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[dict]]:
         """Saves ran in the step that computed them: the blocks may be freed now (the next

@@ -229,32 +229,27 @@ Result<uint64_t> Index::EvictKeys(const NamespaceHandle& ns, std::span<const Blo
   return evicted;
 }
 
-Result<uint64_t> Index::EvictAll() {
-  uint64_t evicted = 0;
-  for (uint32_t stripe = 0; stripe < layout_.h.stripes; ++stripe) {
-    CXLKV_RETURN_IF_ERROR(LockStripe(stripe));
-    std::vector<std::pair<uint64_t, uint64_t>> victims;
-    for (uint32_t i = 0; i < layout_.h.slots_per_stripe; ++i) {
-      const uint64_t slot = SlotAt(stripe, i);
-      uint64_t w = FetchTableWord(layout_.entry(slot));
-      if (StateOf(w) == kReady) victims.push_back({slot, GenOf(w)});
-    }
-    TryEvictManyLocked(victims, &evicted);
-    UnlockStripe(stripe);
-  }
-  return evicted;
-}
+Result<uint64_t> Index::EvictAll() { return EvictReady(nullptr); }
 
 Result<uint64_t> Index::EvictNamespace(const NamespaceHandle& ns) {
   CXLKV_RETURN_IF_ERROR(CheckHandle(ns));
+  return EvictReady(&ns);
+}
+
+Result<uint64_t> Index::EvictReady(const NamespaceHandle* only) {
   uint64_t evicted = 0;
   for (uint32_t stripe = 0; stripe < layout_.h.stripes; ++stripe) {
     CXLKV_RETURN_IF_ERROR(LockStripe(stripe));
     std::vector<std::pair<uint64_t, uint64_t>> victims;
     for (uint32_t i = 0; i < layout_.h.slots_per_stripe; ++i) {
       const uint64_t slot = SlotAt(stripe, i);
+      if (only == nullptr) {  // the state word alone: one line a slot
+        const uint64_t w = FetchTableWord(layout_.entry(slot));
+        if (StateOf(w) == kReady) victims.push_back({slot, GenOf(w)});
+        continue;
+      }
       const Entry e = ReadEntry(slot);  // under the stripe lock: the namespace word is stable
-      if (StateOf(e.state) == kReady && e.ns == ns.id) victims.push_back({slot, GenOf(e.state)});
+      if (StateOf(e.state) == kReady && e.ns == only->id) victims.push_back({slot, GenOf(e.state)});
     }
     TryEvictManyLocked(victims, &evicted);
     UnlockStripe(stripe);

@@ -320,6 +320,8 @@ class Index final : public IndexApi {
   // unpinned, reading the pin tables once for all. Returns the bytes freed; adds the count to
   // `*evicted` when given.
   uint64_t TryEvictManyLocked(std::span<const std::pair<uint64_t, uint64_t>> slot_gens, uint64_t* evicted = nullptr);
+  // Every unpinned READY entry (of `only`'s namespace when given), stripe by stripe.
+  Result<uint64_t> EvictReady(const NamespaceHandle* only);
   // READY entries (and EVICTING ones when `with_evicting`) that `want` accepts, with their last
   // access (the latest of the entry's stamp and every node's access stamp), least recently used
   // first; pinned ones left out when `skip_pinned`.

@@ -679,6 +679,9 @@ TEST(Meta, MalformedAndForgedRequestsAreRefused) {
   // A life that is over (an earlier incarnation of this node).
   const uint64_t old_life = cache::WriterWord(node.id(), node.incarnation() + 7, node.process_slot());
   EXPECT_EQ(call(meta::kEvictAll, word(old_life)).code(), StatusCode::kLeaseExpired);
+  // Evicting a namespace: a forged writer, and a body cut before its handle.
+  EXPECT_EQ(call(meta::kEvictNamespace, word(other)).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(call(meta::kEvictNamespace, word(me)).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(call(999, word(me)).code(), StatusCode::kInvalidArgument);  // unknown opcode
   // Commit of a reservation that does not exist.
   auto commit = word(me);
@@ -734,8 +737,10 @@ TEST(Meta, RoundTripsUnderTheSimulatorWithManySeeds) {
     bool match = false;
     EXPECT_EQ(VerifyBlocks(cache, *ns, keys, &match), keys.size()) << "seed " << seed;
     EXPECT_TRUE(match) << "seed " << seed;
-    EXPECT_EQ(*cache.Evict(*ns, keys), keys.size()) << "seed " << seed;
-    EXPECT_EQ(*cache.Exists(*ns, keys), 0u);
+    // Half by key, half by namespace: both through the service's stripe-locked eviction.
+    EXPECT_EQ(*cache.Evict(*ns, std::span(keys).first(32)), 32u) << "seed " << seed;
+    EXPECT_EQ(*cache.EvictNamespace(*ns), keys.size() - 32) << "seed " << seed;
+    EXPECT_EQ(*cache.Exists(*ns, std::span(keys).subspan(32)), 0u);
     server.Send(0);
     EXPECT_EQ(server.Wait(), 0) << "seed " << seed;
   }
