@@ -128,9 +128,10 @@ struct Opened {
   NamespaceHandle ns;
 };
 
-inline Opened OpenCache(const std::string& path, uint32_t node, uint64_t sim_seed = 0) {
+inline Opened OpenCache(const std::string& path, uint32_t node, uint64_t sim_seed = 0,
+                        uint32_t lease_ms = kTestLeaseMs) {
   Opened o;
-  o.pool = OpenOrNull({path}, node, sim_seed);
+  o.pool = OpenOrNull({path}, node, sim_seed, lease_ms);
   if (!o.pool) return o;
   auto c = o.pool->Cache();
   if (!c.ok()) return Opened{};
