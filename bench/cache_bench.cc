@@ -22,6 +22,7 @@
 #include <cstring>
 #include <thread>
 
+#include "bench_clock.h"
 #include "pool/pool_internal.h"
 #include "region/coherence.h"
 #include "suites.h"
@@ -29,9 +30,7 @@
 namespace cxlkv::bench {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 
-double NsSince(Clock::time_point t0) { return std::chrono::duration<double, std::nano>(Clock::now() - t0).count(); }
 double Gbps(uint64_t bytes, double ns) { return static_cast<double>(bytes) / ns; }
 
 std::vector<int32_t> TokensFor(uint64_t seed, size_t n) {

@@ -18,13 +18,13 @@
 #include <cstring>
 #include <thread>
 
+#include "bench_clock.h"
 #include "cxlkv/pool.h"
 #include "suites.h"
 
 namespace cxlkv::bench {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 constexpr int kWriters = 4;
 constexpr uint64_t kPutBytes = 4096;
 
@@ -39,13 +39,12 @@ struct MetaShared {
   double put_seconds[kWriters];
 };
 
-double SecondsSince(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 BlockKey BenchKey(uint32_t writer, uint64_t i) {
   return BlockKey{(uint64_t{writer} << 40) ^ (i * 0x9e3779b97f4a7c15ull) ^ 0x1234567, i + (uint64_t{writer} << 32) + 1};
 }
 
-KeyNamespace BenchNamespace() {
+KeyNamespace MetaBenchNamespace() {
   KeyNamespace ns;
   ns.model_id = "bench-meta";
   ns.layout.block_size = 16;
@@ -59,7 +58,7 @@ int Host(const std::string& path, MetaShared* s) {
   auto pool = Pool::Open({path}, o);
   if (!pool.ok()) return 1;
   auto cache = (*pool)->Cache();
-  if (!cache.ok() || !(*cache)->Namespace(BenchNamespace()).ok()) return 2;  // central: the service answers
+  if (!cache.ok() || !(*cache)->Namespace(MetaBenchNamespace()).ok()) return 2;  // central: the service answers
   s->host_ready = 1;
   while (!s->done.load() && !s->failed.load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   return 0;
@@ -77,7 +76,7 @@ int Client(const std::string& path, MetaShared* s, int w, uint64_t ops, uint64_t
   auto pool = Pool::Open({path}, o);
   if (!pool.ok()) return 2;
   KvCache& cache = **(*pool)->Cache();
-  auto ns = cache.Namespace(BenchNamespace());
+  auto ns = cache.Namespace(MetaBenchNamespace());
   if (!ns.ok()) return 3;
   if (w == 0) {
     // A 16-block chain, READY, then looked up and released `ops` times.

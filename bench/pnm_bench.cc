@@ -52,6 +52,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_clock.h"
 #include "daemon/node_engines.h"
 #include "pnm/attend.h"
 #include "pnm/digest.h"
@@ -67,8 +68,6 @@
 namespace cxlkv::bench {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-double Seconds(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 constexpr uint64_t kMiB = 1ull << 20;
 constexpr uint64_t kGiB = 1ull << 30;
@@ -145,7 +144,7 @@ Result<std::vector<double>> BuildAll(const Layers& L, uint8_t* digest) {
     std::span<uint8_t> out(digest + l * L.pages * pnm::DigestBytesPerPage(L.g), L.pages * pnm::DigestBytesPerPage(L.g));
     auto t0 = Clock::now();
     CXLKV_RETURN_IF_ERROR(pnm::BuildDigests(L.g, L.Ctx(l), out));
-    tps.push_back(static_cast<double>(L.tokens) / Seconds(t0));
+    tps.push_back(static_cast<double>(L.tokens) / SecondsSince(t0));
   }
   return tps;
 }
@@ -182,7 +181,7 @@ Result<CaseResult> RunCase(const Layers& L, const std::vector<uint32_t>& budgets
     for (size_t i = 0; i < dense_steps; ++i) {
       CXLKV_RETURN_IF_ERROR(pnm::Attend(L.g, next_query(), L.Ctx(next_layer()), nullptr, 0, &part));
     }
-    r.dense_ms.push_back(Seconds(t0) * 1e3 / static_cast<double>(dense_steps));
+    r.dense_ms.push_back(SecondsSince(t0) * 1e3 / static_cast<double>(dense_steps));
     for (size_t b = 0; b < budgets.size(); ++b) {
       pnm::SelectOptions o;
       o.budget_tokens = budgets[b];
@@ -193,12 +192,12 @@ Result<CaseResult> RunCase(const Layers& L, const std::vector<uint32_t>& budgets
         const float* q = next_query();
         auto a = Clock::now();
         CXLKV_RETURN_IF_ERROR(pnm::SelectPages(L.g, q, L.digests[l], L.tokens, o, &sel));
-        select_s += Seconds(a);
+        select_s += SecondsSince(a);
         CXLKV_RETURN_IF_ERROR(pnm::Attend(L.g, q, L.Ctx(l), &sel, 0, &part));
         r.selected_bytes[b] += static_cast<double>(sel.TotalPages() * head_page_bytes);
         ++selected_steps[b];
       }
-      r.sparse_ms[b].push_back(Seconds(s0) * 1e3 / static_cast<double>(layers));
+      r.sparse_ms[b].push_back(SecondsSince(s0) * 1e3 / static_cast<double>(layers));
       r.select_ms[b].push_back(select_s * 1e3 / static_cast<double>(layers));
     }
   }
@@ -251,7 +250,7 @@ Result<EnginesFigures> RunEngines(const Layers& L, int reps, const std::vector<s
       first += requests;
       auto t0 = Clock::now();
       (variant == 0 ? one : two)->Attend(jobs, of_page);
-      const double seconds = Seconds(t0);
+      const double seconds = SecondsSince(t0);
       for (const pnm::AttendJob& j : jobs) CXLKV_RETURN_IF_ERROR(j.status);
       const double gbps = static_cast<double>(requests * L.LayerBytes()) / seconds / 1e9;
       (variant == 0 ? f.one : variant == 1 ? f.two_whole : f.two_interleaved).push_back(gbps);
@@ -348,7 +347,7 @@ Result<nlohmann::json> RunPnmBench(const BenchOptions& options) {
   for (int rep = 0; rep < std::max(reps, 3); ++rep) {
     auto t0 = Clock::now();
     sink = sink + ReadSum(arena.data(), arena_bytes);
-    mem_bw.push_back(static_cast<double>(arena_bytes) / Seconds(t0) / 1e9);
+    mem_bw.push_back(static_cast<double>(arena_bytes) / SecondsSince(t0) / 1e9);
   }
   results.push_back(FigureJson({"memory_read_bw", "GB/s", true, mem_bw, "", {},
                                 "one thread, streaming read-sum over the KV arena: the reference"}));

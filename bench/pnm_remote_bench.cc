@@ -18,6 +18,7 @@
 #include <chrono>
 #include <random>
 
+#include "bench_clock.h"
 #include "cxlkv/pool.h"
 #include "daemon/pnm_service.h"
 #include "pnm/attend.h"
@@ -30,12 +31,11 @@
 namespace cxlkv::bench {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 double MsSince(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
 
 constexpr uint64_t kTokens = 32 << 10;
 
-KeyNamespace BenchNamespace() {
+KeyNamespace PnmRemoteNamespace() {
   KeyNamespace ns;
   ns.model_id = "bench-pnm-remote";
   ns.layout.dtype = KvDtype::kFp16;
@@ -63,7 +63,7 @@ Result<std::vector<nlohmann::json>> PnmRemoteFigures(const BenchOptions& options
   oo.node_id = 0;
   CXLKV_ASSIGN_OR_RETURN(auto pool, Pool::Open({path}, oo));
   CXLKV_ASSIGN_OR_RETURN(KvCache * cache, pool->Cache());
-  const KeyNamespace kns = BenchNamespace();
+  const KeyNamespace kns = PnmRemoteNamespace();
   CXLKV_ASSIGN_OR_RETURN(NamespaceHandle ns, cache->Namespace(kns));
   const pnm::Geometry g{32, 8, 128, 16, KvDtype::kFp16};
 

@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <thread>
 
+#include "bench_clock.h"
 #include "pool/pool_internal.h"
 #include "region/coherence.h"
 #include "suites.h"
@@ -25,7 +26,6 @@
 namespace cxlkv::bench {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 
 PoolOpenOptions AsNode(uint32_t node) {
   PoolOpenOptions o;
@@ -33,9 +33,6 @@ PoolOpenOptions AsNode(uint32_t node) {
   return o;
 }
 
-double NsSince(Clock::time_point t0) {
-  return std::chrono::duration<double, std::nano>(Clock::now() - t0).count();
-}
 
 // Shared between the bench and its children: a start flag and each child's ns per op.
 struct Shared {

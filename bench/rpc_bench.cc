@@ -23,6 +23,7 @@
 #include <map>
 #include <thread>
 
+#include "bench_clock.h"
 #include "rpc/client.h"
 #include "rpc/server.h"
 #include "suites.h"
@@ -30,11 +31,9 @@
 namespace cxlkv::bench {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 constexpr uint32_t kEchoOp = 1;
 constexpr size_t kMessage = 64;
 
-double NsSince(Clock::time_point t0) { return std::chrono::duration<double, std::nano>(Clock::now() - t0).count(); }
 
 struct Shared {
   std::atomic<int> server_ready;

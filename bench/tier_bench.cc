@@ -24,6 +24,7 @@
 #include <functional>
 #include <thread>
 
+#include "bench_clock.h"
 #include "suites.h"
 #include "tier/dram_device.h"
 #include "tier/placement.h"
@@ -35,12 +36,10 @@
 namespace cxlkv::bench {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 using tier::ReadItem;
 using tier::SlotTag;
 using tier::WriteItem;
 
-double Seconds(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 tier::SlotTag BenchTag(uint64_t i) { return SlotTag{BlockKey{i, 0xbe7c4}, 1, 1}; }
 std::string Kib(uint64_t b) { return b >= (1u << 20) ? std::to_string(b >> 20) + "MiB" : std::to_string(b >> 10) + "KiB"; }
 
@@ -51,7 +50,7 @@ Result<double> WriteAll(tier::Device& dev, const std::vector<uint64_t>& slots, s
   for (size_t i = 0; i < slots.size(); ++i) items.push_back({slots[i], BenchTag(i), scatter});
   auto t0 = Clock::now();
   auto st = dev.Write(items);
-  double s = Seconds(t0);
+  double s = SecondsSince(t0);
   for (const Status& x : st) {
     if (!x.ok()) return Status(x.code(), "bench tier write: " + x.message());
   }
@@ -65,7 +64,7 @@ Result<double> ReadRange(tier::Device& dev, const std::vector<uint64_t>& slots, 
   for (size_t i = first; i < first + count; ++i) items.push_back({slots[i], BenchTag(i), dst});
   auto t0 = Clock::now();
   auto st = dev.Read(items);
-  double s = Seconds(t0);
+  double s = SecondsSince(t0);
   for (const Status& x : st) {
     if (!x.ok()) return Status(x.code(), "bench tier read: " + x.message());
   }
@@ -273,7 +272,7 @@ Result<nlohmann::json> RunTierBench(const BenchOptions& options) {
       });
       if (n > on_dram) sb = ReadRange(**ssd, *ss, on_dram, n - on_dram, dst_s).status();
       td.join();
-      double s = Seconds(t0);
+      double s = SecondsSince(t0);
       if (!sa.ok() || !sb.ok()) return Internal("bench tier: combined read failed");
       both.push_back(static_cast<double>(n * bs) / s / 1e9);
     }

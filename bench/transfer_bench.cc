@@ -14,6 +14,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "bench_clock.h"
 #include "pool/pool_internal.h"
 #include "region/coherence.h"
 #include "suites.h"
@@ -22,7 +23,6 @@
 namespace cxlkv::bench {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 double Gbps(uint64_t bytes, Clock::time_point t0) {
   return static_cast<double>(bytes) / std::chrono::duration<double, std::nano>(Clock::now() - t0).count();
 }

@@ -10,8 +10,6 @@
 namespace cxlkv::rpc {
 namespace {
 
-uint64_t RoundUpLine(uint64_t n) { return (n + kLine - 1) / kLine * kLine; }
-
 // How long a server line may stay unchanged (no beat, no takeover) before the client gives up
 // on it: a dead server's node is declared dead after one lease, its lock recovered and granted
 // to a standby within about another; a third covers a slow takeover.

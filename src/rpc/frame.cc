@@ -7,12 +7,12 @@ namespace cxlkv::rpc {
 namespace {
 
 template <typename T>
-void Put(std::vector<uint8_t>& out, T v) {
+void PutLe(std::vector<uint8_t>& out, T v) {
   for (size_t i = 0; i < sizeof(T); ++i) out.push_back(static_cast<uint8_t>(static_cast<uint64_t>(v) >> (8 * i)));
 }
 
 template <typename T>
-T Get(const uint8_t* p) {
+T GetLe(const uint8_t* p) {
   uint64_t v = 0;
   for (size_t i = 0; i < sizeof(T); ++i) v |= uint64_t{p[i]} << (8 * i);
   return static_cast<T>(v);
@@ -22,13 +22,13 @@ T Get(const uint8_t* p) {
 
 void EncodeFrame(const Frame& f, std::vector<uint8_t>& out) {
   out.reserve(out.size() + kFrameHeaderBytes + f.payload.size());
-  Put<uint16_t>(out, kFrameMagic);
-  Put<uint8_t>(out, kFrameVersion);
-  Put<uint8_t>(out, f.service);
-  Put<uint32_t>(out, f.code);
-  Put<uint64_t>(out, f.id);
-  Put<uint32_t>(out, static_cast<uint32_t>(f.payload.size()));
-  Put<uint32_t>(out, 0);
+  PutLe<uint16_t>(out, kFrameMagic);
+  PutLe<uint8_t>(out, kFrameVersion);
+  PutLe<uint8_t>(out, f.service);
+  PutLe<uint32_t>(out, f.code);
+  PutLe<uint64_t>(out, f.id);
+  PutLe<uint32_t>(out, static_cast<uint32_t>(f.payload.size()));
+  PutLe<uint32_t>(out, 0);
   out.insert(out.end(), f.payload.begin(), f.payload.end());
 }
 
@@ -48,7 +48,7 @@ FrameDecoder::Result FrameDecoder::Next(std::span<const uint8_t>& in, Frame* out
     in = in.subspan(take);
     // Check what has arrived as soon as it has: a stream that is not ours is refused at its
     // first bytes, not after a header's worth.
-    if (header_fill_ >= 2 && Get<uint16_t>(header_) != kFrameMagic) {
+    if (header_fill_ >= 2 && GetLe<uint16_t>(header_) != kFrameMagic) {
       return Fail(InvalidArgument("not a cxlkv frame (bad magic): is this client speaking the cxlkv TCP protocol?"));
     }
     if (header_fill_ >= 3 && header_[2] != kFrameVersion) {
@@ -57,10 +57,10 @@ FrameDecoder::Result FrameDecoder::Next(std::span<const uint8_t>& in, Frame* out
     }
     if (header_fill_ < kFrameHeaderBytes) return Result::kNeedMore;
     service_ = header_[3];
-    code_ = Get<uint32_t>(header_ + 4);
-    id_ = Get<uint64_t>(header_ + 8);
-    length_ = Get<uint32_t>(header_ + 16);
-    const uint32_t flags = Get<uint32_t>(header_ + 20);
+    code_ = GetLe<uint32_t>(header_ + 4);
+    id_ = GetLe<uint64_t>(header_ + 8);
+    length_ = GetLe<uint32_t>(header_ + 16);
+    const uint32_t flags = GetLe<uint32_t>(header_ + 20);
     header_done_ = true;
     if (flags != 0) return Fail(InvalidArgument("frame flags " + std::to_string(flags) + " are reserved (must be 0)"));
     if (length_ > max_payload_) {

@@ -13,8 +13,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-uint64_t RoundUpLine(uint64_t n) { return (n + kLine - 1) / kLine * kLine; }
-
 // The lines [off, off + n) covers, for a batched flush.
 void AppendLines(std::vector<uint64_t>& out, uint64_t off, uint64_t n) {
   for (uint64_t l = off / kLine * kLine; l < off + n; l += kLine) out.push_back(l);

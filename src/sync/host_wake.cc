@@ -17,7 +17,7 @@ namespace {
 
 constexpr uint64_t kWakeMagic = 0x454b41574b4c5843ull;  // "CXLKWAKE"
 constexpr uint32_t kWakeVersion = 1;
-constexpr char kPrefix[] = "/dev/shm/cxlkv-wake-";
+constexpr char kWakeFilePrefix[] = "/dev/shm/cxlkv-wake-";
 
 }  // namespace
 
@@ -29,7 +29,7 @@ struct HostWake::Header {
 
 namespace {
 
-size_t FileBytes(uint32_t max_nodes) {
+size_t WakeFileBytes(uint32_t max_nodes) {
   // The header's line, the manager's channel, one channel per node.
   return 64 + 64 + size_t{max_nodes} * 64;
 }
@@ -69,10 +69,10 @@ long Futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* 
 
 }  // namespace
 
-std::string HostWake::PathFor(const std::string& region_id) { return kPrefix + region_id; }
+std::string HostWake::PathFor(const std::string& region_id) { return kWakeFilePrefix + region_id; }
 
 Result<std::unique_ptr<HostWake>> HostWake::Open(const std::string& region_id, uint32_t max_nodes) {
-  const size_t size = FileBytes(max_nodes);
+  const size_t size = WakeFileBytes(max_nodes);
   auto create = [&](const std::string& path, bool* made) {
     *made = false;
     return CreateFile(path, size, max_nodes);
@@ -127,6 +127,6 @@ void HostWake::WaitGrant(uint32_t node, uint32_t armed, std::chrono::microsecond
 void HostWake::DisarmGrant(uint32_t node) { grant(node).sleepers.fetch_sub(1, std::memory_order_seq_cst); }
 void HostWake::WakeGrant(uint32_t node) { Wake(grant(node)); }
 
-void HostWake::SweepUnused(const std::string& except) { HostFile::SweepUnused(kPrefix, except); }
+void HostWake::SweepUnused(const std::string& except) { HostFile::SweepUnused(kWakeFilePrefix, except); }
 
 }  // namespace cxlkv::sync

@@ -16,9 +16,9 @@ namespace {
 constexpr uint64_t kLocalMagic = 0x4c41434f4c4b5843ull;  // "CXKLOCAL"
 constexpr uint32_t kLocalVersion = 5;  // 2: per-process beats, manager_mu, flock lifetime; 3: process slots; 4: drain_mu;
                                        // 5: the drain claim
-constexpr char kPrefix[] = "/dev/shm/cxlkv-node-";
+constexpr char kNodeFilePrefix[] = "/dev/shm/cxlkv-node-";
 
-size_t FileBytes(uint32_t max_locks) {
+size_t NodeFileBytes(uint32_t max_locks) {
   size_t bytes = sizeof(LocalHeader) + size_t{max_locks} * sizeof(LocalLock);
   return (bytes + 4095) / 4096 * 4096;
 }
@@ -92,7 +92,7 @@ int TryLockRobust(pthread_mutex_t* mu) {
 }
 
 std::string LocalNode::PathFor(const std::string& region_id, uint32_t node) {
-  return kPrefix + region_id + "-" + std::to_string(node);
+  return kNodeFilePrefix + region_id + "-" + std::to_string(node);
 }
 
 LocalNode::LocalNode(HostFile file)
@@ -102,7 +102,7 @@ LocalNode::LocalNode(HostFile file)
 
 Result<std::unique_ptr<LocalNode>> LocalNode::Open(const std::string& region_id, uint32_t node,
                                                    uint32_t max_locks) {
-  const size_t size = FileBytes(max_locks);
+  const size_t size = NodeFileBytes(max_locks);
   auto create = [&](const std::string& path, bool* made) { return CreateFile(path, size, max_locks, made); };
   CXLKV_ASSIGN_OR_RETURN(HostFile file, HostFile::Open(PathFor(region_id, node), size, create, "node-local file"));
   std::unique_ptr<LocalNode> local(new LocalNode(std::move(file)));
@@ -117,6 +117,6 @@ Result<std::unique_ptr<LocalNode>> LocalNode::Open(const std::string& region_id,
 
 bool LocalNode::LastUser() { return file_.LastUser(); }
 
-void LocalNode::SweepUnused(const std::string& except) { HostFile::SweepUnused(kPrefix, except); }
+void LocalNode::SweepUnused(const std::string& except) { HostFile::SweepUnused(kNodeFilePrefix, except); }
 
 }  // namespace cxlkv::sync

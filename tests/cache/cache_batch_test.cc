@@ -20,8 +20,8 @@ using testing::FillForKey;
 using testing::MatchesKey;
 using testing::OpenOrNull;
 
-struct Fixture {
-  explicit Fixture(const std::string& tag, uint64_t size = 128 << 20) : path(tag) {
+struct BatchFixture {
+  explicit BatchFixture(const std::string& tag, uint64_t size = 128 << 20) : path(tag) {
     Status s = testing::CreateCachePool(path.path(), size);
     EXPECT_TRUE(s.ok()) << s.ToString();
     pool = OpenOrNull({path.path()}, 0);
@@ -51,7 +51,7 @@ struct Fixture {
 };
 
 TEST(CacheBatch, ReserveManyKeepsSingleKeySemanticsAcrossStripes) {
-  Fixture f("batch-sem");
+  BatchFixture f("batch-sem");
   constexpr uint64_t kBytes = 16 << 10;
   auto keys = f.cache->ChainKeys(f.ns, testing::Tokens(21, 16 * 48, 0, 0));
   ASSERT_EQ(keys.size(), 48u);
@@ -143,7 +143,7 @@ TEST(CacheBatch, ReserveManyKeepsSingleKeySemanticsAcrossStripes) {
 }
 
 TEST(CacheBatch, BadBatchIsRefusedWhole) {
-  Fixture f("batch-bad");
+  BatchFixture f("batch-bad");
   auto keys = f.cache->ChainKeys(f.ns, testing::Tokens(22, 16 * 4, 0, 0));
   EXPECT_EQ(f.cache->ReserveMany(f.ns, keys, 0).status().code(), StatusCode::kInvalidArgument);
   NamespaceHandle stale = f.ns;
@@ -157,7 +157,7 @@ TEST(CacheBatch, BadBatchIsRefusedWhole) {
 }
 
 TEST(CacheBatch, AbortManyReturnsEveryByteAndSlot) {
-  Fixture f("batch-abort");
+  BatchFixture f("batch-abort");
   const uint64_t before = f.Allocated();
   auto keys = f.cache->ChainKeys(f.ns, testing::Tokens(23, 16 * 40, 0, 0));
   std::span<const BlockKey> big(keys.data(), 8), small(keys.data() + 8, 32);
@@ -205,7 +205,7 @@ TEST(CacheBatch, AbortManyReturnsEveryByteAndSlot) {
 }
 
 TEST(CacheBatch, PeekSeesEveryStateAndNeitherPinsNorLocks) {
-  Fixture f("batch-peek");
+  BatchFixture f("batch-peek");
   auto keys = f.cache->ChainKeys(f.ns, testing::Tokens(24, 16 * 3, 0, 0));
   std::vector<uint8_t> data(4096);
   FillForKey(keys[0], data.data(), data.size());
@@ -265,7 +265,7 @@ TEST(CacheBatch, KeyWritingOnAnotherNodeIsBusyNamingTheWriter) {
     }
     ::_exit(rc);
   }
-  Fixture f("batch-other");
+  BatchFixture f("batch-other");
   auto keys = f.cache->ChainKeys(f.ns, tokens);
   ASSERT_EQ(::write(to_child[1], f.path.path().c_str(), f.path.path().size()),
             static_cast<ssize_t>(f.path.path().size()));

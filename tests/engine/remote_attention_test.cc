@@ -23,7 +23,7 @@
 #include "child.h"
 #include "test_region.h"
 
-namespace cxlkv::engine {
+namespace cxlkv::engine::remote_attention_test {
 namespace {
 
 using test_util::Allocate;
@@ -378,4 +378,4 @@ TEST(RemoteDecodeProcesses, AHybridEnginePausedPastItsLeasePinsAgainAndDecodesOn
 }
 
 }  // namespace
-}  // namespace cxlkv::engine
+}  // namespace cxlkv::engine::remote_attention_test

@@ -17,7 +17,7 @@ namespace {
 
 using testing::OpenOrNull;
 
-constexpr uint64_t kRegionBytes = 48 << 20;
+constexpr uint64_t kFlushRegionBytes = 48 << 20;
 
 using testing::Child;
 using testing::Get;
@@ -37,7 +37,7 @@ TEST(AllocatorFlush, ANewHeapChunksClearedBitmapReachesMemory) {
   testing::TempRegionPath path("flush-bitmap");
   std::vector<std::string> paths{path.path()};
   PoolCreateOptions co;
-  co.size = kRegionBytes;
+  co.size = kFlushRegionBytes;
   co.max_nodes = 4;
   ASSERT_TRUE(Pool::Create(paths, co).ok());
   Child filler = Child::Fork([&](int in, int out) {
@@ -86,7 +86,7 @@ TEST(AllocatorFlush, ARunSearchRereadsTheBitmapAnotherNodeChanged) {
   testing::TempRegionPath path("flush-run");
   std::vector<std::string> paths{path.path()};
   PoolCreateOptions co;
-  co.size = kRegionBytes;
+  co.size = kFlushRegionBytes;
   co.max_nodes = 4;
   ASSERT_TRUE(Pool::Create(paths, co).ok());
   Child a = Child::Fork([&](int in, int out) {

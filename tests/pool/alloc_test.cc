@@ -5,23 +5,17 @@
 
 #include <gtest/gtest.h>
 
+#include "alloc_test_util.h"
 #include "pool_test_util.h"
 #include "region/coherence.h"
 
 namespace cxlkv {
 namespace {
 
+using testing::FreeChunks;
 using testing::OpenOrNull;
 
-constexpr uint64_t kRegionBytes = 48 << 20;
-
-uint64_t FreeChunks(const std::vector<std::string>& paths) {
-  auto regions = pool::AttachAll(paths);
-  EXPECT_TRUE(regions.ok());
-  uint64_t free = 0;
-  for (auto& r : *regions) free += alloc::InspectChunks(*r, r->info().max_nodes).free;
-  return free;
-}
+constexpr uint64_t kChurnRegionBytes = 48 << 20;
 
 std::vector<std::string> CheckProblems(const std::vector<std::string>& paths) {
   auto regions = pool::AttachAll(paths);
@@ -100,7 +94,7 @@ void ChurnThenCheck(int ops, uint64_t sim_seed) {
   testing::TempRegionPath a("alloc-a"), b("alloc-b");
   std::vector<std::string> paths{a.path(), b.path()};  // two "devices": chunks interleave
   PoolCreateOptions co;
-  co.size = kRegionBytes;
+  co.size = kChurnRegionBytes;
   co.max_nodes = 4;
   ASSERT_TRUE(Pool::Create(paths, co).ok());
   uint64_t total = FreeChunks(paths);
@@ -147,7 +141,7 @@ void KillMidChurnAndRecover(uint64_t sim_seed) {
   testing::TempRegionPath path("alloc-kill");
   std::vector<std::string> paths{path.path()};
   PoolCreateOptions co;
-  co.size = kRegionBytes;
+  co.size = kChurnRegionBytes;
   co.max_nodes = 4;
   ASSERT_TRUE(Pool::Create(paths, co).ok());
   uint64_t total = FreeChunks(paths);
@@ -220,7 +214,7 @@ TEST(ChunkLease, AllocAndFreeFromTheLeaseTakeNoAllocatorLock) {
   testing::TempRegionPath path("lease");
   std::vector<std::string> paths{path.path()};
   PoolCreateOptions co;
-  co.size = kRegionBytes;
+  co.size = kChurnRegionBytes;
   co.max_nodes = 4;
   ASSERT_TRUE(Pool::Create(paths, co).ok());
   const uint64_t total = FreeChunks(paths);
@@ -312,7 +306,7 @@ TEST(ChunkLease, AllocManyTakesOneLockTripForTheWholeBatch) {
   testing::TempRegionPath path("lease-many");
   std::vector<std::string> paths{path.path()};
   PoolCreateOptions co;
-  co.size = kRegionBytes;
+  co.size = kChurnRegionBytes;
   co.max_nodes = 4;
   ASSERT_TRUE(Pool::Create(paths, co).ok());
   auto p = OpenOrNull(paths, 0);
@@ -340,7 +334,7 @@ void KillLesseeAndRecover(uint64_t sim_seed) {
   testing::TempRegionPath path("lease-kill");
   std::vector<std::string> paths{path.path()};
   PoolCreateOptions co;
-  co.size = kRegionBytes;
+  co.size = kChurnRegionBytes;
   co.max_nodes = 4;
   ASSERT_TRUE(Pool::Create(paths, co).ok());
   const uint64_t total = FreeChunks(paths);

@@ -28,7 +28,7 @@ using testing::OpenOrNull;
 using testing::Put;
 using testing::SleepLeases;
 
-constexpr uint64_t kRegionBytes = 48 << 20;
+constexpr uint64_t kPausedHeapRegionBytes = 48 << 20;
 
 // Node 1 (one process) allocates one object, then starts a second allocation and stops between
 // choosing its slot and taking it. Node 0 recovers node 1's life (nothing published: the chunk is
@@ -38,7 +38,7 @@ constexpr uint64_t kRegionBytes = 48 << 20;
 void PausedHeapAllocation(uint64_t seed) {
   testing::TempRegionPath path("paused-heap");
   PoolCreateOptions co;
-  co.size = kRegionBytes;
+  co.size = kPausedHeapRegionBytes;
   co.max_nodes = 4;
   ASSERT_TRUE(Pool::Create({path.path()}, co).ok());
   const std::vector<std::string> paths = {path.path()};
@@ -118,7 +118,7 @@ void PausedAnnouncedDrain(uint64_t seed) {
   constexpr uint64_t kObjects = 8;
   testing::TempRegionPath path("paused-drain");
   PoolCreateOptions co;
-  co.size = kRegionBytes;
+  co.size = kPausedHeapRegionBytes;
   co.max_nodes = 4;
   ASSERT_TRUE(Pool::Create({path.path()}, co).ok());
   const std::vector<std::string> paths = {path.path()};

@@ -26,11 +26,11 @@ using testing::OpenOrNull;
 using testing::Put;
 using testing::SleepLeases;
 
-constexpr uint64_t kRegionBytes = 48 << 20;
+constexpr uint64_t kRemoteFreeRegionBytes = 48 << 20;
 
 std::vector<std::string> CreatePool(const std::string& path) {
   PoolCreateOptions co;
-  co.size = kRegionBytes;
+  co.size = kRemoteFreeRegionBytes;
   co.max_nodes = 4;
   EXPECT_TRUE(Pool::Create({path}, co).ok());
   return {path};

@@ -17,11 +17,11 @@ using testing::ForgeSuperblock;
 using testing::OpenOrNull;
 using testing::TempRegionPath;
 
-constexpr uint64_t kRegionBytes = 16 << 20;
+constexpr uint64_t kValidationRegionBytes = 16 << 20;
 
-Status CreatePool(const std::vector<std::string>& paths, bool index = true) {
+Status CreateIndexedPool(const std::vector<std::string>& paths, bool index = true) {
   PoolCreateOptions co;
-  co.size = kRegionBytes;
+  co.size = kValidationRegionBytes;
   co.max_nodes = 4;
   co.overwrite = true;
   co.index = index;
@@ -41,7 +41,7 @@ Status AttachAllStatus(const std::vector<std::string>& paths) {
   return r.ok() ? Status::Ok() : r.status();
 }
 
-std::vector<std::string> CheckProblems(const std::vector<std::string>& paths) {
+std::vector<std::string> CheckProblemsQuickly(const std::vector<std::string>& paths) {
   auto regions = pool::AttachAll(paths);
   EXPECT_TRUE(regions.ok()) << regions.status().ToString();
   if (!regions.ok()) return {"attach failed"};
@@ -57,8 +57,8 @@ bool AnyContains(const std::vector<std::string>& lines, const std::string& s) {
 
 TEST(PoolIdentity, ForeignRegionIsRefusedByName) {
   TempRegionPath a0("ident-a0"), a1("ident-a1"), b0("ident-b0"), b1("ident-b1");
-  ASSERT_TRUE(CreatePool({a0.path(), a1.path()}).ok());
-  ASSERT_TRUE(CreatePool({b0.path(), b1.path()}).ok());
+  ASSERT_TRUE(CreateIndexedPool({a0.path(), a1.path()}).ok());
+  ASSERT_TRUE(CreateIndexedPool({b0.path(), b1.path()}).ok());
   Status s = OpenStatus({a0.path(), b1.path()});
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
   EXPECT_THAT(s.message(), HasSubstr("region " + b1.path() + " belongs to another pool"));
@@ -68,7 +68,7 @@ TEST(PoolIdentity, ForeignRegionIsRefusedByName) {
 
 TEST(PoolIdentity, ReorderedRegionsAreRefusedByName) {
   TempRegionPath a0("order-a0"), a1("order-a1"), a2("order-a2");
-  ASSERT_TRUE(CreatePool({a0.path(), a1.path(), a2.path()}).ok());
+  ASSERT_TRUE(CreateIndexedPool({a0.path(), a1.path(), a2.path()}).ok());
   Status s = OpenStatus({a0.path(), a2.path(), a1.path()});
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
   EXPECT_THAT(s.message(), HasSubstr("region " + a2.path() + " is region 2 of its pool of 3 but was given as region 1"));
@@ -99,7 +99,7 @@ TEST(AreaValidation, CorruptAreaParametersAreRefusedByName) {
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
     TempRegionPath path("area");
-    ASSERT_TRUE(CreatePool({path.path()}).ok());
+    ASSERT_TRUE(CreateIndexedPool({path.path()}).ok());
     ASSERT_TRUE(ForgeSuperblock(path.path(), [&](region::Superblock& sb) {
       const_cast<region::AreaDesc*>(region::FindArea(sb, c.kind))->param = c.param;
     }));
@@ -132,7 +132,7 @@ TEST(AreaValidation, CorruptIndexHeaderIsRefusedByName) {
   for (const Case& c : cases) {
     SCOPED_TRACE(c.field);
     TempRegionPath path("index-hdr");
-    ASSERT_TRUE(CreatePool({path.path()}).ok());
+    ASSERT_TRUE(CreateIndexedPool({path.path()}).ok());
     const uint64_t at = testing::AreaOf(path.path(), region::AreaKind::kIndex).offset + c.at;
     ASSERT_TRUE(testing::PokeBytes(path.path(), at, &c.value, c.width));
     Status s = OpenStatus({path.path()});
@@ -156,7 +156,7 @@ struct OpenPool {
   alloc::ChunkTableLayout table;
 
   void SetUp() {
-    ASSERT_TRUE(CreatePool({path.path()}, /*index=*/false).ok());
+    ASSERT_TRUE(CreateIndexedPool({path.path()}, /*index=*/false).ok());
     pool = OpenOrNull({path.path()}, 0);
     ASSERT_TRUE(pool);
     table = alloc::ChunkTableLayout(pool->impl().regions[0]->impl(), 4);
@@ -184,7 +184,7 @@ TEST(DecodeValidation, LargeRunLengthOutOfRangeIsCorruptedNotACrash) {
     Status s = f.pool->Free(*off);
     EXPECT_EQ(s.code(), StatusCode::kCorrupted) << s.ToString();
     EXPECT_THAT(s.message(), HasSubstr("heads a run of " + std::to_string(bad)));
-    EXPECT_TRUE(AnyContains(CheckProblems({f.path.path()}), "large run length " + std::to_string(bad)));
+    EXPECT_TRUE(AnyContains(CheckProblemsQuickly({f.path.path()}), "large run length " + std::to_string(bad)));
     // Recovery of the life that owns the run skips it instead of looping or running off the
     // table (a run length of 0 used to make the scan revisit the same chunk forever).
     f.pool->impl().allocator->Recover(0, f.pool->impl().node->incarnation() + 1);
@@ -202,7 +202,7 @@ TEST(DecodeValidation, ZeroedRunIsNotFreedTwice) {
   f.meta().Publish(f.table.owner(head), 0);  // owner word zeroed, bitmap bit still set
   Status s = f.pool->Free(*off);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
-  auto problems = CheckProblems({f.path.path()});
+  auto problems = CheckProblemsQuickly({f.path.path()});
   EXPECT_TRUE(AnyContains(problems, "marked allocated but has no owner"));
   EXPECT_TRUE(AnyContains(problems, "a run tail without its head"));
 }
@@ -221,7 +221,7 @@ TEST(DecodeValidation, HeapClassBytesZeroIsCorruptedNotADivisionByZero) {
     Status s = f.pool->Free(*off);
     EXPECT_EQ(s.code(), StatusCode::kCorrupted) << s.ToString();
     EXPECT_THAT(s.message(), HasSubstr("corrupt header"));
-    auto problems = CheckProblems({f.path.path()});
+    auto problems = CheckProblemsQuickly({f.path.path()});
     EXPECT_TRUE(AnyContains(problems, "heap header is corrupt")) << ::testing::PrintToString(problems);
     EXPECT_TRUE(AnyContains(problems, "root 'obj' points at unallocated space"));
     // The heap passes over the damaged chunk: new objects of that class go elsewhere.
@@ -242,7 +242,7 @@ TEST(DecodeValidation, CorruptIntentRecordIsRefusedNotApplied) {
   ASSERT_FALSE(off.ok());
   EXPECT_EQ(off.status().code(), StatusCode::kCorrupted) << off.status().ToString();
   EXPECT_THAT(off.status().message(), HasSubstr("intent record"));
-  EXPECT_TRUE(AnyContains(CheckProblems({f.path.path()}), "corrupted allocator intent"));
+  EXPECT_TRUE(AnyContains(CheckProblemsQuickly({f.path.path()}), "corrupted allocator intent"));
   // Another region index out of range: refused the same way.
   intent.region = 200;
   intent.first = 0;
@@ -263,11 +263,11 @@ TEST(DecodeValidation, CorruptRemoteFreeRingIsSkippedNotWalked) {
   f.meta().Publish(ring, ~uint64_t{0} - 0xd0);  // tail
   f.pool->impl().allocator->DrainRemoteFrees();
   f.pool->impl().allocator->Recover(0, f.pool->impl().node->incarnation() + 1);
-  EXPECT_TRUE(AnyContains(CheckProblems({f.path.path()}), "remote-free ring of node 0 from node 1 is corrupt"));
+  EXPECT_TRUE(AnyContains(CheckProblemsQuickly({f.path.path()}), "remote-free ring of node 0 from node 1 is corrupt"));
   f.meta().Publish(ring + 64, 5);  // head past tail
   f.meta().Publish(ring, 3);
   f.pool->impl().allocator->DrainRemoteFrees();
-  EXPECT_TRUE(AnyContains(CheckProblems({f.path.path()}), "head 5, tail 3"));
+  EXPECT_TRUE(AnyContains(CheckProblemsQuickly({f.path.path()}), "head 5, tail 3"));
   f.meta().Publish(ring + 64, 0);
   f.meta().Publish(ring, 0);
 }
@@ -300,12 +300,12 @@ TEST(DecodeValidation, OutOfRangeRegionIndexInAnOffset) {
   EXPECT_NE(f.pool->Ptr(*off, 4096), nullptr);
   EXPECT_EQ(f.pool->Free(foreign).code(), StatusCode::kInvalidArgument);
   ASSERT_TRUE(f.pool->Put("far", foreign, 4096).ok());
-  EXPECT_TRUE(AnyContains(CheckProblems({f.path.path()}), "root 'far' points at unallocated space"));
+  EXPECT_TRUE(AnyContains(CheckProblemsQuickly({f.path.path()}), "root 'far' points at unallocated space"));
 }
 
 TEST(DecodeValidation, IndexEntryWithAForeignPayloadIsCorruptedOnLookup) {
   TempRegionPath path("entry");
-  ASSERT_TRUE(CreatePool({path.path()}).ok());
+  ASSERT_TRUE(CreateIndexedPool({path.path()}).ok());
   auto pool = OpenOrNull({path.path()}, 0);
   ASSERT_TRUE(pool);
   auto cache = pool->Cache();
@@ -326,7 +326,7 @@ TEST(DecodeValidation, IndexEntryWithAForeignPayloadIsCorruptedOnLookup) {
   const uint64_t payload_at = index.layout().entry(slot) + offsetof(cache::Entry, payload);
   const uint64_t good = meta.Fetch(payload_at);
   for (uint64_t bad : {region::Offset<void>::Make(7, region::Offset<void>(good).byte_offset()).raw(),
-                       uint64_t{kRegionBytes} - 100}) {
+                       uint64_t{kValidationRegionBytes} - 100}) {
     meta.Publish(payload_at, bad);
     auto hit = (*cache)->Lookup(*ns, keys);
     ASSERT_FALSE(hit.ok());

@@ -15,7 +15,7 @@ using ::testing::HasSubstr;
 using testing::ForgeSuperblock;
 using testing::TempRegionPath;
 
-constexpr uint64_t kSize = 16 << 20;
+constexpr uint64_t kValidationRegionSize = 16 << 20;
 
 Status AttachStatus(const std::string& path) {
   auto r = Region::Attach(path);
@@ -24,7 +24,7 @@ Status AttachStatus(const std::string& path) {
 
 TEST(RegionValidation, OldLayoutVersionNamesBothVersions) {
   TempRegionPath path("oldver");
-  ASSERT_TRUE(testing::CreateOrDie(path.path(), kSize));
+  ASSERT_TRUE(testing::CreateOrDie(path.path(), kValidationRegionSize));
   ASSERT_TRUE(ForgeSuperblock(path.path(), [](region::Superblock& sb) { sb.layout_version = 3; }));
   Status s = AttachStatus(path.path());
   EXPECT_EQ(s.code(), StatusCode::kVersionMismatch);
@@ -35,7 +35,7 @@ TEST(RegionValidation, OldLayoutVersionNamesBothVersions) {
 
 TEST(RegionValidation, PoolIdentityIsRecorded) {
   TempRegionPath path("ident");
-  auto r = testing::CreateOrDie(path.path(), kSize);
+  auto r = testing::CreateOrDie(path.path(), kValidationRegionSize);
   ASSERT_TRUE(r);
   EXPECT_EQ(r->info().pool_id.size(), 32u);
   EXPECT_NE(r->info().pool_id, std::string(32, '0'));
@@ -72,7 +72,7 @@ TEST(RegionValidation, ForgedParametersAreRefusedByName) {
   for (const Forgery& f : cases) {
     SCOPED_TRACE(f.name);
     TempRegionPath path("forge");
-    ASSERT_TRUE(testing::CreateOrDie(path.path(), kSize));
+    ASSERT_TRUE(testing::CreateOrDie(path.path(), kValidationRegionSize));
     ASSERT_TRUE(ForgeSuperblock(path.path(), f.edit));
     Status s = AttachStatus(path.path());
     EXPECT_EQ(s.code(), StatusCode::kCorrupted) << s.ToString();
@@ -86,12 +86,12 @@ TEST(RegionValidation, ForgedParametersAreRefusedByName) {
 // the process instead of writing past the mapping.
 TEST(RegionValidationDeathTest, MetaAccessChecksBoundsInEveryBuild) {
   TempRegionPath path("meta-bounds");
-  auto r = testing::CreateOrDie(path.path(), kSize);
+  auto r = testing::CreateOrDie(path.path(), kValidationRegionSize);
   ASSERT_TRUE(r);
   auto& meta = r->impl().meta();
-  EXPECT_DEATH(meta.Load(kSize), "outside region");
-  EXPECT_DEATH(meta.Store(kSize + 4096, 1), "outside region");
-  EXPECT_DEATH(meta.Invalidate(kSize - 8, 64), "outside region");
+  EXPECT_DEATH(meta.Load(kValidationRegionSize), "outside region");
+  EXPECT_DEATH(meta.Store(kValidationRegionSize + 4096, 1), "outside region");
+  EXPECT_DEATH(meta.Invalidate(kValidationRegionSize - 8, 64), "outside region");
   EXPECT_DEATH((void)r->impl().PayloadPtr(~uint64_t{0} - 8, 16), "outside region");
 }
 
