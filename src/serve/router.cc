@@ -433,6 +433,7 @@ Result<ServeRun> Router::Run() {
     }
     const uint64_t block = model.KvBytesPerToken() * kBlockTokens + tier::kSlotHeaderBytes;
     to.slot_bytes = std::max<uint64_t>(8192, (block + 4095) / 4096 * 4096);
+    to.log_placement = false;  // the serve progress display owns stderr
     CXLKV_ASSIGN_OR_RETURN(tiers, tier::TierStore::Open(*pool, to));
     CXLKV_ASSIGN_OR_RETURN(tier_service, tier::StartTierService(*pool, *tiers));
   }

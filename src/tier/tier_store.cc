@@ -162,7 +162,7 @@ Result<std::unique_ptr<TierStore>> TierStore::Open(Pool& pool, const TierStoreOp
     WorkerPlacement placed = PlaceWorkers(inputs, AllowedCpus());
     for (size_t i = 0; i < store->workers_.size(); ++i) store->workers_[i].cpus = placed.cpus[i];
     store->worker_placement_ = placed.summary;
-    std::fprintf(stderr, "cxlkv: tier: %s\n", placed.summary.c_str());
+    if (options.log_placement) std::fprintf(stderr, "cxlkv: tier: %s\n", placed.summary.c_str());
   } else {
     store->worker_placement_ = "workers not bound (turned off)";
   }

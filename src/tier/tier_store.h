@@ -1,4 +1,4 @@
-// The capacity tiers of one node (Unified KV pooling §IV; issue 14): its node-DRAM and SSD
+// The capacity tiers of one node (Unified KV pooling §IV): its node-DRAM and SSD
 // devices behind the shared region, run by the node's cxlkvd. The prefix index is the one
 // lookup table over every device (Table I): an entry names the region, or a tier, device and
 // slot of this node (docs/tiers.md, "Global lookup table").
@@ -89,6 +89,9 @@ struct TierStoreOptions {
   // Bind each device's worker where its disk's completions land, memory workers elsewhere
   // (worker_affinity.h); only where the disk's interrupts are confined to some of our CPUs.
   bool bind_workers = true;
+  // Say on stderr where the workers were bound (a daemon's log); the placement is in the
+  // status document either way. Off where stderr is a terminal's progress display (`serve`).
+  bool log_placement = true;
 };
 
 // What a promote request did.
