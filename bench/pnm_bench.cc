@@ -316,7 +316,7 @@ Result<nlohmann::json> RunPnmBench(const BenchOptions& options) {
   if (!arena.ok()) return Internal("bench pnm: cannot map " + std::to_string(arena_bytes >> 20) + " MiB");
   FillFp16(arena.data(), arena_bytes, 0x9e11a7e5eedull);
   // The digests are about 1/32 of the KV for fp16 with 16-token pages (digest.h): 1/16 holds them.
-  util::HugePageBytes digest(arena_bytes / 16);  // on huge pages, as the engine and cxlkvd keep theirs
+  util::HugePageBytes digest(arena_bytes / 16);  // on huge pages, as the engine keeps its own
 
   pnm::Geometry g8;
   g8.num_heads = 32;

@@ -195,7 +195,7 @@ Result<nlohmann::json> RunLockBench(const BenchOptions& options) {
     if (procs > 1) {
       // Every process always wants the lock, so each of its acquires waits for the other
       // procs - 1 holders: per-process time = procs handoffs. The handoff (one release to the
-      // next grant) is what the contended goal speaks of.
+      // next grant) is what the contended goal (ratio <= 10) speaks of.
       std::vector<double> handoff;
       for (double v : ours) handoff.push_back(v / procs);
       results.push_back(FigureJson({"two_tier_lock_handoff/" + n + "proc", "ns/handoff", false, handoff,

@@ -1,4 +1,4 @@
-// libFuzzer target (issue 13): the TCP front's frame decoder (src/rpc/frame.h) on any bytes a
+// libFuzzer target: the TCP front's frame decoder (src/rpc/frame.h) on any bytes a
 // peer can send. The input is cut into reads at places the first bytes choose, as a socket
 // delivers them; the decoder must never crash, never hold more than one frame's worth of
 // bytes (header + its payload limit), refuse a malformed stream for good once it has, and

@@ -1,4 +1,4 @@
-// libFuzzer target (issue 12): the fuzzer's bytes are mutations of a small formatted pool's
+// libFuzzer target: the fuzzer's bytes are mutations of a small formatted pool's
 // metadata — superblock, node table, lock array, chunk table, heap headers, named roots, index
 // header and entries — and every input then runs what a reader of a damaged region runs:
 // attach, `cxlkv stat`, `cxlkv check`, and (when the input asks) join the pool and get / put

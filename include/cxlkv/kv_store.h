@@ -1,4 +1,4 @@
-// The engine-keyed batch API (issue 16): what a serving engine's connector calls.
+// The engine-keyed batch API: what a serving engine's connector calls.
 //
 // An engine registers its paged KV tensors once (one base pointer per layer, in one of the
 // layouts of cxlkv/layout.h); later calls name engine *block ids*, never pointers. Keys are

@@ -10,7 +10,7 @@ same machine (the CLI is run as a subprocess: ``$CXLKV_CLI`` or the build tree's
   heads, head size 128, fp16, 16-token blocks: 2 MiB a block), 16 blocks per call, vs the C++
   non-temporal copy into the pool and memcpy out of it
 
-Goal (issue 16): put and get from Python >= 0.9 of the C++ figures. Medians of several
+Goal: put and get from Python >= 0.9 of the C++ figures. Medians of several
 repetitions; ratios with ``higher_is_better``.
 """
 from __future__ import annotations

@@ -98,7 +98,7 @@ Result<IndexLayout> ReadLayout(Region& region) {
                            std::to_string(kIndexVersion) + ": re-create the pool or use a matching cxlkv");
   }
   // Every value below is used to index the region: check each against what init would have
-  // planned (issue 12: values read from the region are untrusted in every build).
+  // planned (values read from the region are untrusted in every build).
   auto bad = [&](const std::string& field, uint64_t value, const std::string& expected) {
     return Corrupted(where + " is corrupt: prefix index header field " + field + " is " + std::to_string(value) +
                      ", expected " + expected + recreate);
@@ -254,7 +254,7 @@ Result<LookupResult> Index::LookupImpl(const NamespaceHandle& ns, std::span<cons
       ++out.capacity_run;
       continue;
     }
-    // Untrusted (issue 12): a READY entry's payload is handed out as a pointer; it must lie in
+    // Untrusted: a READY entry's payload is handed out as a pointer; it must lie in
     // a data area of this pool, or the region is damaged.
     if (e.bytes == 0 || !allocator_.Contains(alloc::ObjectOffset(e.payload), e.bytes)) [[unlikely]] {
       bad = Corrupted("index slot " + std::to_string(slot) + " names payload " + std::to_string(e.payload) +

@@ -1,4 +1,4 @@
-// Near-memory attention engines in cxlkvd (PNM §3.2, issue 15; docs/pnm.md, "Engines in
+// Near-memory attention engines in cxlkvd (PNM §3.2; docs/pnm.md, "Engines in
 // cxlkvd"): the node's daemon serves "pnm-<node>" (pnm/service_protocol.h), so decode attention
 // over a long context runs next to the memory that holds its KV and only queries, outputs and
 // log-sum-exps cross the link.

@@ -1,4 +1,4 @@
-// SparseDecodeAttention: the reference engine's decode attention done the PNM way (issue 15):
+// SparseDecodeAttention: the reference engine's decode attention done the PNM way:
 // page digests of the engine's own paged KV, top-K page selection under a token budget, and
 // attention over the selected pages read in place, returning output and log-sum-exp.
 //

@@ -1,4 +1,4 @@
-// Near-memory sparse attention (PNM paper §3, issue 15): the shape of the KV it reads.
+// Near-memory sparse attention (PNM paper §3): the shape of the KV it reads.
 //
 // The attention runs where the KV lives and reads it in place, in cxlkv's pool block formats
 // (include/cxlkv/layout.h): one page = one block of `page_tokens` tokens, and within one layer

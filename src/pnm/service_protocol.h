@@ -1,4 +1,4 @@
-// The near-memory attention service's requests (PNM §3.2, issue 15; docs/pnm.md, "Engines in
+// The near-memory attention service's requests (PNM §3.2; docs/pnm.md, "Engines in
 // cxlkvd"): one opcode table and one binary encoding shared by the service (daemon/pnm_service.h)
 // and its client (pnm/remote.h), fuzzed with the other decoders (fuzz/frame_fuzz.cc).
 //

@@ -52,7 +52,7 @@ static_assert(std::is_standard_layout_v<Offset<int>>);
 static_assert(std::is_trivially_copyable_v<Offset<int>>);
 
 // Converts `off` to a pointer into the mapping [base, base+size) of its region. In every build
-// (offsets are read from shared memory: issue 12) an offset whose object would not fit in the
+// (offsets are read from shared memory) an offset whose object would not fit in the
 // mapping aborts with the offending value: following it would scribble over someone's data.
 // Code that decodes an offset from the region checks it first and returns kCorrupted.
 template <typename T>

@@ -62,7 +62,7 @@ const AreaDesc& Region::Impl::area(AreaKind kind) const {
 }
 
 uint8_t* Region::Impl::PayloadPtr(uint64_t byte_offset, uint64_t len) const {
-  // Every build (issue 12): offsets come from the region; callers validate them first and
+  // Every build: offsets come from the region; callers validate them first and
   // return kCorrupted, so reaching the abort means a decode site lacks its check.
   if (byte_offset > sb_.region_size || len > sb_.region_size - byte_offset) [[unlikely]] {
     std::fprintf(stderr, "cxlkv: payload [%llu, +%llu) outside region of %llu bytes\n",

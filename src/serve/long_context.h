@@ -1,4 +1,4 @@
-// The long-context decode scenario (issue 15, PNM §3): one sequence of 128K to 1M tokens
+// The long-context decode scenario (PNM §3): one sequence of 128K to 1M tokens
 // decoded by the reference engine with dense attention, near-memory sparse attention and the
 // engine/near-memory hybrid, side by side — decode-step time, bytes that reach the engine per
 // step, how much of the dense attention mass the selection kept, and output agreement.

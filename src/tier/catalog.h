@@ -1,4 +1,4 @@
-// The restart record of one SSD capacity device (issue 14, item 5): which slot holds which block,
+// The restart record of one SSD capacity device: which slot holds which block,
 // kept so that the device's contents survive a clean restart and a kill -9 of the daemon. A
 // metadata checkpoint plus an append-only log with sequence numbers, replayed at Open; whatever
 // cannot be proven current is dropped (docs/tiers.md, "Restart catalog").

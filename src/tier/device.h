@@ -1,4 +1,4 @@
-// A capacity device of the unified KV pool (Unified KV pooling §IV; issue 14): node DRAM or an
+// A capacity device of the unified KV pool (Unified KV pooling §IV): node DRAM or an
 // SSD, carved into fixed-size slots, read and written in batches. The global lookup table (Table
 // I) above it records, per block, {tier kind, device index, slot}; placement (placement.h) splits
 // each offload batch across devices by their measured bandwidth.

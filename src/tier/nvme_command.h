@@ -1,4 +1,4 @@
-// NVMe passthrough for the SSD tier (issue 14, item 1): the pure part — what an NVM command set
+// NVMe passthrough for the SSD tier: the pure part — what an NVM command set
 // read or write of a slot transfer looks like, what an identify-namespace page says, and what a
 // passthrough completion means. No system call here: the Linux ring (io_platform_linux.cc) puts
 // these commands into io_uring's IORING_OP_URING_CMD on the NVMe generic device /dev/ngXnY, and

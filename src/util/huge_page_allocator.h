@@ -1,7 +1,7 @@
 // An allocator for large scanned buffers (near-memory page digests): allocations of 2 MiB or
 // more are 2 MiB-aligned and advised to transparent huge pages (MADV_HUGEPAGE), so a scan over
 // them misses the TLB once per 2 MiB instead of once per 4 KiB — 11% of the digest scan's time
-// on digests in DRAM (docs/benchmarks.md). Smaller ones come from operator new.
+// on digests in DRAM (docs/pnm.md). Smaller ones come from operator new.
 //
 // Where THP is "never" the advice is ignored and the buffer is ordinary memory; nothing depends
 // on it. Thread-safety: stateless.

@@ -32,8 +32,8 @@ inline MetadataMode TestMetadataMode() {
 
 // Central mode's storms under the simulator, in the ThreadSanitizer build: every metadata access
 // simulated and instrumented pushes the service past its callers' RPC deadline (and one run
-// showed a freshly created RPC area read back with a bad magic, under investigation: issue 13's
-// notes). They run in the default and ASan builds.
+// showed a freshly created RPC area read back with a bad magic, cause not yet known). They run
+// in the default and ASan builds.
 #if defined(CXLKV_TSAN)
 #define CXLKV_NOT_CENTRAL_UNDER_TSAN()                                                   \
   if (::cxlkv::testing::TestMetadataMode() == ::cxlkv::MetadataMode::kCentral)          \

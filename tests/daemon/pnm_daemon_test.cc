@@ -1,4 +1,4 @@
-// Near-memory attention in cxlkvd (issue 15, PNM §3.2): a context of pool blocks opened by key,
+// Near-memory attention in cxlkvd (PNM §3.2): a context of pool blocks opened by key,
 // attention over it with only the query in and the output and lse back. In-process first (the
 // service and a client on one pool): the answers equal local attention over the same bytes bit
 // for bit, digests are stored in the pool for the next opener, pins hold the blocks exactly while

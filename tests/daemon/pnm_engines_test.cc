@@ -1,4 +1,4 @@
-// Engines per memory node (issue 15, PNM §3.2; daemon/node_engines.h): a pool whose regions lie
+// Engines per memory node (PNM §3.2; daemon/node_engines.h): a pool whose regions lie
 // on two NUMA nodes gets an engine on each, and each attends the pages its node holds. The
 // nodes are faked (a Platform that answers by address and records bindings), so this runs on a
 // one-node machine: the answers still equal local attention over the same bytes — split by

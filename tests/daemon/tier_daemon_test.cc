@@ -1,4 +1,4 @@
-// cxlkvd with capacity tiers (issue 14), as real processes: a writer on another node puts more
+// cxlkvd with capacity tiers, as real processes: a writer on another node puts more
 // than the region holds, every block reads back identical through spill and promote, and the
 // tiers show in /metrics (checked by promtool), `cxlkv stat` and a clean `cxlkv check`. A
 // device path that cannot be used stops the daemon at start with the tier named. The SSD's

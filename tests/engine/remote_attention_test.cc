@@ -1,5 +1,5 @@
 // The reference engine decoding with its prompt's KV left in the pool and attended by a
-// near-memory service (issue 15, PNM §3.2): the engine's copy of the prompt is poisoned with NaN,
+// near-memory service (PNM §3.2): the engine's copy of the prompt is poisoned with NaN,
 // so every correct logit proves those bytes were read only next to the memory. A whole-context
 // answer merged with the engine's own tokens decodes as dense does; a context closed by its lease
 // while the engine idled is reopened transparently; bad input is refused.

@@ -1,4 +1,4 @@
-// The reference engine decoding with near-memory sparse and hybrid attention (issue 15):
+// The reference engine decoding with near-memory sparse and hybrid attention:
 // a budget that covers the context reproduces dense decoding; the hybrid's engine/near-memory
 // split merges into exactly the sparse result; digests grown token by token equal a bulk build;
 // a new sequence in the same instance starts clean; bad input is refused with a reason.

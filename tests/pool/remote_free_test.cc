@@ -247,13 +247,13 @@ TEST(RemoteFree, ADrainerKilledAfterClaimingLeavesTheRestUnderTheNonCoherentSimu
 // life, allocates an object, and node 1 frees it through node 2's ring (node 2 surely beats
 // again). Two scenes:
 // - `hold_drains`: node 2's drains wait until the recovery has run. The recovery must stop at
-//   the next life's entry, which node 2's own drain then applies. It used to consume the whole
-//   ring, and the next life's object stayed allocated for that life.
+//   the next life's entry, which node 2's own drain then applies. Consuming the whole ring
+//   would leave the next life's object allocated for that life.
 // - not: node 2's next life drains all along. While the recovery is held, its drainer must
 //   leave the closed ring alone — the free waits in the ring — and apply it once the recovery
-//   has marked the ring recovered. Before the drain word and the recovered mark, the two
-//   consumed one ring unordered: a late head store by either could move the head back over
-//   entries the other had applied, and a later drain applied them again.
+//   has marked the ring recovered. Without the drain word and the recovered mark the two
+//   consume one ring unordered: a late head store by either can move the head back over
+//   entries the other applied, and a later drain applies them again.
 void NextLifeFreeDuringRecovery(uint64_t sim_seed, bool hold_drains) {
   testing::TempRegionPath path("rf-next-life");
   auto paths = CreatePool(path.path());

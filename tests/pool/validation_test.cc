@@ -1,4 +1,4 @@
-// Issue 12: everything read from the region is checked in every build. Each test writes one
+// Everything read from the region is checked in every build. Each test writes one
 // corruption a damaged device or a buggy host could leave, and expects a named error — never a
 // crash, a hang or a write out of bounds (these run under ASan too). Pool identity: a foreign
 // or reordered region is refused by name.
@@ -186,7 +186,7 @@ TEST(DecodeValidation, LargeRunLengthOutOfRangeIsCorruptedNotACrash) {
     EXPECT_THAT(s.message(), HasSubstr("heads a run of " + std::to_string(bad)));
     EXPECT_TRUE(AnyContains(CheckProblemsQuickly({f.path.path()}), "large run length " + std::to_string(bad)));
     // Recovery of the life that owns the run skips it instead of looping or running off the
-    // table (a run length of 0 used to make the scan revisit the same chunk forever).
+    // table (a run length of 0 would make the scan revisit the same chunk forever).
     f.pool->impl().allocator->Recover(0, f.pool->impl().node->incarnation() + 1);
   }
   f.SetRunLength(head, 2);

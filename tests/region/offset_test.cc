@@ -31,7 +31,7 @@ TEST(Offset, ToPtrIsBaseRelative) {
   EXPECT_EQ(ToPtr(buf, sizeof buf, off)->a, 7u);
 }
 
-// Every build (issue 12): offsets are read from shared memory.
+// Every build: offsets are read from shared memory.
 TEST(OffsetDeathTest, OutOfBoundsAbortsInEveryBuild) {
   alignas(64) uint8_t buf[128] = {};
   EXPECT_DEATH(ToPtr(buf, sizeof buf, Offset<Node>::Make(0, 120)), "out of bounds");

@@ -1,4 +1,4 @@
-// Issue 12: everything read from the region is checked in every build. A superblock forged with
+// Everything read from the region is checked in every build. A superblock forged with
 // a valid checksum (a buggy writer, or a damaged device that happens to pass) is refused by
 // name; the metadata accessor's bounds checks stay on in optimized builds.
 #include <gmock/gmock.h>

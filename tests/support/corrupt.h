@@ -1,4 +1,4 @@
-// Writing corruptions into a region file, as a damaged device or a buggy host would (issue 12):
+// Writing corruptions into a region file, as a damaged device or a buggy host would:
 // raw bytes, or a superblock rewritten with a valid checksum so that the checks behind the
 // checksum are reached. Shared by the validation tests and the fuzz target's regressions.
 #ifndef CXLKV_TESTS_SUPPORT_CORRUPT_H_

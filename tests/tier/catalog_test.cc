@@ -1,4 +1,4 @@
-// The SSD tier's restart catalog (issue 14 item 5): puts and frees survive a restart; a torn tail,
+// The SSD tier's restart catalog: puts and frees survive a restart; a torn tail,
 // a bit flip in the log or a checkpoint, an out-of-range slot or a repeated sequence is dropped,
 // never a crash and never an entry that was not written; a crash at every step of a checkpoint
 // replays to the same map; ENOSPC leaves the map unchanged. Files go under testing::TempDir().

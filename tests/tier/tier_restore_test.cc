@@ -1,4 +1,4 @@
-// Warm restart into a new region (issue 14, item 5): an SSD tier's blocks outlive the shared
+// Warm restart into a new region: an SSD tier's blocks outlive the shared
 // region — a host reboot with the pool in /dev/shm, or a pool re-created with `cxlkv init` — and
 // the node's next cxlkvd names them in the fresh index again from the device's catalog and
 // namespace book. What cannot be proven (a damaged book, a key cached again meanwhile) is freed,

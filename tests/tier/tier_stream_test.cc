@@ -1,4 +1,4 @@
-// The capacity tiers' streaming source (issue 14): blocks read out of node DRAM and SSD through
+// The capacity tiers' streaming source: blocks read out of node DRAM and SSD through
 // their owner's service into region staging, without promoting them; a corrupt slot read out is a
 // miss; the service's requests are refused when malformed.
 #include <fcntl.h>

@@ -1,4 +1,4 @@
-// The capacity tiers behind the region (issue 14): the index as the one lookup table over every
+// The capacity tiers behind the region: the index as the one lookup table over every
 // device, spill on pressure, promote on hit, a full device, invalid slots, an owner's restart,
 // a mover killed mid-move, and another node's blocks brought in through its service.
 #include <fcntl.h>
