@@ -20,6 +20,27 @@ bool SameFile(int fd, const std::string& path) {
          held.st_dev == named.st_dev;
 }
 
+// The joiners' gate: an open-file-description lock (fcntl, independent of flock) on the file's
+// first byte, held by one joiner at a time across its two flock calls and, for the first user,
+// until its first use of the file is done. flock converts a lock from exclusive to shared by
+// dropping it first: a second joiner taking the exclusive lock in that moment would take itself
+// for the first user too. And a second joiner that attached before the first user's first use
+// (a node's life reset) would have that life ended under it. Bounded like the shared lock: a
+// stopped joiner holding the gate is passed after a while (the races are then possible again).
+bool GateBounded(int fd, short type) {
+  struct flock gate {};
+  gate.l_type = type;
+  gate.l_whence = SEEK_SET;
+  gate.l_start = 0;
+  gate.l_len = 1;
+  for (int i = 0; i < 200; ++i) {
+    if (::fcntl(fd, F_OFD_SETLK, &gate) == 0) return true;
+    if (type == F_UNLCK || (errno != EAGAIN && errno != EACCES && errno != EINTR)) return false;
+    ::usleep(250);
+  }
+  return false;
+}
+
 }  // namespace
 
 int SharedLockBounded(int fd) {
@@ -34,13 +55,15 @@ int SharedLockBounded(int fd) {
   return 0;
 }
 
-Result<HostFile> HostFile::Open(const std::string& path, size_t size, const Creator& create, const std::string& what) {
+Result<HostFile> HostFile::Open(const std::string& path, size_t size, const Creator& create, const std::string& what,
+                                const FirstUse& first_use) {
   HostFile f;
   f.path_ = path;
   f.size_ = size;
   // A file whose last user is removing it may still be found by name: hold the shared flock,
   // then make sure the name still leads to the file we hold, or start over.
   int fd = -1;
+  bool gated = false;  // held on fd (closing fd drops it)
   for (int attempt = 0; attempt < 100 && fd < 0; ++attempt) {
     fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
     if (fd < 0 && errno == ENOENT) {
@@ -49,8 +72,10 @@ Result<HostFile> HostFile::Open(const std::string& path, size_t size, const Crea
     }
     if (fd < 0) break;
     // Alone on the file? Then every earlier holder is gone (left or killed).
+    gated = GateBounded(fd, F_WRLCK);
     f.first_user_ = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
     const int locked = SharedLockBounded(fd);
+    if (gated && !f.first_user_) gated = !GateBounded(fd, F_UNLCK);
     if (locked < 0) {
       ::close(fd);
       return IoError("cannot lock " + what + " " + path + ": " + std::strerror(-locked));
@@ -70,6 +95,8 @@ Result<HostFile> HostFile::Open(const std::string& path, size_t size, const Crea
   void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) return IoError("cannot map " + what + " " + path + ": " + std::strerror(errno));
   f.base_ = p;
+  if (f.first_user_ && first_use) first_use(p);
+  if (gated) (void)GateBounded(fd, F_UNLCK);
   return f;
 }
 

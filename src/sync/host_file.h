@@ -26,9 +26,13 @@ class HostFile {
   // rename won (another process may have made it first: then use theirs).
   using Creator = std::function<Status(const std::string& path, bool* made)>;
 
+  // Runs on the mapped file in its first user only, before any other joiner can attach.
+  using FirstUse = std::function<void(void* base)>;
+
   // Opens `path`, creating it with `create` when there is none, holds a shared flock on it
   // and maps `size` bytes. `what` names the file in errors ("node-local file").
-  static Result<HostFile> Open(const std::string& path, size_t size, const Creator& create, const std::string& what);
+  static Result<HostFile> Open(const std::string& path, size_t size, const Creator& create, const std::string& what,
+                               const FirstUse& first_use = {});
   // Removes every file whose path starts with `prefix` that no process holds, but `except`.
   static void SweepUnused(const std::string& prefix, const std::string& except);
 

@@ -104,7 +104,15 @@ Result<std::unique_ptr<LocalNode>> LocalNode::Open(const std::string& region_id,
                                                    uint32_t max_locks) {
   const size_t size = NodeFileBytes(max_locks);
   auto create = [&](const std::string& path, bool* made) { return CreateFile(path, size, max_locks, made); };
-  CXLKV_ASSIGN_OR_RETURN(HostFile file, HostFile::Open(PathFor(region_id, node), size, create, "node-local file"));
+  // The first process of a node on this host starts a new life: whatever its predecessors held
+  // (they left or were killed) is recovered, never continued. Marked before any other process
+  // of the node can attach, so a process that joins beside it never has its new life ended.
+  auto first_use = [](void* base) {
+    auto* h = static_cast<LocalHeader*>(base);
+    if (h->magic == kLocalMagic && h->version == kLocalVersion) h->last_beat_ns.store(0);
+  };
+  CXLKV_ASSIGN_OR_RETURN(HostFile file,
+                         HostFile::Open(PathFor(region_id, node), size, create, "node-local file", first_use));
   std::unique_ptr<LocalNode> local(new LocalNode(std::move(file)));
   const LocalHeader& h = *local->header_;
   if (h.magic != kLocalMagic || h.version != kLocalVersion || h.max_locks != max_locks) {

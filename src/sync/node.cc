@@ -67,7 +67,6 @@ Result<std::unique_ptr<Node>> Node::Join(Region& region, const NodeOptions& opti
   CXLKV_ASSIGN_OR_RETURN(auto local, LocalNode::Open(info.region_id, options.node_id,
                                                      layout.max_locks()));
   const bool fresh_local = local->created();
-  const bool first_user = local->first_user();
   // The host's wake file only speeds wake-ups (host_wake.h): without it the lock still works,
   // by polling, so a failure to open it is said once and not fatal.
   HostWake::SweepUnused(HostWake::PathFor(info.region_id));
@@ -99,9 +98,7 @@ Result<std::unique_ptr<Node>> Node::Join(Region& region, const NodeOptions& opti
       }
     }
   }
-  // The first process of a node on this host starts a new life: whatever its predecessors
-  // held (they left or were killed) is recovered, never continued. We are alone on the file.
-  if (first_user) h.last_beat_ns.store(0);
+  // (A first user's new life was marked in LocalNode::Open, before anyone else could attach.)
   h.attached.fetch_add(1);
   node->heartbeat_->Tick();
   // Another process of this node may be mid-beat: wait (bounded) until the node has a life.
