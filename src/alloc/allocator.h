@@ -87,10 +87,15 @@ class Allocator {
   // Drains remote frees and returns this node's empty heap chunks and wholly free leased lines
   // to the pool.
   void Trim();
-  // Gives back the wholly free lines of the lease this process knows of (at a clean exit: a
-  // departed node's lease would otherwise wait for its recovery). Takes the allocator lock
-  // only when there is a line to give back.
+  // Gives back the wholly free lines of the lease this process knows of (at a clean exit of a
+  // process whose node lives on in other processes). Takes the allocator lock only when there
+  // is a line to give back.
   void ReturnLease();
+  // Ends this node's whole lease, of this life and of any ended one (at the clean exit of the
+  // node's last process: a departed node holds no lease). Every line stops being leased: its
+  // free chunks go back to the pool, its allocated chunks stay as ordinary one-chunk objects.
+  // One allocator-lock trip when the node holds a line; none otherwise.
+  void EndLease();
   // Test hook: runs after a remote free is decided (announced, its owner surely live) and
   // before it is published, so a test can end the owner's life in that window.
   void TestHookBeforePush(std::function<void()> hook) { test_before_push_ = std::move(hook); }
@@ -159,6 +164,14 @@ class Allocator {
   bool FindRunLocked(uint32_t r, uint64_t count, uint64_t* first);
 
   void ReturnFreeLeaseLinesLocked();
+  // Ends the lease of line `first` of region `r` held by `life` (its kLeased word): one intent
+  // (IntentOp::kEndLease). REQUIRES: the allocator lock.
+  void EndLeaseLineLocked(uint32_t r, uint64_t first, uint64_t life);
+  // Lines of this node's ended lives that are still leased: a wholly free one is adopted into
+  // this life's lease (`adopt`), any other has its lease ended. `adopt` false: every such line,
+  // and this life's own too, has its lease ended. Returns the lines adopted. REQUIRES: heap_mu
+  // and the allocator lock.
+  uint64_t SettleNodeLeasesLocked(bool adopt);
   // Lease helpers. REQUIRES: heap_mu held.
   // True with a chunk of the lease, false when the lease has none free; kLeaseExpired when this
   // node's lease lapsed (FenceOwnStore).

@@ -61,8 +61,10 @@ bool HeapHeaderValid(const HeapHeader& h, uint64_t chunk_bytes) {
 }
 
 bool IntentValid(const ChunkTableLayout& table, const Intent& intent) {
-  return (intent.op >= IntentOp::kAllocate && intent.op <= IntentOp::kLease) && table.RunInRange(intent.first, intent.count) &&
-         (intent.op != IntentOp::kSetWord || intent.count == 1);
+  const bool line = intent.first % kLeaseLineChunks == 0 && intent.count == kLeaseLineChunks;
+  return (intent.op >= IntentOp::kAllocate && intent.op <= IntentOp::kEndLease) &&
+         table.RunInRange(intent.first, intent.count) && (intent.op != IntentOp::kSetWord || intent.count == 1) &&
+         (intent.op != IntentOp::kEndLease || line);
 }
 
 HeapGeometry GeometryFor(uint64_t chunk_bytes, uint64_t class_bytes) {
@@ -90,6 +92,15 @@ void ApplyIntent(region::MetaAccess& meta, const ChunkTableLayout& table, const 
     uint64_t word = 0;
     if (intent.op == IntentOp::kLease) {
       word = intent.owner;
+    } else if (intent.op == IntentOp::kEndLease) {
+      word = meta.Load(table.owner(c));  // current: invalidated above, written only under the lock now
+      const OwnerWord now = OwnerWord::Decode(word), life = OwnerWord::Decode(intent.owner);
+      if (now.node == life.node && now.incarnation == life.incarnation) {
+        if (now.kind == ChunkKind::kLeased) word = 0;
+        if (now.kind == ChunkKind::kLeasedObject) {
+          word = OwnerWord{ChunkKind::kLargeHead, now.node, now.incarnation, 1}.Encode();
+        }
+      }
     } else if (intent.op == IntentOp::kAllocate || intent.op == IntentOp::kSetWord) {
       OwnerWord head = OwnerWord::Decode(intent.owner);
       if (i == 0) {

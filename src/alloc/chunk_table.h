@@ -108,6 +108,11 @@ enum IntentOp : uint64_t {
   kFree = 2,      // every word and bit cleared
   kSetWord = 3,   // one word set to `owner`; its bit set unless `owner` is 0
   kLease = 4,     // every word set to `owner`; bits set
+  kEndLease = 5,  // one whole lease line of the life `owner` (its kLeased word) stops being leased:
+                  // that life's kLeased words cleared, its kLeasedObject words become one-chunk
+                  // kLargeHead objects of the same life; any other word is left as it is. One
+                  // intent for the line, so `check` never sees it half leased (P5), and redoing it
+                  // changes nothing it changed already.
 };
 
 struct Intent {

@@ -113,22 +113,12 @@ Status Allocator::Free(ObjectOffset off, int reroutes) {
 }
 
 void Allocator::FreeEndedLifeLeasedLocked(ChunkRef chunk, OwnerWord w) {
-  // A line is leased whole or not at all (P5): the chunk goes back to the ended life's lease,
-  // and the line to the pool once every chunk of it is free in that lease.
-  const ChunkTableLayout& t = tables_[chunk.region];
-  const uint64_t dead_free = OwnerWord{ChunkKind::kLeased, w.node, w.incarnation, 0}.Encode();
+  // The ended life's lease ends with its first free in place (one intent for the line, P5):
+  // its free chunks go back to the pool, its objects stay as one-chunk objects of that life
+  // (its recovery frees those nothing reaches), and this one is freed.
   const uint64_t first = chunk.chunk / kLeaseLineChunks * kLeaseLineChunks;
-  auto& m = meta(chunk.region);
-  m.Invalidate(t.owner(first), kLeaseLineChunks * 8);
-  bool line_free = first + kLeaseLineChunks <= t.chunks();
-  for (uint64_t k = first; line_free && k < first + kLeaseLineChunks; ++k) {
-    line_free = k == chunk.chunk || m.Load(t.owner(k)) == dead_free;
-  }
-  if (line_free) {
-    CommitLocked(chunk.region, IntentOp::kFree, first, kLeaseLineChunks, 0);
-  } else {
-    CommitLocked(chunk.region, IntentOp::kSetWord, chunk.chunk, 1, dead_free);
-  }
+  EndLeaseLineLocked(chunk.region, first, OwnerWord{ChunkKind::kLeased, w.node, w.incarnation, 0}.Encode());
+  CommitLocked(chunk.region, IntentOp::kFree, chunk.chunk, 1, 0);
 }
 
 Result<bool> Allocator::PushWhileOwnerLives(OwnerWord w, ObjectOffset off) {
@@ -316,8 +306,8 @@ void Allocator::ApplyRemoteFree(ObjectOffset off) {
     // Pushed for an earlier life of this node. If that life's recovery kept the object (an
     // orphan slot, a whole-chunk object: never allocated from again), the free still names
     // it: route it like any free. Otherwise the chunk may be someone else's by now: drop it.
-    const bool kept = w.node == node_.id() && w.incarnation != Inc20(node_.incarnation()) &&
-                      (w.kind == ChunkKind::kOrphanHeap || w.kind == ChunkKind::kLargeHead);
+    // A leased object of this very life whose lease ended (EndLease) is such an object too.
+    const bool kept = w.node == node_.id() && (w.kind == ChunkKind::kOrphanHeap || w.kind == ChunkKind::kLargeHead);
     if (kept) (void)Free(off);
     return;
   }

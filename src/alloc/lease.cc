@@ -63,15 +63,22 @@ void Allocator::ScanLeaseLocked() {
 }
 
 Status Allocator::RefillLeaseLocked(uint64_t lines) {
+  bool first_refill = false;
   if (!lease_scanned_) {
     // Once per process: lines of this node's lease that exited processes of the node left.
     lease_scanned_ = true;
     ScanLeaseLocked();
     if (!lease_hint_.empty()) return Status::Ok();
+    first_refill = true;
   }
   CXLKV_RETURN_IF_ERROR(LockAllocator());
   const uint64_t word = LeaseWord();
   uint64_t taken = 0;
+  if (first_refill) {
+    // What this node's earlier lives still lease (a process killed, or paused past its lease,
+    // with no recoverer about): taken over before anything new is leased.
+    taken = SettleNodeLeasesLocked(/*adopt=*/true);
+  }
   const uint32_t n = static_cast<uint32_t>(regions_.size());
   const uint32_t start = next_region_.fetch_add(1) % n;  // interleave leases across devices
   for (uint32_t i = 0; i < n && taken < lines; ++i) {
@@ -147,6 +154,73 @@ void Allocator::ReturnFreeLeaseLinesLocked() {
       ++i;
     }
   }
+}
+
+void Allocator::EndLeaseLineLocked(uint32_t r, uint64_t first, uint64_t life) {
+  CommitLocked(r, IntentOp::kEndLease, first, kLeaseLineChunks, life);
+}
+
+uint64_t Allocator::SettleNodeLeasesLocked(bool adopt) {
+  const uint32_t me = node_.id(), life20 = Inc20(node_.incarnation());
+  const uint64_t mine = LeaseWord();
+  uint64_t adopted = 0;
+  for (uint32_t r = 0; r < regions_.size(); ++r) {
+    const ChunkTableLayout& t = tables_[r];
+    if (!t.valid()) continue;
+    auto& m = meta(r);
+    for (uint64_t first = 0; first + kLeaseLineChunks <= t.chunks(); first += kLeaseLineChunks) {
+      // At most one pass per life the line names (one, unless the table was corrupted).
+      for (uint64_t pass = 0; pass < kLeaseLineChunks; ++pass) {
+        m.Invalidate(t.owner(first), kLeaseLineChunks * 8);  // P2: the lessee wrote it
+        OwnerWord held{};
+        bool found = false, whole = true;
+        for (uint64_t k = 0; k < kLeaseLineChunks; ++k) {
+          const OwnerWord w = OwnerWord::Decode(m.Load(t.owner(first + k)));
+          const bool leased = (w.kind == ChunkKind::kLeased || w.kind == ChunkKind::kLeasedObject) && w.node == me &&
+                              (!adopt || w.incarnation != life20);
+          if (leased && !found) held = w;
+          found = found || leased;
+          whole = whole && w.kind == ChunkKind::kLeased && w.node == me && w.incarnation == held.incarnation;
+        }
+        if (!found) break;
+        const uint64_t life = OwnerWord{ChunkKind::kLeased, me, held.incarnation, 0}.Encode();
+        if (adopt && whole) {
+          // Wholly free in an ended life's lease: this life's now (one intent, as a new lease).
+          CommitLocked(r, IntentOp::kLease, first, kLeaseLineChunks, mine);
+          NoteLeaseLine(r, first);
+          ++adopted;
+          break;
+        }
+        EndLeaseLineLocked(r, first, life);
+      }
+    }
+  }
+  if (!adopt) lease_hint_.clear();
+  return adopted;
+}
+
+void Allocator::EndLease() {
+  if (!LeaseAllowed()) return;
+  sync::LockRobust(&node_.local().header().heap_mu);
+  // A node that leases nothing (the common short-lived client) takes no lock trip.
+  bool holds = false;
+  const uint32_t me = node_.id();
+  for (uint32_t r = 0; r < regions_.size() && !holds; ++r) {
+    const ChunkTableLayout& t = tables_[r];
+    if (!t.valid()) continue;
+    for (uint64_t first = 0; first + kLeaseLineChunks <= t.chunks() && !holds; first += kLeaseLineChunks) {
+      meta(r).Invalidate(t.owner(first), kLeaseLineChunks * 8);
+      for (uint64_t k = 0; k < kLeaseLineChunks && !holds; ++k) {
+        const OwnerWord w = OwnerWord::Decode(meta(r).Load(t.owner(first + k)));
+        holds = (w.kind == ChunkKind::kLeased || w.kind == ChunkKind::kLeasedObject) && w.node == me;
+      }
+    }
+  }
+  if (holds && LockAllocator().ok()) {
+    (void)SettleNodeLeasesLocked(/*adopt=*/false);
+    UnlockAllocator();
+  }
+  pthread_mutex_unlock(&node_.local().header().heap_mu);
 }
 
 void Allocator::ReturnLease() {

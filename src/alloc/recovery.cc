@@ -167,13 +167,14 @@ void Allocator::Recover(uint32_t dead, uint64_t incarnation) {
         // A published whole-chunk object stays (anyone may free it later); the rest goes.
         if (!published(OffsetOf(ref, 0).raw())) CommitLocked(r, IntentOp::kFree, ch, w.detail, 0);
         ch += w.detail - 1;
-      } else if (w.kind == ChunkKind::kLeased) {
-        CommitLocked(r, IntentOp::kFree, ch, 1, 0);  // the dead life's lease: free again
-      } else if (w.kind == ChunkKind::kLeasedObject) {
-        // Published: kept as an ordinary one-chunk object (anyone frees it under the lock).
-        if (published(OffsetOf(ref, 0).raw())) {
-          CommitLocked(r, IntentOp::kSetWord, ch, 1, OwnerWord{ChunkKind::kLargeHead, dead, w.incarnation, 1}.Encode());
-        } else {
+      } else if (w.kind == ChunkKind::kLeased || w.kind == ChunkKind::kLeasedObject) {
+        // The dead life's lease ends whatever state its line is in (one intent for the line):
+        // free chunks go back to the pool, objects become ordinary one-chunk objects, and those
+        // nothing reaches are freed — this one here, the line's later ones as the scan meets them.
+        EndLeaseLineLocked(r, ch / kLeaseLineChunks * kLeaseLineChunks,
+                           OwnerWord{ChunkKind::kLeased, dead, w.incarnation, 0}.Encode());
+        const OwnerWord now = OwnerWord::Decode(m.Fetch(t.owner(ch)));
+        if (now.kind == ChunkKind::kLargeHead && !published(OffsetOf(ref, 0).raw())) {
           CommitLocked(r, IntentOp::kFree, ch, 1, 0);
         }
       } else if (w.kind == ChunkKind::kHeap) {

@@ -250,7 +250,13 @@ Pool::~Pool() {
     impl_->index->ReleaseProcessPins();       // ... and no pin page either
     impl_->index->PublishCounters();
   }
-  impl_->allocator->ReturnLease();
+  if (impl_->node->LeavingLast()) {
+    // The node's last process: the node leaves with nothing leased and no empty heap chunk.
+    impl_->allocator->Trim();
+    impl_->allocator->EndLease();
+  } else {
+    impl_->allocator->ReturnLease();
+  }
   // Stop the node's threads (they call into the allocator and index) before those go.
   impl_->node.reset();
 }

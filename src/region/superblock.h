@@ -9,6 +9,7 @@
 //      pool identity: pool id (random 128-bit at pool creation), this region's index in the
 //      pool and the pool's region count, so a foreign or reordered region is refused.
 //   5  remote-free rings: the closed word on a line of its own (the entries one line later).
+//   6  allocator intent op 5 (end a lease line), which a version-5 build would call corrupt.
 #ifndef CXLKV_SRC_REGION_SUPERBLOCK_H_
 #define CXLKV_SRC_REGION_SUPERBLOCK_H_
 

@@ -33,7 +33,8 @@ struct alignas(64) LocalLock {
 // The slot's robust mutex is held by the process's beat thread while it is attached: when the
 // process dies, the mutex turns owner-dead, which a surviving process's scan detects.
 inline constexpr uint32_t kLocalProcessSlots = 64;
-enum ProcessSlotState : uint32_t { kSlotFree = 0, kSlotUsed = 1, kSlotRecovering = 2 };
+// kSlotLeaving: attached still, but past its last allocation (Node::LeavingLast).
+enum ProcessSlotState : uint32_t { kSlotFree = 0, kSlotUsed = 1, kSlotRecovering = 2, kSlotLeaving = 3 };
 struct alignas(64) LocalProcess {
   pthread_mutex_t mu;
   std::atomic<uint32_t> state;  // a ProcessSlotState

@@ -101,6 +101,11 @@ class Node {
   // At close, when this process could not drop everything it left half-done: its slot is left
   // for another process of the node to recover, as if this one had died.
   void LeaveProcessSlotForRecovery() { slot_needs_recovery_.store(true); }
+  // Marks this process as leaving, then returns true when no other process of the node is
+  // attached and not leaving (a slot whose process id no longer exists counts as gone). Of two
+  // processes leaving at once, at least one sees itself last (both may). A hint for what a
+  // leaving process gives back: a process may join right after and find the node live.
+  bool LeavingLast();
   uint64_t incarnation() const { return heartbeat_->incarnation(); }
   region::MetaAccess& meta() { return region_.impl().meta(); }
   Region& region() { return region_; }

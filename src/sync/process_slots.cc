@@ -8,7 +8,10 @@
 // handlers (the cache layer tombstones the dead process's WRITING entries and frees their
 // payloads) and withdraws the global locks it held. Only then does the slot become free again:
 // writer words name the slot, so a slot is never reused while entries may still name it.
+#include <signal.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <cstdio>
 
@@ -37,6 +40,20 @@ void Node::ReleaseProcessSlot() {
   p.state.store(slot_needs_recovery_.load() ? kSlotRecovering : kSlotFree);
   if (!slot_needs_recovery_.load()) p.pid.store(0);
   pthread_mutex_unlock(&p.mu);
+}
+
+bool Node::LeavingLast() {
+  // Sequentially consistent, store then load on both sides: of two leavers, one sees the other.
+  local_->header().processes[process_slot_].state.store(kSlotLeaving);
+  for (uint32_t s = 0; s < kLocalProcessSlots; ++s) {
+    if (s == process_slot_) continue;
+    const LocalProcess& p = local_->header().processes[s];
+    if (p.state.load() != kSlotUsed) continue;
+    // Not its robust mutex: taking a dead owner's would hide the death from the slot's recovery.
+    const int64_t pid = p.pid.load();
+    if (pid <= 0 || ::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM) return false;
+  }
+  return true;
 }
 
 void Node::AddProcessRecoveryHandler(std::function<bool(uint32_t, uint64_t)> handler) {

@@ -1,0 +1,184 @@
+// Chunk leases end with the lives that took them: a thousand short-lived processes of four
+// nodes — each leases, publishes a block, frees its predecessor's, and leaves (some killed with
+// SIGKILL instead) — and at the end no chunk is leased to a node that has no live process, the
+// only chunks allocated are the blocks still published, and `check` is clean. No process of
+// the test recovers other nodes (as with CLI commands beside a daemon that hosts the lock
+// manager but was told not to recover): what a life leaves must be given back by the life
+// itself, or taken over by the node's next life.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "alloc_test_util.h"
+#include "region/coherence.h"
+
+namespace cxlkv {
+namespace {
+
+constexpr uint64_t kLivesRegionBytes = 128 << 20;
+constexpr uint32_t kLivesNodes = 4;      // nodes 1..4 come and go; node 0 hosts the lock manager
+constexpr uint32_t kLivesLanes = 8;  // two lanes per node: a node's processes overlap, or not
+#if defined(CXLKV_ASAN) || defined(CXLKV_TSAN)
+constexpr uint32_t kProcessesPerLane = 25;  // 200 in all: sanitized joins take far longer
+#else
+constexpr uint32_t kProcessesPerLane = 125;  // 1,000 in all
+#endif
+constexpr uint32_t kLivesLeaseMs = 2000;
+constexpr uint32_t kKillEvery = 25;       // every 25th process of a lane is killed, not closed
+
+// Staggered over the lanes, so that kills of a node's two lanes rarely coincide. A lane's last
+// process always leaves: a killed one's lease waits, rightly, for the node's next life or a
+// recoverer, and this test has neither after it.
+bool Killed(uint32_t lane, uint32_t j) {
+  return j + 1 < kProcessesPerLane && (j + lane * 3) % kKillEvery == kKillEvery - 1;
+}
+
+std::string RootName(uint32_t lane, uint32_t j) { return "lane" + std::to_string(lane) + "-" + std::to_string(j); }
+
+// The first and last words of block (lane, j): what the next process of the lane checks.
+uint64_t Pattern(uint32_t lane, uint32_t j) { return (uint64_t{lane + 1} << 32) | (j + 1); }
+
+std::unique_ptr<Pool> OpenAsClient(const std::vector<std::string>& paths, uint32_t node) {
+  PoolOpenOptions o;
+  o.node_id = node;
+  o.may_host_manager = node == 0;  // a manager killed with its client would stall every lock for a lease
+  // Eight processes start and stop at once on two cores: a beat thread starved past a short
+  // lease would end its node's life under the test's feet. A killed process's successor waits
+  // out this lease only when no other process of its node runs.
+  o.lease_ms = kLivesLeaseMs;
+  o.recovers = false;  // a short-lived client, like a CLI command: it recovers nobody
+  auto p = Pool::Open(paths, o);
+  if (!p.ok()) {
+    std::fprintf(stderr, "open as node %u: %s\n", node, p.status().ToString().c_str());
+    return nullptr;
+  }
+  return std::move(p).value();
+}
+
+// Process j of `lane`: a one-chunk block from the node's lease (a second one allocated and
+// freed again), published as (lane, j); the lane's previous block read back and freed.
+int OneLife(const std::vector<std::string>& paths, uint32_t lane, uint32_t j) {
+  auto p = OpenAsClient(paths, 1 + lane % kLivesNodes);
+  CHILD_CHECK(p != nullptr, "open");
+  const uint64_t chunk = p->impl().allocator->chunk_bytes();
+  auto block = p->Alloc(chunk);
+  CHILD_CHECK(block.ok(), "lane %u process %u: alloc: %s", lane, j, block.status().ToString().c_str());
+  auto scratch = p->Alloc(chunk);
+  CHILD_CHECK(scratch.ok(), "lane %u process %u: alloc: %s", lane, j, scratch.status().ToString().c_str());
+  const uint64_t pattern = Pattern(lane, j);
+  uint8_t* dst = p->Ptr(*block, chunk);
+  CHILD_CHECK(dst != nullptr, "ptr");
+  std::memcpy(dst, &pattern, 8);
+  std::memcpy(dst + chunk - 8, &pattern, 8);
+  region::FlushLines(dst, 8);
+  region::FlushLines(dst + chunk - 8, 8);
+  CHILD_CHECK(p->Free(*scratch).ok(), "free of the scratch block");
+  Status put = p->Put(RootName(lane, j), *block, chunk);
+  CHILD_CHECK(put.ok(), "put: %s", put.ToString().c_str());
+  if (j > 0) {
+    auto prev = p->Get(RootName(lane, j - 1));
+    CHILD_CHECK(prev.ok(), "lane %u process %u: the previous block is gone: %s", lane, j,
+                prev.status().ToString().c_str());
+    const uint8_t* src = p->Ptr(prev->offset, chunk);
+    CHILD_CHECK(src != nullptr, "ptr of the previous block");
+    region::InvalidateLines(src, 8);
+    region::InvalidateLines(src + chunk - 8, 8);
+    uint64_t first, last;
+    std::memcpy(&first, src, 8);
+    std::memcpy(&last, src + chunk - 8, 8);
+    CHILD_CHECK(first == Pattern(lane, j - 1) && last == first, "lane %u process %u: the previous block reads wrong",
+                lane, j);
+    CHILD_CHECK(p->Destroy(RootName(lane, j - 1)).ok(), "destroy");
+    Status freed = p->Free(prev->offset);  // held by an ended life of this node, or by this one
+    CHILD_CHECK(freed.ok(), "lane %u process %u: free of the previous block: %s", lane, j, freed.ToString().c_str());
+  }
+  if (Killed(lane, j)) ::raise(SIGKILL);  // leaves its lease behind
+  return 0;
+}
+
+int RunLane(const std::vector<std::string>& paths, uint32_t lane) {
+  for (uint32_t j = 0; j < kProcessesPerLane; ++j) {
+    std::fflush(stderr);
+    const pid_t child = ::fork();
+    if (child == 0) ::_exit(OneLife(paths, lane, j));
+    int status = 0;
+    if (::waitpid(child, &status, 0) != child) return 100;
+    const bool killed = Killed(lane, j);
+    const bool as_planned = killed ? WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL
+                                   : WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    if (!as_planned) {
+      std::fprintf(stderr, "lane %u: process %u ended with status %d\n", lane, j, status);
+      return 101;
+    }
+  }
+  return 0;
+}
+
+TEST(ChunkLease, ShortLivedProcessesLeaveNoLeaseBehind) {
+  testing::TempRegionPath path("lease-lives");
+  const std::vector<std::string> paths{path.path()};
+  PoolCreateOptions co;
+  co.size = kLivesRegionBytes;
+  co.max_nodes = kLivesNodes + 1;
+  ASSERT_TRUE(Pool::Create(paths, co).ok());
+  const uint64_t total = testing::FreeChunks(paths);
+  // The lanes fork their processes themselves; this process opens nothing until they are done
+  // (and so has no threads when it forks: ThreadSanitizer refuses a fork after them). Node 0,
+  // in a process of its own, hosts the lock manager throughout and allocates nothing.
+  testing::Child manager = testing::Child::Fork([&paths](int in, int out) -> int {
+    auto p = OpenAsClient(paths, 0);
+    CHILD_CHECK(p != nullptr, "open as node 0");
+    uint64_t done;
+    CHILD_CHECK(testing::Put(out, 1) && testing::Get(in, &done), "pipe");
+    return 0;
+  });
+  uint64_t ready;
+  ASSERT_TRUE(manager.Receive(&ready));
+  std::vector<pid_t> lanes;
+  for (uint32_t lane = 0; lane < kLivesLanes; ++lane) {
+    std::fflush(stderr);
+    const pid_t pid = ::fork();
+    if (pid == 0) ::_exit(RunLane(paths, lane));
+    lanes.push_back(pid);
+  }
+  for (pid_t pid : lanes) {
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "a lane failed: status " << status;
+  }
+  ASSERT_TRUE(manager.Send(1));
+  EXPECT_EQ(manager.Wait(), 0);
+  // No process of any node is left: nothing may be leased, and only the lanes' last blocks
+  // (one chunk each) are allocated.
+  auto regions = pool::AttachAll(paths);
+  ASSERT_TRUE(regions.ok());
+  const alloc::RegionUsage u = alloc::InspectChunks(*(*regions)[0], kLivesNodes + 1);
+  EXPECT_EQ(u.leased, 0u) << "chunks still leased to nodes that have no process";
+  EXPECT_EQ(total - u.free, uint64_t{kLivesLanes}) << "chunks held beyond the published blocks";
+  for (const auto& p : testing::CheckProblems(paths)) ADD_FAILURE() << p;
+  regions->clear();
+  auto p = OpenAsClient(paths, 0);
+  ASSERT_TRUE(p);
+  const uint64_t chunk = p->impl().allocator->chunk_bytes();
+  for (uint32_t lane = 0; lane < kLivesLanes; ++lane) {
+    auto last = p->Get(RootName(lane, kProcessesPerLane - 1));
+    ASSERT_TRUE(last.ok()) << last.status().ToString();
+    const uint8_t* src = p->Ptr(last->offset, chunk);
+    ASSERT_NE(src, nullptr);
+    uint64_t first;
+    std::memcpy(&first, src, 8);
+    EXPECT_EQ(first, Pattern(lane, kProcessesPerLane - 1));
+    ASSERT_TRUE(p->Destroy(RootName(lane, kProcessesPerLane - 1)).ok());
+    ASSERT_TRUE(p->Free(last->offset).ok());
+  }
+  p.reset();
+  EXPECT_EQ(testing::FreeChunks(paths), total) << "chunks leaked";
+  for (const auto& problem : testing::CheckProblems(paths)) ADD_FAILURE() << problem;
+}
+
+}  // namespace
+}  // namespace cxlkv
