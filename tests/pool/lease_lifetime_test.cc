@@ -22,19 +22,23 @@ namespace {
 constexpr uint64_t kLivesRegionBytes = 128 << 20;
 constexpr uint32_t kLivesNodes = 4;      // nodes 1..4 come and go; node 0 hosts the lock manager
 constexpr uint32_t kLivesLanes = 8;  // two lanes per node: a node's processes overlap, or not
-#if defined(CXLKV_ASAN) || defined(CXLKV_TSAN)
-constexpr uint32_t kProcessesPerLane = 25;  // 200 in all: sanitized joins take far longer
-#else
-constexpr uint32_t kProcessesPerLane = 125;  // 1,000 in all
-#endif
 constexpr uint32_t kLivesLeaseMs = 2000;
 constexpr uint32_t kKillEvery = 25;       // every 25th process of a lane is killed, not closed
+
+// How many lanes fork how many processes each; sim_seed != 0: every process behind its own
+// simulated non-coherent cache (seeded by the seed, the lane and the process).
+struct LivesPlan {
+  uint32_t lanes;
+  uint32_t processes_per_lane;
+  uint64_t sim_seed = 0;
+  uint32_t kill_every = kKillEvery;
+};
 
 // Staggered over the lanes, so that kills of a node's two lanes rarely coincide. A lane's last
 // process always leaves: a killed one's lease waits, rightly, for the node's next life or a
 // recoverer, and this test has neither after it.
-bool Killed(uint32_t lane, uint32_t j) {
-  return j + 1 < kProcessesPerLane && (j + lane * 3) % kKillEvery == kKillEvery - 1;
+bool Killed(const LivesPlan& plan, uint32_t lane, uint32_t j) {
+  return j + 1 < plan.processes_per_lane && (j + lane * 3) % plan.kill_every == plan.kill_every - 1;
 }
 
 std::string RootName(uint32_t lane, uint32_t j) { return "lane" + std::to_string(lane) + "-" + std::to_string(j); }
@@ -42,9 +46,10 @@ std::string RootName(uint32_t lane, uint32_t j) { return "lane" + std::to_string
 // The first and last words of block (lane, j): what the next process of the lane checks.
 uint64_t Pattern(uint32_t lane, uint32_t j) { return (uint64_t{lane + 1} << 32) | (j + 1); }
 
-std::unique_ptr<Pool> OpenAsClient(const std::vector<std::string>& paths, uint32_t node) {
+std::unique_ptr<Pool> OpenAsClient(const std::vector<std::string>& paths, uint32_t node, uint64_t sim_seed = 0) {
   PoolOpenOptions o;
   o.node_id = node;
+  o.attach.sim_seed = sim_seed;
   o.may_host_manager = node == 0;  // a manager killed with its client would stall every lock for a lease
   // Eight processes start and stop at once on two cores: a beat thread starved past a short
   // lease would end its node's life under the test's feet. A killed process's successor waits
@@ -61,8 +66,8 @@ std::unique_ptr<Pool> OpenAsClient(const std::vector<std::string>& paths, uint32
 
 // Process j of `lane`: a one-chunk block from the node's lease (a second one allocated and
 // freed again), published as (lane, j); the lane's previous block read back and freed.
-int OneLife(const std::vector<std::string>& paths, uint32_t lane, uint32_t j) {
-  auto p = OpenAsClient(paths, 1 + lane % kLivesNodes);
+int OneLife(const std::vector<std::string>& paths, const LivesPlan& plan, uint32_t lane, uint32_t j) {
+  auto p = OpenAsClient(paths, 1 + lane % kLivesNodes, plan.sim_seed ? plan.sim_seed * 10007 + lane * 1009 + j : 0);
   CHILD_CHECK(p != nullptr, "open");
   const uint64_t chunk = p->impl().allocator->chunk_bytes();
   auto block = p->Alloc(chunk);
@@ -96,18 +101,18 @@ int OneLife(const std::vector<std::string>& paths, uint32_t lane, uint32_t j) {
     Status freed = p->Free(prev->offset);  // held by an ended life of this node, or by this one
     CHILD_CHECK(freed.ok(), "lane %u process %u: free of the previous block: %s", lane, j, freed.ToString().c_str());
   }
-  if (Killed(lane, j)) ::raise(SIGKILL);  // leaves its lease behind
+  if (Killed(plan, lane, j)) ::raise(SIGKILL);  // leaves its lease behind
   return 0;
 }
 
-int RunLane(const std::vector<std::string>& paths, uint32_t lane) {
-  for (uint32_t j = 0; j < kProcessesPerLane; ++j) {
+int RunLane(const std::vector<std::string>& paths, const LivesPlan& plan, uint32_t lane) {
+  for (uint32_t j = 0; j < plan.processes_per_lane; ++j) {
     std::fflush(stderr);
     const pid_t child = ::fork();
-    if (child == 0) ::_exit(OneLife(paths, lane, j));
+    if (child == 0) ::_exit(OneLife(paths, plan, lane, j));
     int status = 0;
     if (::waitpid(child, &status, 0) != child) return 100;
-    const bool killed = Killed(lane, j);
+    const bool killed = Killed(plan, lane, j);
     const bool as_planned = killed ? WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL
                                    : WIFEXITED(status) && WEXITSTATUS(status) == 0;
     if (!as_planned) {
@@ -118,7 +123,7 @@ int RunLane(const std::vector<std::string>& paths, uint32_t lane) {
   return 0;
 }
 
-TEST(ChunkLease, ShortLivedProcessesLeaveNoLeaseBehind) {
+void RunLives(const LivesPlan& plan) {
   testing::TempRegionPath path("lease-lives");
   const std::vector<std::string> paths{path.path()};
   PoolCreateOptions co;
@@ -139,10 +144,10 @@ TEST(ChunkLease, ShortLivedProcessesLeaveNoLeaseBehind) {
   uint64_t ready;
   ASSERT_TRUE(manager.Receive(&ready));
   std::vector<pid_t> lanes;
-  for (uint32_t lane = 0; lane < kLivesLanes; ++lane) {
+  for (uint32_t lane = 0; lane < plan.lanes; ++lane) {
     std::fflush(stderr);
     const pid_t pid = ::fork();
-    if (pid == 0) ::_exit(RunLane(paths, lane));
+    if (pid == 0) ::_exit(RunLane(paths, plan, lane));
     lanes.push_back(pid);
   }
   for (pid_t pid : lanes) {
@@ -158,26 +163,45 @@ TEST(ChunkLease, ShortLivedProcessesLeaveNoLeaseBehind) {
   ASSERT_TRUE(regions.ok());
   const alloc::RegionUsage u = alloc::InspectChunks(*(*regions)[0], kLivesNodes + 1);
   EXPECT_EQ(u.leased, 0u) << "chunks still leased to nodes that have no process";
-  EXPECT_EQ(total - u.free, uint64_t{kLivesLanes}) << "chunks held beyond the published blocks";
+  EXPECT_EQ(total - u.free, uint64_t{plan.lanes}) << "chunks held beyond the published blocks";
   for (const auto& p : testing::CheckProblems(paths)) ADD_FAILURE() << p;
   regions->clear();
   auto p = OpenAsClient(paths, 0);
   ASSERT_TRUE(p);
   const uint64_t chunk = p->impl().allocator->chunk_bytes();
-  for (uint32_t lane = 0; lane < kLivesLanes; ++lane) {
-    auto last = p->Get(RootName(lane, kProcessesPerLane - 1));
+  for (uint32_t lane = 0; lane < plan.lanes; ++lane) {
+    const uint32_t last_j = plan.processes_per_lane - 1;
+    auto last = p->Get(RootName(lane, last_j));
     ASSERT_TRUE(last.ok()) << last.status().ToString();
     const uint8_t* src = p->Ptr(last->offset, chunk);
     ASSERT_NE(src, nullptr);
     uint64_t first;
     std::memcpy(&first, src, 8);
-    EXPECT_EQ(first, Pattern(lane, kProcessesPerLane - 1));
-    ASSERT_TRUE(p->Destroy(RootName(lane, kProcessesPerLane - 1)).ok());
+    EXPECT_EQ(first, Pattern(lane, last_j));
+    ASSERT_TRUE(p->Destroy(RootName(lane, last_j)).ok());
     ASSERT_TRUE(p->Free(last->offset).ok());
   }
   p.reset();
   EXPECT_EQ(testing::FreeChunks(paths), total) << "chunks leaked";
   for (const auto& problem : testing::CheckProblems(paths)) ADD_FAILURE() << problem;
+}
+
+#if defined(CXLKV_ASAN) || defined(CXLKV_TSAN)
+constexpr uint32_t kProcessesPerLane = 25;  // 200 in all: sanitized joins take far longer
+#else
+constexpr uint32_t kProcessesPerLane = 125;  // 1,000 in all
+#endif
+
+TEST(ChunkLease, ShortLivedProcessesLeaveNoLeaseBehind) { RunLives({kLivesLanes, kProcessesPerLane}); }
+
+// Two lanes (nodes 1 and 2), every fourth process killed, each process behind its own simulated
+// non-coherent cache, whose unflushed stores die with a killed process: the next life adopts or
+// ends what a killed one leased only from what reached memory, and `check` must stay clean.
+TEST(ChunkLease, ShortLivedProcessesUnderTheNonCoherentSimulator) {
+  for (uint64_t seed : {11u, 23u}) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    RunLives({.lanes = 2, .processes_per_lane = 8, .sim_seed = seed, .kill_every = 4});
+  }
 }
 
 }  // namespace
