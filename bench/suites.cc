@@ -40,6 +40,10 @@ const std::vector<Suite>& Suites() {
        "long-context decode with the reference engine at 128K and 1M tokens: a whole step with near-memory sparse "
        "and hybrid attention (budgets 1/8, 1/32) vs dense, bytes reaching the engine, attention mass kept",
        &RunLongContextBench},
+      {"capacity",
+       "KV held of what the pool is given: one process fills a fresh pool to 2x its data area with blocks of "
+       "4 KiB..9 MiB (real models' shapes) and a three-model mix; KV bytes still held vs the data area",
+       &RunCapacityBench},
   };
   return suites;
 }

@@ -38,6 +38,7 @@ Result<nlohmann::json> RunPnmBench(const BenchOptions& options);
 // in-process, link bytes, opening with stored digests (pnm_remote_bench.cc).
 Result<std::vector<nlohmann::json>> PnmRemoteFigures(const BenchOptions& options, int reps);
 Result<nlohmann::json> RunLongContextBench(const BenchOptions& options);  // longctx_bench.cc
+Result<nlohmann::json> RunCapacityBench(const BenchOptions& options);     // capacity_bench.cc
 
 // The reference every cross-process protocol chases: two processes bounce a counter through two
 // cache lines, each publishing with store + clflush and observing with invalidate + load.

@@ -152,6 +152,28 @@ TEST(Cli, BenchCacheQuickReportsRatiosAndThePeer) {
   }
 }
 
+// The capacity suite: KV bytes held next to the data area they could fill, for each size
+// run and the mix; what is held never exceeds the data area, and something is held.
+TEST(Cli, BenchCapacityQuickReportsKvHeldNextToTheDataArea) {
+  auto r = Cli("bench capacity --json --quick");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.stdout_only);
+  EXPECT_EQ(j["suite"], "capacity");
+  std::set<std::string> held;
+  for (const auto& fig : j["results"]) {
+    const std::string name = fig["name"].get<std::string>();
+    if (name.rfind("kv_held/", 0) != 0) continue;
+    held.insert(name);
+    EXPECT_EQ(fig["reference"].get<std::string>(), "data_area/" + name.substr(8));
+    EXPECT_GT(fig["ratio"].get<double>(), 0.0) << fig.dump();
+    EXPECT_LE(fig["ratio"].get<double>(), 1.0) << fig.dump();
+  }
+  for (const char* want : {"kv_held/20KiB", "kv_held/qwen2.5-7b_0.875MiB", "kv_held/qwen3-8b_2.25MiB",
+                           "kv_held/mix_qwen2.5-7b+llama-3.2-3b+qwen3-8b"}) {
+    EXPECT_TRUE(held.count(want)) << want;
+  }
+}
+
 TEST(Cli, BenchRpcQuickReportsTheRoundTripNextToItsLimits) {
   auto r = Cli("bench rpc --json --quick");
   ASSERT_EQ(r.code, 0) << r.out;
