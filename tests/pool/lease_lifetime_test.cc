@@ -9,7 +9,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -46,7 +48,8 @@ std::string RootName(uint32_t lane, uint32_t j) { return "lane" + std::to_string
 // The first and last words of block (lane, j): what the next process of the lane checks.
 uint64_t Pattern(uint32_t lane, uint32_t j) { return (uint64_t{lane + 1} << 32) | (j + 1); }
 
-std::unique_ptr<Pool> OpenAsClient(const std::vector<std::string>& paths, uint32_t node, uint64_t sim_seed = 0) {
+std::unique_ptr<Pool> OpenAsClient(const std::vector<std::string>& paths, uint32_t node, uint64_t sim_seed = 0,
+                                   uint32_t lease_ms = kLivesLeaseMs) {
   PoolOpenOptions o;
   o.node_id = node;
   o.attach.sim_seed = sim_seed;
@@ -54,7 +57,7 @@ std::unique_ptr<Pool> OpenAsClient(const std::vector<std::string>& paths, uint32
   // Eight processes start and stop at once on two cores: a beat thread starved past a short
   // lease would end its node's life under the test's feet. A killed process's successor waits
   // out this lease only when no other process of its node runs.
-  o.lease_ms = kLivesLeaseMs;
+  o.lease_ms = lease_ms;
   o.recovers = false;  // a short-lived client, like a CLI command: it recovers nobody
   auto p = Pool::Open(paths, o);
   if (!p.ok()) {
@@ -201,6 +204,129 @@ TEST(ChunkLease, ShortLivedProcessesUnderTheNonCoherentSimulator) {
   for (uint64_t seed : {11u, 23u}) {
     SCOPED_TRACE("seed " + std::to_string(seed));
     RunLives({.lanes = 2, .processes_per_lane = 8, .sim_seed = seed, .kill_every = 4});
+  }
+}
+
+// Node 1's only process leases a line, publishes one block from it and is stopped (SIGSTOP)
+// past its lease. A new process of node 1 runs a new life: its first refill ends the paused
+// life's lease (the block stays, the 7 free chunks go back) and it takes every free chunk of the
+// pool, each written with its own offset. The paused process resumes (SIGCONT) inside the new
+// life: its next allocation finds no chunk (its old lease words are gone) and stores nothing;
+// every block of the new life still reads back its own bytes, the published block stays, and
+// `check` is clean with everything returned.
+void PausedLessee(uint64_t sim_seed) {
+  testing::TempRegionPath path("lease-paused");
+  const std::vector<std::string> paths{path.path()};
+  PoolCreateOptions co;
+  co.size = 48 << 20;
+  co.max_nodes = 2;
+  ASSERT_TRUE(Pool::Create(paths, co).ok());
+  const uint64_t total = testing::FreeChunks(paths);
+  const uint32_t lease = testing::kTestLeaseMs;
+  std::fflush(stderr);
+  testing::Child manager = testing::Child::Fork([&](int in, int out) -> int {
+    auto p = OpenAsClient(paths, 0, 0, lease);
+    CHILD_CHECK(p != nullptr, "open as node 0");
+    uint64_t done;
+    CHILD_CHECK(testing::Put(out, 1) && testing::Get(in, &done), "pipe");
+    return 0;
+  });
+  uint64_t ready;
+  ASSERT_TRUE(manager.Receive(&ready));
+  testing::Child victim = testing::Child::Fork([&](int in, int out) -> int {
+    auto p = OpenAsClient(paths, 1, sim_seed ? sim_seed * 10 + 1 : 0, lease);
+    CHILD_CHECK(p != nullptr, "open as node 1");
+    const uint64_t chunk = p->impl().allocator->chunk_bytes();
+    auto kept = p->Alloc(chunk);
+    CHILD_CHECK(kept.ok(), "alloc: %s", kept.status().ToString().c_str());
+    uint8_t* dst = p->Ptr(*kept, chunk);
+    std::memcpy(dst, &*kept, 8);
+    region::FlushLines(dst, 8);
+    CHILD_CHECK(p->Put("kept", *kept, chunk).ok(), "put");
+    uint64_t go;
+    CHILD_CHECK(testing::Put(out, 1) && testing::Get(in, &go), "pipe");
+    // Resumed, inside the node's new life, with the new life holding every free chunk.
+    auto late = p->Alloc(chunk);
+    CHILD_CHECK(!late.ok() && (late.status().code() == StatusCode::kNoSpace ||
+                               late.status().code() == StatusCode::kLeaseExpired),
+                "a paused lessee allocated on resuming: %s",
+                late.ok() ? "a chunk of a full pool" : late.status().ToString().c_str());
+    CHILD_CHECK(testing::Put(out, 2) && testing::Get(in, &go), "pipe");
+    return 0;
+  });
+  ASSERT_TRUE(victim.Receive(&ready));
+  ::kill(victim.pid, SIGSTOP);
+  std::this_thread::sleep_for(std::chrono::milliseconds(3 * lease));
+  testing::Child successor = testing::Child::Fork([&](int in, int out) -> int {
+    auto p = OpenAsClient(paths, 1, sim_seed ? sim_seed * 10 + 2 : 0, lease);
+    CHILD_CHECK(p != nullptr, "open as node 1 again");
+    const uint64_t chunk = p->impl().allocator->chunk_bytes();
+    std::vector<uint64_t> mine;
+    for (;;) {
+      auto off = p->Alloc(chunk);
+      if (!off.ok()) {
+        CHILD_CHECK(off.status().code() == StatusCode::kNoSpace, "%s", off.status().ToString().c_str());
+        break;
+      }
+      uint8_t* dst = p->Ptr(*off, chunk);
+      std::memcpy(dst, &*off, 8);
+      std::memcpy(dst + chunk - 8, &*off, 8);
+      region::FlushLines(dst, 8);
+      region::FlushLines(dst + chunk - 8, 8);
+      mine.push_back(*off);
+    }
+    uint64_t go;
+    CHILD_CHECK(testing::Put(out, mine.size()) && testing::Get(in, &go), "pipe");
+    for (uint64_t off : mine) {
+      const uint8_t* src = p->Ptr(off, chunk);
+      region::InvalidateLines(src, 8);
+      region::InvalidateLines(src + chunk - 8, 8);
+      uint64_t first, last;
+      std::memcpy(&first, src, 8);
+      std::memcpy(&last, src + chunk - 8, 8);
+      CHILD_CHECK(first == off && last == off, "a block of the new life was overwritten");
+      CHILD_CHECK(p->Free(off).ok(), "free");
+    }
+    return 0;
+  });
+  uint64_t taken = 0;
+  ASSERT_TRUE(successor.Receive(&taken));
+  EXPECT_EQ(taken, total - 1) << "the new life should hold every chunk but the published block";
+  ::kill(victim.pid, SIGCONT);
+  ASSERT_TRUE(victim.Send(1));
+  uint64_t tried;
+  EXPECT_TRUE(victim.Receive(&tried));
+  ASSERT_TRUE(successor.Send(1));
+  EXPECT_EQ(successor.Wait(), 0);
+  ASSERT_TRUE(victim.Send(1));
+  EXPECT_EQ(victim.Wait(), 0);
+  ASSERT_TRUE(manager.Send(1));
+  EXPECT_EQ(manager.Wait(), 0);
+  auto regions = pool::AttachAll(paths);
+  ASSERT_TRUE(regions.ok());
+  EXPECT_EQ(alloc::InspectChunks(*(*regions)[0], 2).leased, 0u);
+  EXPECT_EQ(testing::FreeChunks(paths), total - 1) << "only the published block stays";
+  for (const auto& problem : testing::CheckProblems(paths)) ADD_FAILURE() << problem;
+  regions->clear();
+  auto p = OpenAsClient(paths, 0);
+  ASSERT_TRUE(p);
+  auto kept = p->Get("kept");
+  ASSERT_TRUE(kept.ok()) << kept.status().ToString();
+  uint64_t first;
+  std::memcpy(&first, p->Ptr(kept->offset, 8), 8);
+  EXPECT_EQ(first, kept->offset);
+  ASSERT_TRUE(p->Destroy("kept").ok());
+  ASSERT_TRUE(p->Free(kept->offset).ok());
+  p.reset();
+  EXPECT_EQ(testing::FreeChunks(paths), total);
+}
+
+TEST(ChunkLease, ALesseePausedPastItsLeaseLeavesItsLeaseToTheNextLife) { PausedLessee(0); }
+
+TEST(ChunkLease, ALesseePausedPastItsLeaseUnderTheNonCoherentSimulator) {
+  for (uint64_t seed : {5u, 17u, 29u}) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    PausedLessee(seed);
   }
 }
 
