@@ -26,7 +26,7 @@ namespace cxlkv {
 
 // The superblock's layout version. It changes whenever any shared structure changes; a region
 // made by another version is refused with both versions named.
-inline constexpr uint32_t kLayoutVersion = 6;
+inline constexpr uint32_t kLayoutVersion = 7;
 // Most hosts one region supports (a CXL switch connects up to ~16; headroom for processes that
 // attach as separate nodes on one host).
 inline constexpr uint32_t kMaxNodes = 64;

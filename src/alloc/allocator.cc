@@ -11,9 +11,26 @@ Allocator::Allocator(std::vector<Region*> regions, sync::Node& node, AllocatorOp
   for (Region* r : regions_) tables_.emplace_back(r->impl(), max_nodes_);
   lease_lines_ = (uint64_t{options.lease_chunks} + kLeaseLineChunks - 1) / kLeaseLineChunks;
   // A lease is whole 64-byte lines of owner words (P5): only where owner words are line-aligned.
+  uint64_t smallest = ~uint64_t{0};
   for (const auto& t : tables_) {
     if (t.valid() && t.owner(0) % 64 != 0) leasable_ = false;
+    if (t.valid()) smallest = std::min(smallest, t.chunks());
   }
+  // A node's partly used slab is space only that node fills: in a small pool, short slabs.
+  if (smallest != ~uint64_t{0}) max_slab_chunks_ = static_cast<uint32_t>(std::clamp<uint64_t>(smallest / 4, 1, kMaxSlabChunks));
+}
+
+uint64_t Allocator::SlotBytesFor(uint64_t bytes, Fit fit) const {
+  if (fit == Fit::kRounded) return bytes <= kMaxHeapObject ? ClassBytes(ClassFor(bytes)) : 0;
+  const uint64_t slot = (bytes + 63) / 64 * 64;
+  const uint64_t c = chunk_bytes();
+  if (slot % c == 0) return 0;  // whole chunks fit it exactly
+  const uint32_t k = SlabChunksFor(c, slot, max_slab_chunks_);
+  if (k == 0) return 0;  // larger than any slab this pool makes
+  // Whole chunks hold it better (a slab header line is free, but slot counts round down).
+  const uint64_t run = (slot + c - 1) / c;
+  if (static_cast<double>(bytes) / static_cast<double>(run * c) >= SlabFill(c, slot, k)) return 0;
+  return slot;
 }
 
 bool Allocator::Locate(ObjectOffset off, ChunkRef* c, uint64_t* within) const {
@@ -24,7 +41,20 @@ bool Allocator::Locate(ObjectOffset off, ChunkRef* c, uint64_t* within) const {
   c->region = off.region_index();
   c->chunk = rel / t.chunk_bytes();
   *within = rel % t.chunk_bytes();
-  return c->chunk < t.chunks();
+  if (c->chunk >= t.chunks()) return false;
+  // Inside a slab's tail chunk: the slab is indexed from its head (the head's word, read by the
+  // caller, says whether it is one: a tail's distance is read from the region, bounded here).
+  const OwnerWord w = OwnerWord::Decode(meta(c->region).Fetch(t.owner(c->chunk)));
+  if (w.kind != ChunkKind::kHeapTail) return true;
+  // The tail must be part of the run its head's owner words make: a corrupted distance never
+  // sends a free into another slab.
+  if (w.detail < 1 || w.detail >= kMaxSlabChunks || w.detail > c->chunk ||
+      SlabRun(meta(c->region), t, c->chunk - w.detail) <= w.detail) {
+    return true;  // left as a tail: callers refuse it
+  }
+  c->chunk -= w.detail;
+  *within += uint64_t{w.detail} * t.chunk_bytes();
+  return true;
 }
 
 uint8_t* Allocator::Ptr(ObjectOffset off, uint64_t bytes) const {
@@ -122,11 +152,12 @@ Result<Allocator::ChunkRef> Allocator::TakeRunLocked(uint64_t count, OwnerWord h
 
 // ---- allocation ------------------------------------------------------------------------
 
-Result<ObjectOffset> Allocator::Alloc(uint64_t bytes) {
+Result<ObjectOffset> Allocator::Alloc(uint64_t bytes, Fit fit) {
   if (bytes == 0) return InvalidArgument("cannot allocate 0 bytes");
   uint32_t me = node_.id();
   uint32_t inc = Inc20(node_.incarnation());
-  if (bytes > kMaxHeapObject) {
+  const uint64_t slot = SlotBytesFor(bytes, fit);
+  if (slot == 0) {
     uint64_t count = (bytes + chunk_bytes() - 1) / chunk_bytes();
     uint64_t largest = 0;
     for (const auto& t : tables_) largest = std::max(largest, t.chunks());
@@ -159,9 +190,8 @@ Result<ObjectOffset> Allocator::Alloc(uint64_t bytes) {
     if (!run.ok()) return run.status();
     return OffsetOf(*run, 0);
   }
-  uint32_t c = ClassFor(bytes);
   sync::LockRobust(&node_.local().header().heap_mu);
-  auto out = AllocSlotLocked(c);
+  auto out = AllocSlotLocked(slot);
   pthread_mutex_unlock(&node_.local().header().heap_mu);
   return out;
 }
@@ -176,18 +206,43 @@ Status Allocator::FenceOwnStore(const char* act, uint32_t life20) const {
   return Status::Ok();
 }
 
-bool Allocator::TrySlotIn(ChunkRef chunk, uint32_t c, uint32_t life20, ObjectOffset* out, Status* fenced) {
+sync::LocalHeapClass& Allocator::ClassEntryLocked(uint64_t slot_bytes) {
+  auto& heap = node_.local().header().heap;
+  sync::LocalHeapClass* empty = nullptr;
+  for (auto& e : heap) {
+    const uint64_t key = e.slot_bytes.load();
+    if (key == slot_bytes) return e;
+    if (key == 0 && empty == nullptr) empty = &e;
+  }
+  // Node-local memory is shared by the node's processes (and a dead one's values stay): a
+  // full table gives up one size's entry. Its slab is not lost, only found again by a scan.
+  sync::LocalHeapClass& e = empty != nullptr ? *empty : heap[(slot_bytes / 64) % sync::kLocalSizeClasses];
+  e.current_chunk.store(0);
+  e.cursor.store(0);
+  e.slot_bytes.store(slot_bytes);
+  return e;
+}
+
+sync::LocalHeapClass* Allocator::CurrentEntryFor(uint64_t slot_bytes, uint64_t id) {
+  for (auto& e : node_.local().header().heap) {
+    if (e.slot_bytes.load() == slot_bytes && e.current_chunk.load() == id) return &e;
+  }
+  return nullptr;
+}
+
+bool Allocator::TrySlotIn(ChunkRef chunk, sync::LocalHeapClass& cls, uint64_t slot_bytes, uint32_t life20,
+                          ObjectOffset* out, Status* fenced) {
   auto& m = meta(chunk.region);
-  uint64_t base = ChunkBase(chunk);
-  // The owner node is the only writer of its heap headers, so its own copy is current.
-  auto h = m.ReadStruct<HeapHeader>(base);
-  if (!HeapHeaderValid(h, chunk_bytes()) || h.class_bytes != ClassBytes(c) || h.used >= h.slots) return false;
-  auto& cls = node_.local().header().heap[c];
+  const ChunkTableLayout& t = tables_[chunk.region];
+  const uint64_t line = t.header(chunk.chunk);
+  // The owner node is the only writer of its slab headers, so its own copy is current.
+  auto h = m.ReadStruct<HeapHeader>(line);
+  if (!HeapHeaderValid(h, chunk_bytes()) || h.class_bytes != slot_bytes || h.used >= h.slots) return false;
   uint64_t words = (h.slots + 63) / 64;
   uint64_t start = cls.cursor.load() % words;
   for (uint64_t i = 0; i < words; ++i) {
     uint64_t wd = (start + i) % words;
-    uint64_t off = base + 64 + wd * 8;
+    uint64_t off = SlotBitmapWord(t, chunk.chunk, h, wd);
     uint64_t bits = m.Load(off);
     uint64_t valid = wd + 1 == words && h.slots % 64 ? (uint64_t{1} << (h.slots % 64)) - 1 : ~uint64_t{0};
     uint64_t free_bits = ~bits & valid;
@@ -199,9 +254,9 @@ bool Allocator::TrySlotIn(ChunkRef chunk, uint32_t c, uint32_t life20, ObjectOff
       return false;
     }
     m.Store(off, bits | (uint64_t{1} << bit));
-    m.Store(base + offsetof(HeapHeader, used), h.used + 1);
-    m.Flush(off, 8);  // P1: recovery and `cxlkv check` on other nodes read these
-    m.Flush(base, 64);
+    m.Store(line + offsetof(HeapHeader, used), h.used + 1);
+    if (!(h.first_slot == 0)) m.Flush(off, 8);  // P1: recovery and `cxlkv check` on other nodes read these
+    m.Flush(line, 64);
     cls.cursor.store(wd);
     *out = OffsetOf(chunk, h.first_slot + (wd * 64 + bit) * h.class_bytes);
     return true;
@@ -209,14 +264,15 @@ bool Allocator::TrySlotIn(ChunkRef chunk, uint32_t c, uint32_t life20, ObjectOff
   return false;
 }
 
-bool Allocator::FindPartialChunk(uint32_t c, ChunkRef* out) {
-  uint64_t want = OwnerWord{ChunkKind::kHeap, node_.id(), Inc20(node_.incarnation()), c}.Encode();
+bool Allocator::FindPartialChunk(uint64_t slot_bytes, ChunkRef* out) {
+  uint64_t want = OwnerWord{ChunkKind::kHeap, node_.id(), Inc20(node_.incarnation()),
+                            static_cast<uint32_t>(slot_bytes / 64)}.Encode();
   for (uint32_t r = 0; r < regions_.size(); ++r) {
     const ChunkTableLayout& t = tables_[r];
     for (uint64_t ch = 0; ch < t.chunks(); ++ch) {
       if (meta(r).Load(t.owner(ch)) != want) continue;
-      auto h = meta(r).ReadStruct<HeapHeader>(ChunkBase({r, ch}));
-      if (HeapHeaderValid(h, chunk_bytes()) && h.class_bytes == ClassBytes(c) && h.used < h.slots) {
+      auto h = meta(r).ReadStruct<HeapHeader>(t.header(ch));
+      if (HeapHeaderValid(h, chunk_bytes()) && h.class_bytes == slot_bytes && h.used < h.slots) {
         *out = ChunkRef{r, ch};
         return true;
       }
@@ -225,58 +281,85 @@ bool Allocator::FindPartialChunk(uint32_t c, ChunkRef* out) {
   return false;
 }
 
-Result<ObjectOffset> Allocator::AllocSlotLocked(uint32_t c) {
-  auto& cls = node_.local().header().heap[c];
+Result<Allocator::ChunkRef> Allocator::TakeSlabLocked(uint64_t slot_bytes, OwnerWord word, uint64_t* chunks) {
+  const uint64_t planned = SlabChunksFor(chunk_bytes(), slot_bytes, max_slab_chunks_);
+  const uint64_t fewest = MinSlabChunks(chunk_bytes(), slot_bytes);
+  Result<ChunkRef> run = NoSpace("no slab");
+  for (uint64_t k = planned; k >= fewest && k >= 1; --k) {
+    run = TakeRunLocked(k, word);
+    if (run.ok()) {
+      *chunks = k;
+      return run;
+    }
+    if (run.status().code() != StatusCode::kNoSpace) return run;
+  }
+  return run;
+}
+
+void Allocator::FreeSlabLocked(ChunkRef head) {
+  CommitLocked(head.region, IntentOp::kFree, head.chunk, SlabRun(meta(head.region), tables_[head.region], head.chunk), 0);
+}
+
+Result<ObjectOffset> Allocator::AllocSlotLocked(uint64_t slot_bytes) {
+  auto& cls = ClassEntryLocked(slot_bytes);
+  const uint32_t detail = static_cast<uint32_t>(slot_bytes / 64);
   ObjectOffset out;
   for (int attempt = 0; attempt < 3; ++attempt) {
     uint64_t cur = cls.current_chunk.load();
     if (cur != 0) {
       ChunkRef ref{static_cast<uint32_t>((cur - 1) >> 40), (cur - 1) & ((uint64_t{1} << 40) - 1)};
-      OwnerWord w = OwnerWord::Decode(meta(ref.region).Load(tables_[ref.region].owner(ref.chunk)));
-      bool mine = w.kind == ChunkKind::kHeap && w.node == node_.id() &&
-                  w.incarnation == Inc20(node_.incarnation()) && w.detail == c;
-      Status fenced;
-      if (mine && TrySlotIn(ref, c, w.incarnation, &out, &fenced)) return out;
-      if (!fenced.ok()) return fenced;
+      // Node-local values a dead process of the node may have left: checked before use.
+      if (ref.region < tables_.size() && ref.chunk < tables_[ref.region].chunks()) {
+        OwnerWord w = OwnerWord::Decode(meta(ref.region).Load(tables_[ref.region].owner(ref.chunk)));
+        bool mine = w.kind == ChunkKind::kHeap && w.node == node_.id() &&
+                    w.incarnation == Inc20(node_.incarnation()) && w.detail == detail;
+        Status fenced;
+        if (mine && TrySlotIn(ref, cls, slot_bytes, w.incarnation, &out, &fenced)) return out;
+        if (!fenced.ok()) return fenced;
+      }
     }
     ChunkRef next;
-    if (FindPartialChunk(c, &next)) {
+    if (FindPartialChunk(slot_bytes, &next)) {
       cls.current_chunk.store(((uint64_t{next.region} << 40) | next.chunk) + 1);
       continue;
     }
-    // A fresh chunk: owned under the allocator lock, then formatted by us (its only writer).
-    OwnerWord word{ChunkKind::kHeap, node_.id(), Inc20(node_.incarnation()), c};
+    // A fresh slab: owned under the allocator lock, then formatted by us (its only writer).
+    OwnerWord word{ChunkKind::kHeap, node_.id(), Inc20(node_.incarnation()), detail};
     CXLKV_RETURN_IF_ERROR(LockAllocator());
-    auto run = TakeRunLocked(1, word);
+    uint64_t chunks = 0;
+    auto run = TakeSlabLocked(slot_bytes, word, &chunks);
     UnlockAllocator();
     if (!run.ok()) return run.status();
-    // Taken but not formatted: if the life ended meanwhile, its recovery frees the chunk (a
-    // heap chunk without a header), and it may be another node's by the time this one resumes.
-    CXLKV_RETURN_IF_ERROR(FenceOwnStore("heap chunk format", word.incarnation));
-    HeapGeometry g = GeometryFor(chunk_bytes(), ClassBytes(c));
-    uint64_t base = ChunkBase(*run);
+    // Taken but not formatted: if the life ended meanwhile, its recovery frees the slab (one
+    // without a header of its owner word), and it may be another node's by the time this one resumes.
+    CXLKV_RETURN_IF_ERROR(FenceOwnStore("heap slab format", word.incarnation));
+    HeapGeometry g = GeometryFor(chunk_bytes(), slot_bytes, chunks);
     auto& m = meta(run->region);
-    std::vector<uint8_t> zeros(g.bitmap_bytes, 0);
-    m.Write(base + 64, zeros.data(), zeros.size());
-    m.Flush(base + 64, zeros.size());
-    HeapHeader h{kHeapMagic, ClassBytes(c), g.slots, 0, word.Encode(), g.first_slot, {0, 0}};
-    m.WriteStruct(base, h);
-    m.Flush(base, 64);  // header after bitmap: a header with a magic always has a clean bitmap
+    const uint64_t line = tables_[run->region].header(run->chunk);
+    if (!g.inline_bitmap()) {
+      const uint64_t base = ChunkBase(*run);
+      std::vector<uint8_t> zeros(g.bitmap_bytes, 0);
+      m.Write(base, zeros.data(), zeros.size());
+      m.Flush(base, zeros.size());
+    }
+    HeapHeader h{kHeapMagic, static_cast<uint32_t>(chunks), slot_bytes, g.slots, 0, word.Encode(), g.first_slot, {0, 0}};
+    m.WriteStruct(line, h);
+    m.Flush(line, 64);  // header after bitmap: a header with a magic always has a clean bitmap
     cls.current_chunk.store(((uint64_t{run->region} << 40) | run->chunk) + 1);
     cls.cursor.store(0);
   }
-  return Internal("heap could not place an object of class " + std::to_string(ClassBytes(c)));
+  return Internal("heap could not place an object of " + std::to_string(slot_bytes) + " bytes");
 }
 
 
-Result<std::vector<ObjectOffset>> Allocator::AllocMany(uint64_t bytes, size_t n) {
+Result<std::vector<ObjectOffset>> Allocator::AllocMany(uint64_t bytes, size_t n, Fit fit) {
   std::vector<ObjectOffset> out;
   out.reserve(n);
   auto undo = [&](Status s) -> Status {
     for (ObjectOffset o : out) (void)Free(o);
     return s;
   };
-  const uint64_t count = bytes > kMaxHeapObject ? (bytes + chunk_bytes() - 1) / chunk_bytes() : 0;
+  const uint64_t count = SlotBytesFor(bytes, fit) == 0 ? (bytes + chunk_bytes() - 1) / chunk_bytes() : 0;
   if (count == 1 && LeaseAllowed() && n > 0) {
     // One refill sized for the whole batch, then every object from the lease.
     sync::LockRobust(&node_.local().header().heap_mu);
@@ -300,7 +383,7 @@ Result<std::vector<ObjectOffset>> Allocator::AllocMany(uint64_t bytes, size_t n)
     pthread_mutex_unlock(&node_.local().header().heap_mu);
   }
   while (out.size() < n) {
-    auto a = Alloc(bytes);
+    auto a = Alloc(bytes, fit);
     if (!a.ok()) return undo(a.status());
     out.push_back(*a);
   }
@@ -310,21 +393,19 @@ Result<std::vector<ObjectOffset>> Allocator::AllocMany(uint64_t bytes, size_t n)
 void Allocator::Trim() {
   DrainRemoteFrees();
   sync::LockRobust(&node_.local().header().heap_mu);
-  for (uint32_t c = 0; c < kSizeClasses; ++c) {
-    auto& cls = node_.local().header().heap[c];
+  for (auto& cls : node_.local().header().heap) {
     uint64_t cur = cls.current_chunk.load();
     if (cur == 0) continue;
+    cls.current_chunk.store(0);
     ChunkRef ref{static_cast<uint32_t>((cur - 1) >> 40), (cur - 1) & ((uint64_t{1} << 40) - 1)};
+    if (ref.region >= tables_.size() || ref.chunk >= tables_[ref.region].chunks()) continue;  // node-local: checked
     auto& m = meta(ref.region);
     uint64_t word = m.Load(tables_[ref.region].owner(ref.chunk));
     OwnerWord w = OwnerWord::Decode(word);
-    auto h = m.ReadStruct<HeapHeader>(ChunkBase(ref));
-    cls.current_chunk.store(0);
+    auto h = m.ReadStruct<HeapHeader>(tables_[ref.region].header(ref.chunk));
     if (w.kind == ChunkKind::kHeap && w.node == node_.id() && h.used == 0) {
       if (LockAllocator().ok()) {
-        if (meta(ref.region).Fetch(tables_[ref.region].owner(ref.chunk)) == word) {
-          CommitLocked(ref.region, IntentOp::kFree, ref.chunk, 1, 0);
-        }
+        if (meta(ref.region).Fetch(tables_[ref.region].owner(ref.chunk)) == word) FreeSlabLocked(ref);
         UnlockAllocator();
       }
     }

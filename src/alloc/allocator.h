@@ -2,14 +2,18 @@
 // (TraCT §3.5, Beluga §5.3 O9).
 //
 //   alloc::Allocator a(regions, node);
-//   auto off = a.Alloc(20 << 10);        // a 20 KiB object: a slot of a 32 KiB-class heap chunk
+//   auto off = a.Alloc(20 << 10);        // a 20 KiB object: a slot of a 32 KiB-class heap slab
+//   auto blk = a.Alloc(917504, Fit::kExact);  // a KV block: a slot of exactly its size
 //   NtCopy(a.Ptr(*off, n), src, n);      // payload: non-temporal (rule P3)
 //   a.Free(*off);                        // from any node
 //
-// Objects up to kMaxHeapObject come from per-node heaps: chunks of one size class (64 B ..
-// 256 KiB, powers of two) whose slot bitmap lives in the chunk's header, written only by the
-// owner node; the node's current chunk per class is kept in node-local DRAM (sync::LocalNode).
-// Larger objects take a run of whole chunks. Single chunks are spread round-robin over the
+// Objects up to kMaxHeapObject come from per-node heaps: slabs of one size class (64 B ..
+// 256 KiB, powers of two) whose header and slot bitmap are written only by the owner node; the
+// node's current slab per class is kept in node-local DRAM (sync::LocalNode). Larger objects
+// take a run of whole chunks. An exact-fit object (Fit::kExact: a namespace's KV block, whose
+// size repeats) takes a slot of exactly its size rounded to 64 B, from a slab of one to
+// kMaxSlabChunks chunks sized so its slots fill it (chunk_table.h, "Slabs"); a size the chunk
+// divides, or one no slab would hold better than whole chunks, takes whole chunks instead. Single chunks are spread round-robin over the
 // pool's regions (software interleaving across CXL devices); an offset names its region.
 //
 // Frees: the owner frees in place; another node pushes the offset into the owner's remote-free
@@ -50,6 +54,12 @@ inline constexpr uint64_t kMaxHeapObject = uint64_t{64} << (kSizeClasses - 1);
 
 using ObjectOffset = region::Offset<void>;
 
+// How an allocation is sized. kRounded: a power-of-two heap class up to kMaxHeapObject, whole
+// chunks above (for one-off objects: roots, digests, tables — their sizes never repeat enough
+// to fill a slab of their own). kExact: a slot of exactly the size, rounded to 64 B, in a slab
+// of that size (for objects whose size repeats: a namespace's blocks).
+enum class Fit { kRounded, kExact };
+
 struct AllocatorOptions {
   // Chunks a node leases per allocator-lock trip for one-chunk objects, rounded up to whole
   // owner-word lines (kLeaseLineChunks). Default 8; 0 turns leasing off (every whole-chunk
@@ -64,7 +74,7 @@ class Allocator {
 
   // Errors: kInvalidArgument (0 bytes, larger than a region's data area), kNoSpace (pool full),
   // kTimeout (the allocator lock was not granted within 4 leases).
-  Result<ObjectOffset> Alloc(uint64_t bytes);
+  Result<ObjectOffset> Alloc(uint64_t bytes, Fit fit = Fit::kRounded);
   // Errors: kInvalidArgument (not an allocated object: a double free or a foreign offset; the
   // pool is left untouched), kBusy (the owner's remote-free ring stayed full; retry).
   Status Free(ObjectOffset off) { return Free(off, 0); }
@@ -81,7 +91,9 @@ class Allocator {
 
   // `n` objects of `bytes` each (one lease refill at most for one-chunk objects). On error the
   // objects allocated so far are freed again.
-  Result<std::vector<ObjectOffset>> AllocMany(uint64_t bytes, size_t n);
+  Result<std::vector<ObjectOffset>> AllocMany(uint64_t bytes, size_t n, Fit fit = Fit::kRounded);
+  // The slot size an object of `bytes` takes with `fit`: 0 when it takes whole chunks.
+  uint64_t SlotBytesFor(uint64_t bytes, Fit fit) const;
 
   void DrainRemoteFrees();
   // Drains remote frees and returns this node's empty heap chunks and wholly free leased lines
@@ -128,12 +140,14 @@ class Allocator {
   bool HeldByEndedLife(ObjectOffset off);
 
   static uint64_t ClassBytes(uint32_t c) { return uint64_t{64} << c; }
-  // The smallest size class that holds `bytes` (<= kMaxHeapObject).
+  // The smallest rounded heap class that holds `bytes` (<= kMaxHeapObject).
   static uint32_t ClassFor(uint64_t bytes) {
     uint32_t c = 0;
     while (ClassBytes(c) < bytes) ++c;
     return c;
   }
+  // The longest slab this pool makes: a slab is at most a quarter of the smallest region.
+  uint32_t max_slab_chunks() const { return max_slab_chunks_; }
   uint64_t chunk_bytes() const { return tables_[0].chunk_bytes(); }
   size_t region_count() const { return regions_.size(); }
   // Bytes of all data areas (every chunk of every region).
@@ -153,6 +167,8 @@ class Allocator {
     return ObjectOffset::Make(c.region, ChunkBase(c) + within);
   }
   region::MetaAccess& meta(uint32_t r) const { return regions_[r]->impl().meta(); }
+  // The chunk `off` lies in and its offset there; inside a slab's tail chunk, its head and the
+  // offset from the slab's start.
   bool Locate(ObjectOffset off, ChunkRef* c, uint64_t* within) const;
 
   // Allocator-lock helpers. REQUIRES for *Locked: the allocator lock is held.
@@ -196,12 +212,23 @@ class Allocator {
   bool LeaseAllowed() const { return lease_lines_ > 0 && leasable_; }
   uint64_t LeaseWord() const;
 
-  // Heap helpers. REQUIRES: heap_mu held.
-  Result<ObjectOffset> AllocSlotLocked(uint32_t c);
-  // A slot of class c in `chunk`, this node's chunk of life `life20`; false when it has none
-  // free or when fenced (then `*fenced` says why).
-  bool TrySlotIn(ChunkRef chunk, uint32_t c, uint32_t life20, ObjectOffset* out, Status* fenced);
-  bool FindPartialChunk(uint32_t c, ChunkRef* out);
+  // Heap helpers. REQUIRES: heap_mu held. A class is named by its slot bytes.
+  Result<ObjectOffset> AllocSlotLocked(uint64_t slot_bytes);
+  // This node's entry for slots of `slot_bytes` (taken over from another size when all are used).
+  sync::LocalHeapClass& ClassEntryLocked(uint64_t slot_bytes);
+  // The entry remembering the slab `id` (chunk id + 1) as current, or nullptr.
+  sync::LocalHeapClass* CurrentEntryFor(uint64_t slot_bytes, uint64_t id);
+  // A slot in `chunk`, this node's slab of life `life20`; false when it has none free or when
+  // fenced (then `*fenced` says why).
+  bool TrySlotIn(ChunkRef chunk, sync::LocalHeapClass& cls, uint64_t slot_bytes, uint32_t life20,
+                 ObjectOffset* out, Status* fenced);
+  bool FindPartialChunk(uint64_t slot_bytes, ChunkRef* out);
+  // A fresh slab for slots of `slot_bytes` owned as `word`: the planned length, or the longest
+  // shorter one that still holds a slot when no run that long is free. REQUIRES: the allocator lock.
+  Result<ChunkRef> TakeSlabLocked(uint64_t slot_bytes, OwnerWord word, uint64_t* chunks);
+  // Frees the slab headed by `head` (owner word `w`): its run as the owner words give it.
+  // REQUIRES: the allocator lock.
+  void FreeSlabLocked(ChunkRef head);
   // `life20`: the owner life of a chunk this node owns (not orphan), for FenceOwnStore.
   Status FreeSlot(ChunkRef chunk, uint64_t within, bool orphan, uint32_t life20 = 0);
   // Before a store into this node's own heap chunks or leased owner words: ok only while this
@@ -239,6 +266,7 @@ class Allocator {
   uint32_t max_nodes_;
   std::atomic<uint32_t> next_region_{0};
   uint64_t lease_lines_ = 1;  // owner-word lines per lease refill
+  uint32_t max_slab_chunks_ = 1;
   bool leasable_ = true;      // owner words are line-aligned in every region
   bool lease_scanned_ = false;  // guarded by heap_mu
   // Lines of this node's lease that this process knows of (region, first chunk): a hint,

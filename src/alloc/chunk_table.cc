@@ -1,5 +1,6 @@
 #include "alloc/chunk_table.h"
 
+#include <algorithm>
 #include <bit>
 
 namespace cxlkv::alloc {
@@ -10,7 +11,7 @@ uint64_t RoundLine(uint64_t v) { return (v + 63) / 64 * 64; }
 }  // namespace
 
 uint64_t ChunkTableLayout::Bytes(uint64_t chunks, uint32_t max_nodes, bool with_inboxes) {
-  uint64_t bytes = 64 + RoundLine(chunks * 8) + RoundLine((chunks + 63) / 64 * 8);
+  uint64_t bytes = 64 + RoundLine(chunks * 8) + RoundLine((chunks + 63) / 64 * 8) + chunks * 64;
   if (with_inboxes) bytes += uint64_t{max_nodes} * max_nodes * kInboxBytes;
   return bytes;
 }
@@ -25,7 +26,8 @@ ChunkTableLayout::ChunkTableLayout(const Region::Impl& region, uint32_t max_node
   chunks_ = std::min<uint64_t>(table->param, data->size / chunk_bytes_);
   base_ = table->offset;
   bitmap_ = base_ + 64 + RoundLine(table->param * 8);
-  inboxes_ = bitmap_ + RoundLine((table->param + 63) / 64 * 8);
+  headers_ = bitmap_ + RoundLine((table->param + 63) / 64 * 8);
+  inboxes_ = headers_ + table->param * 64;
   has_inboxes_ = table->size >= Bytes(table->param, max_nodes, true);
 }
 
@@ -52,12 +54,23 @@ Status ChunkTableLayout::Validate(const Region::Impl& region, uint32_t max_nodes
 }
 
 bool HeapHeaderValid(const HeapHeader& h, uint64_t chunk_bytes) {
-  if (h.magic != kHeapMagic || h.class_bytes < kMinClassBytes || h.class_bytes > kMaxClassBytes ||
-      (h.class_bytes & (h.class_bytes - 1)) != 0 || chunk_bytes <= 2 * h.class_bytes) {
+  if (h.magic != kHeapMagic || h.slab_chunks < 1 || h.slab_chunks > kMaxSlabChunks || h.class_bytes < kMinClassBytes ||
+      h.class_bytes % 64 != 0 || h.class_bytes > uint64_t{h.slab_chunks} * chunk_bytes) {
     return false;
   }
-  HeapGeometry g = GeometryFor(chunk_bytes, h.class_bytes);
-  return h.slots == g.slots && h.first_slot == g.first_slot && h.used <= h.slots;
+  HeapGeometry g = GeometryFor(chunk_bytes, h.class_bytes, h.slab_chunks);
+  return g.slots >= 1 && h.slots == g.slots && h.first_slot == g.first_slot && h.used <= h.slots;
+}
+
+uint64_t SlabRun(region::MetaAccess& meta, const ChunkTableLayout& t, uint64_t chunk) {
+  const OwnerWord head = OwnerWord::Decode(meta.Fetch(t.owner(chunk)));
+  uint64_t n = 1;
+  while (n < kMaxSlabChunks && chunk + n < t.chunks()) {
+    const OwnerWord w = OwnerWord::Decode(meta.Fetch(t.owner(chunk + n)));
+    if (w.kind != ChunkKind::kHeapTail || w.detail != n || w.node != head.node || w.incarnation != head.incarnation) break;
+    ++n;
+  }
+  return n;
 }
 
 bool IntentValid(const ChunkTableLayout& table, const Intent& intent) {
@@ -67,14 +80,33 @@ bool IntentValid(const ChunkTableLayout& table, const Intent& intent) {
          (intent.op != IntentOp::kEndLease || line);
 }
 
-HeapGeometry GeometryFor(uint64_t chunk_bytes, uint64_t class_bytes) {
-  uint64_t slots = (chunk_bytes - 64) * 8 / (8 * class_bytes + 1);
+HeapGeometry GeometryFor(uint64_t chunk_bytes, uint64_t class_bytes, uint64_t slab_chunks) {
+  const uint64_t total = chunk_bytes * slab_chunks;
+  if (total / class_bytes <= kInlineSlots) return {total / class_bytes, 0, 0};
+  // Too many slots for the header line: the bitmap takes the slab's first lines.
+  uint64_t slots = total * 8 / (8 * class_bytes + 1);
   for (;;) {
     uint64_t bitmap = RoundLine((slots + 63) / 64 * 8);
-    uint64_t first = 64 + bitmap;
-    if (first + slots * class_bytes <= chunk_bytes) return {slots, bitmap, first};
+    if (bitmap + slots * class_bytes <= total) return {slots, bitmap, bitmap};
     --slots;
   }
+}
+
+double SlabFill(uint64_t chunk_bytes, uint64_t class_bytes, uint64_t slab_chunks) {
+  const HeapGeometry g = GeometryFor(chunk_bytes, class_bytes, slab_chunks);
+  return static_cast<double>(g.slots * class_bytes) / static_cast<double>(chunk_bytes * slab_chunks);
+}
+
+uint32_t SlabChunksFor(uint64_t chunk_bytes, uint64_t class_bytes, uint32_t max_chunks) {
+  max_chunks = std::min(max_chunks, kMaxSlabChunks);
+  const uint64_t first = MinSlabChunks(chunk_bytes, class_bytes);
+  if (first > max_chunks) return 0;
+  double best = 0;
+  for (uint64_t k = first; k <= max_chunks; ++k) best = std::max(best, SlabFill(chunk_bytes, class_bytes, k));
+  for (uint64_t k = first; k <= max_chunks; ++k) {
+    if (SlabFill(chunk_bytes, class_bytes, k) >= best - 0.01) return static_cast<uint32_t>(k);
+  }
+  return static_cast<uint32_t>(first);
 }
 
 void ApplyIntent(region::MetaAccess& meta, const ChunkTableLayout& table, const Intent& intent) {
@@ -106,7 +138,10 @@ void ApplyIntent(region::MetaAccess& meta, const ChunkTableLayout& table, const 
       if (i == 0) {
         word = intent.owner;
       } else {
-        word = OwnerWord{ChunkKind::kLargeTail, head.node, head.incarnation, static_cast<uint32_t>(i)}.Encode();
+        // A slab's tails name its head as a run's do, as kHeapTail: recovery, `check` and
+        // frees find the slab from any of its chunks.
+        const ChunkKind tail = head.kind == ChunkKind::kHeap ? ChunkKind::kHeapTail : ChunkKind::kLargeTail;
+        word = OwnerWord{tail, head.node, head.incarnation, static_cast<uint32_t>(i)}.Encode();
       }
     }
     meta.Store(table.owner(c), word);
@@ -138,15 +173,17 @@ RegionUsage InspectChunks(Region& region, uint32_t max_nodes) {
       case ChunkKind::kOrphanHeap: ++u.orphan; break;
       case ChunkKind::kLeased: ++u.leased; break;
       case ChunkKind::kLeasedObject: ++u.large; u.allocated_bytes += t.chunk_bytes(); break;
+      case ChunkKind::kHeapTail: break;  // below
     }
     if (w.kind == ChunkKind::kHeap || w.kind == ChunkKind::kOrphanHeap) {
-      uint64_t base = t.data_offset() + c * t.chunk_bytes();
-      meta.Invalidate(base, sizeof(HeapHeader));
-      auto h = meta.ReadStruct<HeapHeader>(base);
+      const HeapHeader h = ReadSlabHeader(meta, t, c);
       if (HeapHeaderValid(h, t.chunk_bytes())) u.allocated_bytes += h.used * h.class_bytes;
     }
+    if (w.kind == ChunkKind::kHeapTail) {
+      ++u.heap;  // counted with its slab (an orphan's tails too: the head says which)
+    }
     if (w.kind == ChunkKind::kHeap || w.kind == ChunkKind::kLargeHead || w.kind == ChunkKind::kLargeTail ||
-        w.kind == ChunkKind::kLeased || w.kind == ChunkKind::kLeasedObject) {
+        w.kind == ChunkKind::kLeased || w.kind == ChunkKind::kLeasedObject || w.kind == ChunkKind::kHeapTail) {
       if (w.node < max_nodes) ++u.per_node[w.node];
     }
   }
@@ -224,28 +261,34 @@ void CheckChunks(Region& region, uint32_t region_index, uint32_t max_nodes,
       c += w.detail - 1;
     } else if (w.kind == ChunkKind::kLargeTail) {
       problems.push_back(chunk + "a run tail without its head");
+    } else if (w.kind == ChunkKind::kHeapTail) {
+      problems.push_back(chunk + "a slab tail without its head");
     } else if (w.kind == ChunkKind::kHeap || w.kind == ChunkKind::kOrphanHeap) {
-      uint64_t base = t.data_offset() + c * t.chunk_bytes();
-      meta.Invalidate(base, 64);
-      auto h = meta.ReadStruct<HeapHeader>(base);
+      const uint64_t run = SlabRun(meta, t, c);
+      const HeapHeader h = ReadSlabHeader(meta, t, c);
       if (h.magic != kHeapMagic) {
-        // An owner that died between taking the chunk and formatting it; recovery frees it.
-        if (w.kind == ChunkKind::kOrphanHeap) problems.push_back(chunk + "orphan heap chunk without a header");
+        // An owner that died between taking the slab and formatting it; recovery frees it.
+        if (w.kind == ChunkKind::kOrphanHeap) problems.push_back(chunk + "orphan slab without a header");
+        c += run - 1;
         continue;
       }
       if (!HeapHeaderValid(h, t.chunk_bytes())) {
         problems.push_back(chunk + "heap header is corrupt (class " + std::to_string(h.class_bytes) + " bytes, " +
-                           std::to_string(h.slots) + " slots, " + std::to_string(h.used) + " used)");
+                           std::to_string(h.slab_chunks) + " chunks, " + std::to_string(h.slots) + " slots, " +
+                           std::to_string(h.used) + " used)");
+        c += run - 1;
         continue;
       }
-      HeapGeometry g = GeometryFor(t.chunk_bytes(), h.class_bytes);
-      uint64_t set = 0;
-      meta.Invalidate(base + 64, g.bitmap_bytes);
-      for (uint64_t wd = 0; wd < (g.slots + 63) / 64; ++wd) set += std::popcount(meta.Load(base + 64 + wd * 8));
+      if (h.slab_chunks != run) {
+        problems.push_back(chunk + "slab header says " + std::to_string(h.slab_chunks) + " chunks, the owner words " +
+                           std::to_string(run));
+      }
+      const uint64_t set = SlotsInUse(meta, t, c, h);
       if (set != h.used) {
         problems.push_back(chunk + "heap header says " + std::to_string(h.used) + " objects, bitmap has " +
                            std::to_string(set));
       }
+      c += run - 1;
     }
   }
 }
@@ -258,17 +301,38 @@ bool IsAllocated(Region& region, uint64_t off, uint32_t max_nodes) {
   auto& meta = region.impl().meta();
   OwnerWord w = OwnerWord::Decode(meta.Fetch(t.owner(c)));
   uint64_t within = off - t.data_offset() - c * t.chunk_bytes();
+  if (w.kind == ChunkKind::kHeapTail && w.detail >= 1 && w.detail <= c && SlabRun(meta, t, c - w.detail) > w.detail) {
+    // Inside a slab: indexed from its head.
+    c -= w.detail;
+    within += uint64_t{w.detail} * t.chunk_bytes();
+    w = OwnerWord::Decode(meta.Fetch(t.owner(c)));
+  }
   if (w.kind == ChunkKind::kLargeHead || w.kind == ChunkKind::kLeasedObject) return within == 0;
   if (w.kind != ChunkKind::kHeap && w.kind != ChunkKind::kOrphanHeap) return false;
-  uint64_t base = t.data_offset() + c * t.chunk_bytes();
-  meta.Invalidate(base, 64);
-  auto h = meta.ReadStruct<HeapHeader>(base);
+  const HeapHeader h = ReadSlabHeader(meta, t, c);
   if (!HeapHeaderValid(h, t.chunk_bytes()) || within < h.first_slot || (within - h.first_slot) % h.class_bytes) {
     return false;
   }
   uint64_t slot = (within - h.first_slot) / h.class_bytes;
   if (slot >= h.slots) return false;
-  return (meta.Fetch(base + 64 + (slot / 64) * 8) >> (slot % 64)) & 1;
+  return (meta.Fetch(SlotBitmapWord(t, c, h, slot / 64)) >> (slot % 64)) & 1;
+}
+
+HeapHeader ReadSlabHeader(region::MetaAccess& meta, const ChunkTableLayout& t, uint64_t chunk) {
+  meta.Invalidate(t.header(chunk), 64);
+  return meta.ReadStruct<HeapHeader>(t.header(chunk));
+}
+
+uint64_t SlotsInUse(region::MetaAccess& meta, const ChunkTableLayout& t, uint64_t chunk, const HeapHeader& h) {
+  const uint64_t words = (h.slots + 63) / 64;
+  if (h.first_slot != 0) meta.Invalidate(t.chunk_base(chunk), words * 8);
+  uint64_t set = 0;
+  for (uint64_t wd = 0; wd < words; ++wd) {
+    uint64_t bits = meta.Load(SlotBitmapWord(t, chunk, h, wd));
+    if (wd + 1 == words && h.slots % 64) bits &= (uint64_t{1} << (h.slots % 64)) - 1;
+    set += std::popcount(bits);
+  }
+  return set;
 }
 
 }  // namespace cxlkv::alloc

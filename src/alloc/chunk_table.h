@@ -10,6 +10,7 @@
 #ifndef CXLKV_SRC_ALLOC_CHUNK_TABLE_H_
 #define CXLKV_SRC_ALLOC_CHUNK_TABLE_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -20,15 +21,18 @@
 namespace cxlkv::alloc {
 
 // Owner word: [63:60] kind, [59:52] node, [51:32] incarnation (low 20 bits), [31:0] detail
-// (heap: size class; large head: run length in chunks; large tail: distance to the head).
+// (heap: slot bytes / 64; large head: run length in chunks; large and heap tails: distance to
+// the head).
 enum class ChunkKind : uint64_t {
   kFree = 0,
-  kHeap = 1,         // split into objects of one size class by its owner node
+  kHeap = 1,         // first chunk of a slab: one or more chunks split into slots of one size by
+                     // its owner node
   kLargeHead = 2,    // first chunk of an object of one or more whole chunks
   kLargeTail = 3,    // a following chunk of such an object
   kOrphanHeap = 4,   // a heap chunk whose owner died with published objects in it
   kLeased = 5,       // free, but leased to a node (life): only that node allocates it
   kLeasedObject = 6, // a whole-chunk object the node allocated from its lease (detail: 1)
+  kHeapTail = 7,     // a following chunk of a slab (detail: distance to its kHeap or kOrphanHeap head)
 };
 
 // Chunk leases (docs/protocol.md, "Chunk leases"): a node takes whole owner-word lines (8
@@ -147,6 +151,10 @@ class ChunkTableLayout {
   uint64_t intent() const { return base_; }
   uint64_t owner(uint64_t chunk) const { return base_ + 64 + chunk * 8; }
   uint64_t bitmap_word(uint64_t chunk) const { return bitmap_ + (chunk / 64) * 8; }
+  // The slab header line of `chunk` (used while it heads a slab): a line of its own per chunk,
+  // written only by the slab's owner node (P5), so the slab's own bytes are all slots.
+  uint64_t header(uint64_t chunk) const { return headers_ + chunk * 64; }
+  uint64_t chunk_base(uint64_t chunk) const { return data_offset_ + chunk * chunk_bytes_; }
   uint64_t inbox(uint32_t owner, uint32_t freer) const {
     return inboxes_ + (uint64_t{owner} * max_nodes_ + freer) * kInboxBytes;
   }
@@ -155,41 +163,74 @@ class ChunkTableLayout {
   uint64_t chunk_bytes() const { return chunk_bytes_; }
 
  private:
-  uint64_t base_ = 0, bitmap_ = 0, inboxes_ = 0, chunks_ = 0;
+  uint64_t base_ = 0, bitmap_ = 0, headers_ = 0, inboxes_ = 0, chunks_ = 0;
   uint64_t data_offset_ = 0, chunk_bytes_ = 0;
   uint32_t max_nodes_ = 0;
   bool has_inboxes_ = false;
 };
 
-// Heap chunk header: the first line of a heap chunk, then its slot bitmap. Written by the owner
-// node only (or, for an orphan, by the allocator-lock holder).
+// Slabs (docs/protocol.md, "Slabs"): a run of `slab_chunks` whole chunks carved into slots of
+// exactly `class_bytes` (a multiple of 64: a namespace's block size, or a power-of-two class of
+// the rounded heap). Its header is the table's header line of its first chunk, not part of the
+// slab, so a slab of k chunks holds floor(k * chunk / class) slots; the slot bitmap sits in the
+// header line while a slab has at most kInlineSlots slots, otherwise at the slab's start. Written
+// by the owner node only (or, for an orphan, by the allocator-lock holder).
+inline constexpr uint64_t kInlineSlots = 128;
+inline constexpr uint32_t kMaxSlabChunks = 16;
 struct HeapHeader {
-  uint64_t magic;
+  uint32_t magic;
+  uint32_t slab_chunks;
   uint64_t class_bytes;
   uint64_t slots;
   uint64_t used;
-  uint64_t owner;        // the owner word at the time the chunk was formatted
-  uint64_t first_slot;   // byte offset of slot 0 from the chunk start
-  uint64_t reserved[2];
+  uint64_t owner;        // the owner word at the time the slab was formatted
+  uint64_t first_slot;   // byte offset of slot 0 from the slab start (the in-slab bitmap's size)
+  uint64_t inline_bits[kInlineSlots / 64];
 };
 static_assert(sizeof(HeapHeader) == 64);
-inline constexpr uint64_t kHeapMagic = 0x5041454856584c43ull;  // "CLXVHEAP"
+inline constexpr uint32_t kHeapMagic = 0x42414c53u;  // "SLAB"
 
-// Size classes of heap chunks: powers of two from 64 B to 256 KiB (alloc::kMaxHeapObject).
+// The rounded heap's classes: powers of two from 64 B to 256 KiB (alloc::kMaxHeapObject).
 inline constexpr uint64_t kMinClassBytes = 64;
 inline constexpr uint64_t kMaxClassBytes = uint64_t{256} << 10;
 
-// Slots, bitmap bytes and first-slot offset of a heap chunk of `class_bytes` objects.
-// REQUIRES: class_bytes is a size class and chunk_bytes > 2 * class_bytes.
+// Slots, in-slab bitmap bytes and first-slot offset of a slab of `slab_chunks` chunks of
+// `class_bytes` slots. REQUIRES: class_bytes >= 64, slab_chunks >= 1.
 struct HeapGeometry {
   uint64_t slots, bitmap_bytes, first_slot;
+  bool inline_bitmap() const { return bitmap_bytes == 0; }
 };
-HeapGeometry GeometryFor(uint64_t chunk_bytes, uint64_t class_bytes);
+HeapGeometry GeometryFor(uint64_t chunk_bytes, uint64_t class_bytes, uint64_t slab_chunks = 1);
+// Share of a slab's bytes that its slots hold.
+double SlabFill(uint64_t chunk_bytes, uint64_t class_bytes, uint64_t slab_chunks);
+// The slab length for slots of `class_bytes`, at most `max_chunks`: the shortest within a point
+// of the best fill any length up to `max_chunks` reaches (a short slab strands less of a small
+// pool in a node's partly used slab). 0 when no slab up to `max_chunks` holds one slot.
+uint32_t SlabChunksFor(uint64_t chunk_bytes, uint64_t class_bytes, uint32_t max_chunks);
+// The fewest chunks a slab of `class_bytes` slots needs for one slot.
+inline uint64_t MinSlabChunks(uint64_t chunk_bytes, uint64_t class_bytes) {
+  return (class_bytes + chunk_bytes - 1) / chunk_bytes;
+}
 
-// True when a heap header read from the region can be used to index its chunk: magic, a size
-// class that fits the chunk, the geometry that class implies, used <= slots. Everything that
-// divides by class_bytes or walks the slot bitmap checks this first.
+// True when a slab header read from the region can be used to index its slab: magic, a slot
+// size and length that fit the table's limits, the geometry they imply, used <= slots.
+// Everything that divides by class_bytes or walks the slot bitmap checks this first.
 bool HeapHeaderValid(const HeapHeader& h, uint64_t chunk_bytes);
+// Region offset of word `wd` of the slot bitmap of the slab headed by `chunk` (header `h`, valid).
+inline uint64_t SlotBitmapWord(const ChunkTableLayout& t, uint64_t chunk, const HeapHeader& h, uint64_t wd) {
+  return h.first_slot == 0 ? t.header(chunk) + offsetof(HeapHeader, inline_bits) + wd * 8
+                           : t.chunk_base(chunk) + wd * 8;
+}
+// Chunks of the slab headed by `chunk` of region `meta`'s table, counted from the owner words:
+// the head and the kHeapTail words after it that name it (same node and life, distance i).
+// Capped at kMaxSlabChunks. The owner words change only under the allocator lock; read without
+// it, the count is a snapshot.
+uint64_t SlabRun(region::MetaAccess& meta, const ChunkTableLayout& t, uint64_t chunk);
+// The header line of `chunk`, read past this process's cache (another node may have written it).
+HeapHeader ReadSlabHeader(region::MetaAccess& meta, const ChunkTableLayout& t, uint64_t chunk);
+// Slots set in the bitmap of the slab headed by `chunk` (header `h`, valid), read past the cache
+// (the header line was, by ReadSlabHeader).
+uint64_t SlotsInUse(region::MetaAccess& meta, const ChunkTableLayout& t, uint64_t chunk, const HeapHeader& h);
 
 // Applies an intent to region `r`'s table (idempotent). Returns false, writing nothing, when
 // the intent's run or op is out of range (a corrupted record).

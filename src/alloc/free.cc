@@ -8,35 +8,37 @@ namespace cxlkv::alloc {
 
 Status Allocator::FreeSlot(ChunkRef chunk, uint64_t within, bool orphan, uint32_t life20) {
   auto& m = meta(chunk.region);
-  uint64_t base = ChunkBase(chunk);
-  if (orphan) m.Invalidate(base, 64);
-  auto h = m.ReadStruct<HeapHeader>(base);
+  const ChunkTableLayout& t = tables_[chunk.region];
+  const uint64_t line = t.header(chunk.chunk);
+  if (orphan) m.Invalidate(line, 64);
+  auto h = m.ReadStruct<HeapHeader>(line);
   if (h.magic == kHeapMagic && !HeapHeaderValid(h, chunk_bytes())) {
-    return Corrupted("heap chunk " + std::to_string(chunk.chunk) + " of region " + std::to_string(chunk.region) +
+    return Corrupted("heap slab at chunk " + std::to_string(chunk.chunk) + " of region " + std::to_string(chunk.region) +
                      " has a corrupt header (class " + std::to_string(h.class_bytes) + " bytes, " +
-                     std::to_string(h.slots) + " slots): run 'cxlkv check'");
+                     std::to_string(h.slab_chunks) + " chunks, " + std::to_string(h.slots) +
+                     " slots): run 'cxlkv check'");
   }
   if (h.magic != kHeapMagic || within < h.first_slot || (within - h.first_slot) % h.class_bytes != 0 ||
       (within - h.first_slot) / h.class_bytes >= h.slots) {
     return InvalidArgument("offset is not the start of an object (corrupted or foreign offset)");
   }
   uint64_t slot = (within - h.first_slot) / h.class_bytes;
-  uint64_t off = base + 64 + (slot / 64) * 8;
+  uint64_t off = SlotBitmapWord(t, chunk.chunk, h, slot / 64);
   if (orphan) m.Invalidate(off, 8);
   uint64_t bits = m.Load(off);
   uint64_t bit = uint64_t{1} << (slot % 64);
   if (!(bits & bit)) return InvalidArgument("object is not allocated (double free?)");
   if (!orphan) CXLKV_RETURN_IF_ERROR(FenceOwnStore("heap free", life20));  // orphans: under the allocator lock
   m.Store(off, bits & ~bit);
-  m.Store(base + offsetof(HeapHeader, used), h.used - 1);
-  m.Flush(off, 8);
-  m.Flush(base, 64);
+  m.Store(line + offsetof(HeapHeader, used), h.used - 1);
+  if (h.first_slot != 0) m.Flush(off, 8);  // an inline bitmap word is flushed with its header line
+  m.Flush(line, 64);
   if (h.used - 1 == 0) {
-    uint32_t c = ClassFor(h.class_bytes);
+    // An empty slab goes back to the pool, unless it is the node's current one for its size.
     uint64_t id = ((uint64_t{chunk.region} << 40) | chunk.chunk) + 1;
-    if (!orphan && node_.local().header().heap[c].current_chunk.load() == id) return Status::Ok();
+    if (!orphan && CurrentEntryFor(h.class_bytes, id) != nullptr) return Status::Ok();
     if (!orphan) CXLKV_RETURN_IF_ERROR(LockAllocator());
-    CommitLocked(chunk.region, IntentOp::kFree, chunk.chunk, 1, 0);
+    FreeSlabLocked(chunk);
     if (!orphan) UnlockAllocator();
   }
   return Status::Ok();

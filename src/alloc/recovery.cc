@@ -178,37 +178,45 @@ void Allocator::Recover(uint32_t dead, uint64_t incarnation) {
           CommitLocked(r, IntentOp::kFree, ch, 1, 0);
         }
       } else if (w.kind == ChunkKind::kHeap) {
-        uint64_t base = ChunkBase(ref);
-        m.Invalidate(base, 64);
-        auto h = m.ReadStruct<HeapHeader>(base);
-        if (h.magic != kHeapMagic) {  // died before formatting it
-          CommitLocked(r, IntentOp::kFree, ch, 1, 0);
+        const uint64_t run = SlabRun(m, t, ch);
+        auto h = ReadSlabHeader(m, t, ch);
+        // Formatted for this slab: a header line keeps the last slab's values until the next
+        // owner formats it, so the owner word it records must be this one, and its length the run.
+        const bool formatted = h.magic == kHeapMagic && h.owner == OwnerWord{ChunkKind::kHeap, w.node, w.incarnation, w.detail}.Encode() &&
+                               h.slab_chunks == run;
+        if (!formatted) {  // died before formatting it
+          CommitLocked(r, IntentOp::kFree, ch, run, 0);
+          ch += run - 1;
           continue;
         }
         if (!HeapHeaderValid(h, chunk_bytes())) continue;  // corrupted: left for `cxlkv check`
         uint64_t kept = 0;
         uint64_t words = (h.slots + 63) / 64;
-        m.Invalidate(base + 64, words * 8);
+        if (h.first_slot != 0) m.Invalidate(ChunkBase(ref), words * 8);
         for (uint64_t wd = 0; wd < words; ++wd) {
-          uint64_t bits = m.Load(base + 64 + wd * 8), keep = 0;
+          const uint64_t at = SlotBitmapWord(t, ch, h, wd);
+          uint64_t bits = m.Load(at), keep = 0;
           for (uint64_t b = bits; b != 0; b &= b - 1) {
             uint64_t slot = wd * 64 + std::countr_zero(b);
-            if (published(OffsetOf(ref, h.first_slot + slot * h.class_bytes).raw())) {
+            if (slot < h.slots && published(OffsetOf(ref, h.first_slot + slot * h.class_bytes).raw())) {
               keep |= uint64_t{1} << (slot % 64);
             }
           }
-          m.Store(base + 64 + wd * 8, keep);
+          m.Store(at, keep);
           kept += std::popcount(keep);
         }
-        m.Flush(base + 64, words * 8);
-        m.Store(base + offsetof(HeapHeader, used), kept);
-        m.Flush(base, 64);
+        if (h.first_slot != 0) m.Flush(ChunkBase(ref), words * 8);
+        m.Store(t.header(ch) + offsetof(HeapHeader, used), kept);
+        m.Flush(t.header(ch), 64);
         if (kept == 0) {
-          CommitLocked(r, IntentOp::kFree, ch, 1, 0);
+          CommitLocked(r, IntentOp::kFree, ch, run, 0);
         } else {
+          // The head only: its tails keep naming it (and this life), which is how frees and
+          // `check` find the orphan's slots.
           OwnerWord orphan{ChunkKind::kOrphanHeap, dead, w.incarnation, w.detail};
           CommitLocked(r, IntentOp::kSetWord, ch, 1, orphan.Encode());
         }
+        ch += run - 1;
       }
     }
   }

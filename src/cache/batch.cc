@@ -196,7 +196,7 @@ Result<std::vector<KeyReservation>> Index::ReserveMany(const NamespaceHandle& ns
     const uint64_t want = bytes * todo.size();
     const uint64_t high = capacity_ / 100 * layout_.h.high_watermark_pct;
     if (want / todo.size() == bytes && UsedBytes() + want <= high) {
-      auto many = allocator_.AllocMany(bytes, todo.size());
+      auto many = allocator_.AllocMany(bytes, todo.size(), alloc::Fit::kExact);
       if (many.ok()) {
         for (size_t k = 0; k < todo.size(); ++k) payload[todo[k]] = (*many)[k].raw();
         batched = true;

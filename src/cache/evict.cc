@@ -190,10 +190,12 @@ std::vector<Index::TierBlock> Index::LruReady(const std::function<bool(const Ent
   return out;
 }
 
-uint64_t Index::EvictLru(uint64_t target) {
+uint64_t Index::EvictLru(uint64_t target, uint64_t only_bytes) {
   if (target == 0) return 0;
   // Region entries only: a capacity entry frees no region space.
-  std::vector<TierBlock> cands = LruReady([](const Entry& e) { return e.tier == kTierRegion; });
+  std::vector<TierBlock> cands = LruReady([only_bytes](const Entry& e) {
+    return e.tier == kTierRegion && (only_bytes == 0 || e.bytes == only_bytes);
+  });
   // The oldest entries that cover the target, grouped by stripe: one lock per stripe.
   std::map<uint32_t, std::vector<const TierBlock*>> by_stripe;
   uint64_t planned = 0;

@@ -386,15 +386,22 @@ Result<alloc::ObjectOffset> Index::AllocatePayload(uint64_t bytes) {
   }
   uint64_t used = UsedBytes();
   if (used + bytes > high) MakeRoom(used + bytes - std::min(low, used + bytes));
-  for (int attempt = 0; attempt < 4; ++attempt) {
+  for (int attempt = 0; attempt < 8; ++attempt) {
     // The budget binds only when one was set below the pool's size; otherwise the allocator
     // is the judge (counters can drift by a block after a crash mid-eviction).
+    bool allocator_full = false;
     if (layout_.h.capacity_bytes == 0 || UsedBytes() + bytes <= cap) {
-      auto r = allocator_.Alloc(bytes);
+      auto r = allocator_.Alloc(bytes, alloc::Fit::kExact);  // a block: its namespace's size repeats
       if (r.ok() || r.status().code() != StatusCode::kNoSpace) return r;
+      allocator_full = true;
     }
-    // Full, or fragmented: evict a watermark's worth (at least this block) and retry.
-    if (MakeRoom(std::max(bytes, high - std::min(high, low))) == 0) break;
+    // Room by the space this put can use: a block of its own size frees a slot of its class
+    // (evicting other sizes frees nothing it can use until one of their slabs empties whole).
+    // Without one, or when that slot was another node's, the plain LRU: a watermark's worth,
+    // at least this block, doubling each round, so the oldest slab of another size empties.
+    const uint64_t same = allocator_full && attempt < 2 && room_maker_.load(std::memory_order_acquire) == nullptr
+                              ? EvictLru(bytes, bytes) : 0;
+    if (same == 0 && MakeRoom(std::max(bytes << std::min(attempt, 6), high - std::min(high, low))) == 0) break;
   }
   Add(kFullErrors, 1);
   return NoSpace("pool full: no room for a block of " + std::to_string(bytes) + " bytes and nothing "

@@ -117,7 +117,9 @@ class Index final : public IndexApi {
   void SetRoomMaker(CapacityPromoter* tiers) { room_maker_.store(tiers, std::memory_order_release); }
   // Evicts unpinned READY entries, least recently used first, until `bytes` are freed.
   // Returns the bytes freed (less when not enough is evictable).
-  uint64_t EvictLru(uint64_t bytes);
+  // Evicts the least recently used READY region blocks, at least `bytes` of them; of `only_bytes`
+  // each when it is not 0 (a slot of that size is what the put waiting for room can use).
+  uint64_t EvictLru(uint64_t bytes, uint64_t only_bytes = 0);
   // Payload bytes of WRITING, READY and EVICTING entries, from every node's counters. A
   // central writer reads its own node's row and the other rows' sums of the last sweep: only
   // service lives write these counters, and a row of a life that no longer serves is final.

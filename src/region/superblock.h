@@ -10,6 +10,8 @@
 //      pool and the pool's region count, so a foreign or reordered region is refused.
 //   5  remote-free rings: the closed word on a line of its own (the entries one line later).
 //   6  allocator intent op 5 (end a lease line), which a version-5 build would call corrupt.
+//   7  slabs: heap headers in the chunk table (a line per chunk), slabs of several chunks
+//      (owner-word kind 7 for their tails), slots of exact sizes (detail: slot bytes / 64).
 #ifndef CXLKV_SRC_REGION_SUPERBLOCK_H_
 #define CXLKV_SRC_REGION_SUPERBLOCK_H_
 

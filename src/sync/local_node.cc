@@ -14,8 +14,8 @@ namespace cxlkv::sync {
 namespace {
 
 constexpr uint64_t kLocalMagic = 0x4c41434f4c4b5843ull;  // "CXKLOCAL"
-constexpr uint32_t kLocalVersion = 5;  // 2: per-process beats, manager_mu, flock lifetime; 3: process slots; 4: drain_mu;
-                                       // 5: the drain claim
+constexpr uint32_t kLocalVersion = 6;  // 2: per-process beats, manager_mu, flock lifetime; 3: process slots; 4: drain_mu;
+                                       // 5: the drain claim; 6: heap classes keyed by slot size
 constexpr char kNodeFilePrefix[] = "/dev/shm/cxlkv-node-";
 
 size_t NodeFileBytes(uint32_t max_locks) {

@@ -21,7 +21,10 @@
 
 namespace cxlkv::sync {
 
-inline constexpr uint32_t kLocalSizeClasses = 16;
+// Slot sizes whose current slab a node remembers (alloc layer): the rounded heap's 13 classes
+// and a namespace block size or more each; past that, a size's partly used slab is found by
+// scanning the owner words.
+inline constexpr uint32_t kLocalSizeClasses = 48;
 
 struct alignas(64) LocalLock {
   pthread_mutex_t mu;           // the local tier of lock k
@@ -44,7 +47,8 @@ struct alignas(64) LocalProcess {
 // Heap state of the node's allocator (alloc layer), kept here so every process of the node
 // allocates from the same per-node heap.
 struct LocalHeapClass {
-  std::atomic<uint64_t> current_chunk;  // global chunk id + 1; 0 = none
+  std::atomic<uint64_t> slot_bytes;     // the slot size this entry is for; 0 = unused
+  std::atomic<uint64_t> current_chunk;  // global chunk id + 1 of the slab's head; 0 = none
   std::atomic<uint64_t> cursor;         // slot to start searching from
 };
 

@@ -161,10 +161,10 @@ inline std::vector<std::pair<uint64_t, uint64_t>> AllocatedObjects(Region& r) {
     uint64_t base = t.data_offset() + c * t.chunk_bytes();
     if (w.kind == alloc::ChunkKind::kLargeHead) out.push_back({base, word});
     if (w.kind != alloc::ChunkKind::kHeap && w.kind != alloc::ChunkKind::kOrphanHeap) continue;
-    m.Invalidate(base, 64);
-    auto h = m.ReadStruct<alloc::HeapHeader>(base);
+    const alloc::HeapHeader h = alloc::ReadSlabHeader(m, t, c);
+    if (!alloc::HeapHeaderValid(h, t.chunk_bytes())) continue;
     for (uint64_t slot = 0; slot < h.slots; ++slot) {
-      if ((m.Fetch(base + 64 + (slot / 64) * 8) >> (slot % 64)) & 1) {
+      if ((m.Fetch(alloc::SlotBitmapWord(t, c, h, slot / 64)) >> (slot % 64)) & 1) {
         out.push_back({base + h.first_slot + slot * h.class_bytes, word});
       }
     }

@@ -17,6 +17,13 @@ using testing::OpenOrNull;
 
 constexpr uint64_t kChurnRegionBytes = 48 << 20;
 
+// An exact-size slot (Fit::kExact: a KV block's allocation), as the pool's raw offset.
+Result<uint64_t> AllocExact(Pool& p, uint64_t bytes) {
+  auto off = p.impl().allocator->Alloc(bytes, alloc::Fit::kExact);
+  if (!off.ok()) return off.status();
+  return off->raw();
+}
+
 std::vector<std::string> CheckProblems(const std::vector<std::string>& paths) {
   auto regions = pool::AttachAll(paths);
   EXPECT_TRUE(regions.ok());
@@ -46,8 +53,13 @@ int Churn(const std::vector<std::string>& paths, uint32_t node, int ops, int pub
   for (int i = 0; i < ops; ++i) {
     bool do_alloc = live.empty() || rng() % 100 < 55;
     if (do_alloc) {
-      uint64_t size = rng() % 10 == 0 ? (uint64_t{3} << 20) : (uint64_t{64} << (rng() % 12));
-      auto off = p->Alloc(size);
+      // Rounded heap classes, whole-chunk runs, and exact-size slots of three block sizes
+      // (slabs of one chunk, of four and of five in these small regions).
+      static constexpr uint64_t kExactSizes[] = {20 << 10, 917504, 2359296};
+      const uint64_t pick = rng() % 10;
+      const bool exact = pick >= 7;
+      uint64_t size = pick == 0 ? (uint64_t{3} << 20) : exact ? kExactSizes[pick - 7] : (uint64_t{64} << (rng() % 12));
+      auto off = exact ? AllocExact(*p, size) : p->Alloc(size);
       if (!off.ok() && off.status().code() == StatusCode::kNoSpace) continue;
       CHILD_CHECK(off.ok(), "%s", off.status().ToString().c_str());
       Obj o{*off, size, (uint64_t{node} << 48) | static_cast<uint64_t>(i)};
@@ -159,7 +171,9 @@ void KillMidChurnAndRecover(uint64_t sim_seed) {
     }
     if (::write(ready[1], "r", 1) != 1) ::_exit(1);
     for (uint64_t i = 0;; ++i) {
-      auto off = p->Alloc(i % 17 == 0 ? (uint64_t{3} << 20) : (uint64_t{64} << (i % 10)));
+      // Every fifth an exact-size slot: killed mid-allocation of a slab too.
+      auto off = i % 5 == 0 ? AllocExact(*p, i % 2 ? 917504 : 2359296)
+                            : p->Alloc(i % 17 == 0 ? (uint64_t{3} << 20) : (uint64_t{64} << (i % 10)));
       if (off.ok() && i % 3) (void)p->Free(*off);
     }
   }

@@ -212,7 +212,7 @@ TEST(DecodeValidation, HeapClassBytesZeroIsCorruptedNotADivisionByZero) {
   ASSERT_NO_FATAL_FAILURE(f.SetUp());
   auto off = f.pool->Alloc(100);
   ASSERT_TRUE(off.ok());
-  const uint64_t base = f.table.data_offset() + f.ChunkOf(*off) * f.table.chunk_bytes();
+  const uint64_t base = f.table.header(f.ChunkOf(*off));
   // A root so `check` looks the object up in the heap (IsAllocated divides by the class).
   ASSERT_TRUE(f.pool->Put("obj", *off, 100).ok());
   for (uint64_t bad : {uint64_t{0}, uint64_t{96}, uint64_t{1} << 61}) {
