@@ -272,6 +272,36 @@ Result<nlohmann::json> RunAllocBench(const BenchOptions& options) {
     results.push_back(FigureJson({"pool_alloc/" + n, "pairs/s", true, ours, "malloc/" + n, theirs,
                                   "alloc+free in the shared pool with flushes (software-coherent)"}));
   }
+  // Exact-size slots (a KV block's allocation) next to what the same size takes rounded: a
+  // power-of-two heap slot (20 KiB in 32 KiB), one whole chunk from the lease (0.875 MiB), a
+  // run of two chunks under the allocator lock (2.25 MiB). Goal: no slower.
+  for (Case c : {Case{"20KiB", 20 << 10, options.quick ? 500 : 2000}, Case{"0.875MiB", 917'504, options.quick ? 20 : 100},
+                 Case{"2.25MiB", 2'359'296, options.quick ? 10 : 40}}) {
+    std::vector<double> exact, rounded;
+    std::vector<alloc::ObjectOffset> offs(c.batch);
+    alloc::Allocator& a = *p.impl().allocator;
+    auto pairs = [&](alloc::Fit fit) -> Result<double> {
+      auto t0 = Clock::now();
+      for (int i = 0; i < c.batch; ++i) {
+        auto off = a.Alloc(c.bytes, fit);
+        if (!off.ok()) return off.status();
+        offs[i] = *off;
+      }
+      for (int i = 0; i < c.batch; ++i) CXLKV_RETURN_IF_ERROR(a.Free(offs[i]));
+      return c.batch / (NsSince(t0) / 1e9);
+    };
+    for (int rep = 0; rep < reps; ++rep) {
+      CXLKV_ASSIGN_OR_RETURN(double r, pairs(alloc::Fit::kRounded));
+      CXLKV_ASSIGN_OR_RETURN(double e, pairs(alloc::Fit::kExact));
+      rounded.push_back(r);
+      exact.push_back(e);
+    }
+    std::string n = c.name;
+    results.push_back(FigureJson({"pool_alloc_rounded/" + n, "pairs/s", true, rounded, "", {},
+                                  "alloc+free of the size rounded: a power-of-two heap slot or whole chunks"}));
+    results.push_back(FigureJson({"pool_alloc_exact/" + n, "pairs/s", true, exact, "pool_alloc_rounded/" + n, rounded,
+                                  "alloc+free of an exact-size slot (a KV block's); goal >= 1 (no slower)"}));
+  }
   pool->reset();
   ::unlink(path.c_str());
   nlohmann::json report;

@@ -23,6 +23,8 @@ struct BenchOptions {
   // tier: a block device or NVMe generic device (/dev/ngXnY: passthrough) whose first 256 MiB
   // the SSD rows overwrite, instead of a file in workdir ("" = a file).
   std::string device;
+  // trace: the JSON-lines trace to replay (requests with "hash_ids").
+  std::string trace;
 };
 
 // A figure, its samples, and the reference it is compared with.

@@ -10,7 +10,7 @@ const std::vector<Suite>& Suites() {
        &RunRegionBench},
       {"lock", "two-tier lock acquire+release, 1/2/4 processes, vs a process-shared pthread mutex",
        &RunLockBench},
-      {"alloc", "pool alloc+free pairs/s, 256 B and 2 MiB objects, vs malloc", &RunAllocBench},
+      {"alloc", "pool alloc+free pairs/s, 256 B and 2 MiB objects, vs malloc; exact-size slots vs rounded", &RunAllocBench},
       {"cache",
        "prefix cache: lookup ns/block for chains of 1/16/256; put/get GB/s of 2 MiB blocks vs the bare "
        "copy, and vs a local redis-server",
@@ -44,6 +44,11 @@ const std::vector<Suite>& Suites() {
        "KV held of what the pool is given: one process fills a fresh pool to 2x its data area with blocks of "
        "4 KiB..9 MiB (real models' shapes) and a three-model mix; KV bytes still held vs the data area",
        &RunCapacityBench},
+      {"trace",
+       "capacity as hit rate: a serving trace with prefix block ids (--trace FILE: the Mooncake conversation trace) "
+       "replayed into a pool holding a third of its distinct blocks, at 2 MiB- and 0.875 MiB-shaped blocks, vs an "
+       "exact-size LRU simulation of the same pool size",
+       &RunTraceBench},
   };
   return suites;
 }

@@ -194,7 +194,7 @@ Result<std::vector<KeyReservation>> Index::ReserveMany(const NamespaceHandle& ns
     // Below the high watermark the whole batch is one AllocMany (one chunk-lease refill at
     // most); otherwise one at a time, evicting as needed.
     const uint64_t want = bytes * todo.size();
-    const uint64_t high = capacity_ / 100 * layout_.h.high_watermark_pct;
+    const uint64_t high = PercentOf(capacity_, layout_.h.high_watermark_pct);
     if (want / todo.size() == bytes && UsedBytes() + want <= high) {
       auto many = allocator_.AllocMany(bytes, todo.size(), alloc::Fit::kExact);
       if (many.ok()) {

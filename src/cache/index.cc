@@ -378,8 +378,8 @@ bool Index::WriterLive(uint64_t writer) {
 
 Result<alloc::ObjectOffset> Index::AllocatePayload(uint64_t bytes) {
   const uint64_t cap = capacity_;
-  const uint64_t high = cap / 100 * layout_.h.high_watermark_pct;
-  const uint64_t low = cap / 100 * layout_.h.low_watermark_pct;
+  const uint64_t high = PercentOf(cap, layout_.h.high_watermark_pct);
+  const uint64_t low = PercentOf(cap, layout_.h.low_watermark_pct);
   if (bytes > cap) {
     return InvalidArgument("block of " + std::to_string(bytes) + " bytes is larger than the cache's capacity (" +
                            std::to_string(cap) + " bytes)");
@@ -399,8 +399,7 @@ Result<alloc::ObjectOffset> Index::AllocatePayload(uint64_t bytes) {
     // (evicting other sizes frees nothing it can use until one of their slabs empties whole).
     // Without one, or when that slot was another node's, the plain LRU: a watermark's worth,
     // at least this block, doubling each round, so the oldest slab of another size empties.
-    const uint64_t same = allocator_full && attempt < 2 && room_maker_.load(std::memory_order_acquire) == nullptr
-                              ? EvictLru(bytes, bytes) : 0;
+    const uint64_t same = allocator_full && attempt < 2 ? MakeRoom(bytes, bytes) : 0;
     if (same == 0 && MakeRoom(std::max(bytes << std::min(attempt, 6), high - std::min(high, low))) == 0) break;
   }
   Add(kFullErrors, 1);
@@ -409,7 +408,7 @@ Result<alloc::ObjectOffset> Index::AllocatePayload(uint64_t bytes) {
                  "release pins or grow the pool");
 }
 
-uint64_t Index::MakeRoom(uint64_t bytes) {
+uint64_t Index::MakeRoom(uint64_t bytes, uint64_t only_bytes) {
   // With capacity tiers, room is made by spilling (the node's cxlkvd moves the LRU blocks to its
   // devices); only what that cannot free is dropped.
   CapacityPromoter* tiers = room_maker_.load(std::memory_order_acquire);
@@ -422,7 +421,7 @@ uint64_t Index::MakeRoom(uint64_t bytes) {
       return spilled;
     }
   }
-  return EvictLru(bytes);
+  return EvictLru(bytes, only_bytes);
 }
 
 void Index::MaybeCrash(CrashPoint p) {

@@ -417,9 +417,10 @@ class Index final : public IndexApi {
   std::map<std::pair<uint64_t, uint64_t>, std::vector<uint64_t>> held_pins_;  // (owner, slot)
   uint32_t pin_page_hint_ = 0;
   void MaybeCrash(CrashPoint p);
-  // Frees about `bytes` of region space: spilled by the room maker when there is one, else
-  // evicted. Returns the bytes freed.
-  uint64_t MakeRoom(uint64_t bytes);
+  // Frees about `bytes` of region space: spilled by the room maker when there is one and it
+  // moves anything, else evicted (blocks of `only_bytes` each when it is not 0). Returns the
+  // bytes freed.
+  uint64_t MakeRoom(uint64_t bytes, uint64_t only_bytes = 0);
   std::atomic<CapacityPromoter*> room_maker_{nullptr};
 };
 

@@ -29,6 +29,9 @@ inline constexpr uint32_t kIndexVersion = 4;
 inline constexpr uint32_t kMaxNamespaces = 64;
 inline constexpr uint64_t kIndexHeaderBytes = 4096;
 inline constexpr uint64_t kMaxBlockBytes = 0xffffffffull;
+// `pct` percent of `bytes`, exactly (bytes / 100 * pct fell up to 99 bytes short: a watermark
+// of 100% then sat just under the capacity, and a put that filled the pool exactly evicted).
+inline constexpr uint64_t PercentOf(uint64_t bytes, uint64_t pct) { return bytes / 100 * pct + bytes % 100 * pct / 100; }
 
 enum EntryState : uint64_t {
   kEmpty = 0,      // never used since the last cleanup: ends a probe sequence

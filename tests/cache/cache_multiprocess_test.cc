@@ -261,6 +261,73 @@ TEST(CacheProcesses, StormOfOverlappingChainsReadsOnlyRightBytes) {
   EXPECT_GT(stat["totals"]["evictions"].get<uint64_t>(), 0u);
 }
 
+// Three models' namespaces of different block sizes — each its own exact-size class — filled
+// past capacity from four processes at once, so eviction runs across the classes: every block
+// a put acknowledged reads back identical or is absent, from any process, and at the end the
+// allocator holds exactly the READY blocks.
+constexpr uint64_t kModelBlockBytes[] = {20 << 10, 917'504, 2'359'296};
+
+int ModelsWorker(const std::string& path, uint32_t node, int rounds) {
+  auto o = OpenCache(path, node, 0, testing::kQuietLeaseMs);
+  CHILD_CHECK(o.cache, "open node %u", node);
+  std::vector<NamespaceHandle> ns;
+  for (int m = 0; m < 3; ++m) {
+    auto h = o.cache->Namespace(testing::TestNamespace("model-" + std::to_string(m)));
+    CHILD_CHECK(h.ok(), "namespace: %s", h.status().ToString().c_str());
+    ns.push_back(*h);
+  }
+  std::mt19937_64 rng(node * 7 + 1);
+  std::vector<uint8_t> buf(kModelBlockBytes[2]);
+  uint64_t acknowledged = 0, verified = 0;
+  auto key_of = [](uint32_t n, int m, int i) { return BlockKey{(uint64_t{n} << 40) | (uint64_t(m) << 32) | uint64_t(i), 0x5eed + uint64_t(m)}; };
+  auto check = [&](int m, const BlockKey& k) {
+    auto hit = o.cache->Lookup(ns[m], {&k, 1});
+    CHILD_CHECK(hit.ok(), "%s", hit.status().ToString().c_str());
+    if (hit->hit_blocks == 1) {
+      const BlockPin& p = hit->pins[0];
+      CHILD_CHECK(p.bytes == kModelBlockBytes[m], "node %u: a block of model %d has %lu bytes", node, m, p.bytes);
+      CHILD_CHECK(o.cache->Read(p, 0, buf.data(), p.bytes).ok(), "read");
+      CHILD_CHECK(MatchesKey(k, buf.data(), p.bytes), "node %u: a block of model %d read wrong bytes", node, m);
+      ++verified;
+    }
+    o.cache->Release(hit->pins);
+    return 0;
+  };
+  for (int i = 0; i < rounds; ++i) {
+    for (int m = 0; m < 3; ++m) {
+      const BlockKey k = key_of(node, m, i);
+      FillForKey(k, buf.data(), kModelBlockBytes[m]);
+      Status put = o.cache->Put(ns[m], k, buf.data(), kModelBlockBytes[m]);
+      CHILD_CHECK(put.ok() || put.code() == StatusCode::kBusy || put.code() == StatusCode::kNoSpace,
+                  "node %u: put of model %d: %s", node, m, put.ToString().c_str());
+      acknowledged += put.ok();
+      // A block another process acknowledged a moment ago, and one of this process's own.
+      if (check(m, key_of(rng() % 4, m, static_cast<int>(rng() % (i + 1)))) != 0) return 1;
+      if (check(m, key_of(node, m, static_cast<int>(rng() % (i + 1)))) != 0) return 1;
+    }
+  }
+  // Most puts were acknowledged: eviction made room across the classes.
+  CHILD_CHECK(acknowledged >= uint64_t(rounds) * 3 * 9 / 10, "node %u: only %lu of %d puts acknowledged", node,
+              acknowledged, rounds * 3);
+  CHILD_CHECK(verified > 0, "node %u read nothing back", node);
+  return 0;
+}
+
+TEST(CacheProcesses, ThreeModelsFillAndEvictAcrossTheirClassesFromFourProcesses) {
+  testing::TempRegionPath path("models");
+  ASSERT_TRUE(testing::CreateCachePool(path.path(), 128 << 20, 4096).ok());
+  // Each process puts about its share of the data area, twice over.
+  const int rounds = 24;
+  auto codes = testing::RunForked(4, [&](int i) { return ModelsWorker(path.path(), i, rounds); });
+  for (int c : codes) EXPECT_EQ(c, 0);
+  auto regions = pool::AttachAll({path.path()});
+  ASSERT_TRUE(regions.ok());
+  auto stat = cache::Stat(*(*regions)[0], {});
+  EXPECT_GT(stat["totals"]["evictions"].get<uint64_t>(), 0u);
+  regions->clear();
+  for (const auto& p : Problems(path.path())) ADD_FAILURE() << p;
+}
+
 TEST(CacheProcesses, StormUnderTheNonCoherentSimulator) {
   CXLKV_NOT_CENTRAL_UNDER_TSAN();
   for (uint64_t seed : {11u, 22u, 33u, 44u, 55u}) {

@@ -174,6 +174,51 @@ TEST(Cli, BenchCapacityQuickReportsKvHeldNextToTheDataArea) {
   }
 }
 
+// The trace suite: a small trace of conversations that come back with their prefixes (written
+// here in the Mooncake format) is replayed at both block shapes; the pool's hit rate sits next
+// to the exact-size LRU's and never beats it by more than rounding. A missing or malformed
+// trace is refused with what to pass.
+TEST(Cli, BenchTraceReplaysATraceNextToAnExactLruSimulation) {
+  cxlkv::testing::TempRegionPath trace("cli-trace");
+  {
+    std::ofstream out(trace.path());
+    // Four conversations at a time, three turns each, interleaved: turn t of a conversation
+    // sends the shared system prompt (block 0), its earlier turns' blocks and three new ones.
+    for (int i = 0; i < 240; ++i) {
+      const int conversation = i / 12 * 4 + i % 4, turn = i % 12 / 4;
+      out << "{\"timestamp\": " << i << ", \"hash_ids\": [0";
+      for (int k = 0; k < 3 * (turn + 1); ++k) out << ", " << 1 + conversation * 100 + k;
+      out << "]}\n";
+    }
+  }
+  auto r = Cli("bench trace --json --quick --trace " + trace.path());
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.stdout_only);
+  EXPECT_EQ(j["suite"], "trace");
+  EXPECT_EQ(j["requests"].get<uint64_t>(), 240u);
+  std::set<std::string> names;
+  for (const auto& fig : j["results"]) {
+    const std::string name = fig["name"].get<std::string>();
+    names.insert(name);
+    if (name.rfind("hit_rate/", 0) != 0) continue;
+    EXPECT_GT(fig["median"].get<double>(), 0.05) << fig.dump();  // the turns come back: hits
+    EXPECT_GT(fig["ratio"].get<double>(), 0.5) << fig.dump();
+    EXPECT_LE(fig["ratio"].get<double>(), 1.01) << fig.dump();
+  }
+  EXPECT_TRUE(names.count("hit_rate/llama-3.1-8b_2MiB"));
+  EXPECT_TRUE(names.count("hit_rate/qwen2.5-7b_0.875MiB"));
+  auto none = Cli("bench trace --quick");
+  EXPECT_NE(none.code, 0);
+  EXPECT_THAT(none.out, ::testing::HasSubstr("--trace FILE"));
+  {
+    std::ofstream bad(trace.path());
+    bad << "{\"hash_ids\": [1, 2]}\nnot json\n";
+  }
+  auto malformed = Cli("bench trace --quick --trace " + trace.path());
+  EXPECT_NE(malformed.code, 0);
+  EXPECT_THAT(malformed.out, ::testing::HasSubstr("line 2"));
+}
+
 TEST(Cli, BenchRpcQuickReportsTheRoundTripNextToItsLimits) {
   auto r = Cli("bench rpc --json --quick");
   ASSERT_EQ(r.code, 0) << r.out;

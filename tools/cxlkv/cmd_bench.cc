@@ -15,6 +15,7 @@ void AddBenchCommands(CLI::App& app, CommandResult& result) {
     int reps = 5;
     std::string workdir = "/dev/shm";
     std::string device;
+    std::string trace;
   };
   auto args = std::make_shared<Args>();
   std::string names;
@@ -31,12 +32,16 @@ void AddBenchCommands(CLI::App& app, CommandResult& result) {
   cmd->add_option("--device", args->device,
                   "tier: run the SSD rows on this block device or NVMe generic device (/dev/ngXnY, through "
                   "passthrough) instead of a file; its first 256 MiB are OVERWRITTEN");
+  cmd->add_option("--trace", args->trace,
+                  "trace: the JSON-lines trace to replay, one request with \"hash_ids\" per line (the Mooncake "
+                  "conversation trace)");
   cmd->callback([args, &result] {
     bench::BenchOptions options;
     options.quick = args->quick;
     options.repetitions = args->reps;
     options.workdir = args->workdir;
     options.device = args->device;
+    options.trace = args->trace;
     auto report = bench::RunSuite(args->name, options);
     if (!report.ok()) {
       result.status = report.status();
