@@ -77,7 +77,7 @@ Result<Fill> FillPool(const std::string& path, uint64_t region_bytes, const std:
   // the figure is about the allocator, not the index's default of one slot per 16 KiB.
   uint64_t smallest = ~uint64_t{0};
   for (const BlockShape& s : shapes) smallest = std::min(smallest, BlockBytesOf(s));
-  co.index_entries = std::max<uint64_t>(4096, region_bytes / smallest * 4);
+  co.index_entries = std::max<uint64_t>(1024, region_bytes / smallest * 5 / 4);
   CXLKV_RETURN_IF_ERROR(Pool::Create({path}, co));
   PoolOpenOptions oo;
   oo.node_id = 0;
@@ -116,6 +116,7 @@ Result<Fill> FillPool(const std::string& path, uint64_t region_bytes, const std:
     f.held_mib += static_cast<double>(ready * sizes[k]) / kMiB;
   }
   f.data_mib = static_cast<double>(data) / kMiB;
+  f.watermark_mib = f.data_mib * PoolCreateOptions{}.high_watermark_pct / 100.0;
   pool.reset();
   ::unlink(path.c_str());
   return f;
