@@ -35,7 +35,16 @@ constexpr uint64_t kPausedHeapRegionBytes = 48 << 20;
 // freed) and allocates objects of the same class, likely from that very chunk. Node 1 resumes:
 // its allocation is refused (kLeaseExpired); it rejoins as a new life and allocates properly.
 // Every object of node 0 stays allocated and `check` is clean.
-void PausedHeapAllocation(uint64_t seed) {
+// `bytes`/`exact`: the object, a rounded heap slot or an exact-size slot of a slab of several
+// chunks (Fit::kExact, a KV block's).
+Result<uint64_t> AllocObject(Pool& p, uint64_t bytes, bool exact) {
+  if (!exact) return p.Alloc(bytes);
+  auto off = p.impl().allocator->Alloc(bytes, alloc::Fit::kExact);
+  if (!off.ok()) return off.status();
+  return off->raw();
+}
+
+void PausedHeapAllocation(uint64_t seed, uint64_t bytes = 4096, bool exact = false) {
   testing::TempRegionPath path("paused-heap");
   PoolCreateOptions co;
   co.size = kPausedHeapRegionBytes;
@@ -45,7 +54,7 @@ void PausedHeapAllocation(uint64_t seed) {
   Child victim = Child::Fork([&](int in, int out) {
     auto p = OpenOrNull(paths, 1, seed ? seed + 1 : 0);
     if (!p) return 1;
-    auto first = p->Alloc(4096);
+    auto first = AllocObject(*p, bytes, exact);
     if (!first.ok()) return 2;
     bool stopped = false;
     p->impl().allocator->TestHookBeforeHeapStore([&] {
@@ -54,7 +63,7 @@ void PausedHeapAllocation(uint64_t seed) {
       uint64_t go;
       if (Put(out, *first)) (void)Get(in, &go);  // the parent stops this process, then resumes it
     });
-    auto second = p->Alloc(4096);
+    auto second = AllocObject(*p, bytes, exact);
     CHILD_CHECK(stopped, "the allocation never reached its stores");
     CHILD_CHECK(!second.ok(), "an allocation paused past the lease took slot 0x%llx of a recovered chunk",
                 static_cast<unsigned long long>(second.ok() ? *second : 0));
@@ -64,7 +73,7 @@ void PausedHeapAllocation(uint64_t seed) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
     CHILD_CHECK(p->impl().node->new_lives() >= 2, "no new life after the pause");
-    auto third = p->Alloc(4096);
+    auto third = AllocObject(*p, bytes, exact);
     CHILD_CHECK(third.ok(), "allocation in the new life: %s", third.status().ToString().c_str());
     CHILD_CHECK(p->Free(*third).ok(), "free in the new life");
     return 0;
@@ -77,7 +86,7 @@ void PausedHeapAllocation(uint64_t seed) {
   SleepLeases(4);  // node 1 is silent past its lease: node 0 recovers its life
   std::vector<uint64_t> mine;
   for (int i = 0; i < 16; ++i) {
-    auto off = survivor->Alloc(4096);
+    auto off = AllocObject(*survivor, bytes, exact);
     ASSERT_TRUE(off.ok()) << off.status().ToString();
     mine.push_back(*off);
   }
@@ -103,6 +112,15 @@ TEST(PausedHeap, AnAllocationPausedPastTheLeaseIsRefusedUnderTheNonCoherentSimul
     SCOPED_TRACE("seed " + std::to_string(seed));
     PausedHeapAllocation(seed);
   }
+}
+
+// The same with a 0.875 MiB block's exact-size slot, in slabs of four chunks.
+TEST(PausedHeap, AnExactSizeAllocationPausedPastTheLeaseIsRefusedAndTakesNoSlotOfARecoveredSlab) {
+  PausedHeapAllocation(0, 917'504, /*exact=*/true);
+}
+
+TEST(PausedHeap, AnExactSizeAllocationPausedPastTheLeaseIsRefusedUnderTheNonCoherentSimulator) {
+  PausedHeapAllocation(29, 917'504, /*exact=*/true);
 }
 
 // Node 1 frees node 2's objects through node 2's ring. Node 2 (one process) starts draining them:

@@ -9,6 +9,7 @@
 
 #include "alloc_test_util.h"
 #include "pool_test_util.h"
+#include "region/coherence.h"
 
 namespace cxlkv {
 namespace {
@@ -89,7 +90,8 @@ TEST(Slab, EveryModelBlockSizeFillsThePoolWithoutOverlap) {
 
 // Slots of a five-chunk slab freed by another node go through the owner's ring; when the slab
 // empties its chunks go back. A node killed with slabs half full keeps only what it published.
-TEST(Slab, RemoteFreesAndTheRecoveryOfADeadLifeReturnEverySlab) {
+// `sim_seed` != 0: every process behind its own simulated non-coherent cache.
+void RemoteFreesAndRecovery(uint64_t sim_seed) {
   testing::TempRegionPath path("slab-life");
   PoolCreateOptions co;
   co.size = kSlabRegionBytes;
@@ -97,20 +99,20 @@ TEST(Slab, RemoteFreesAndTheRecoveryOfADeadLifeReturnEverySlab) {
   const std::vector<std::string> paths{path.path()};
   ASSERT_TRUE(Pool::Create(paths, co).ok());
   const uint64_t total = FreeChunks(paths);
-  auto survivor = OpenOrNull(paths, 0);
+  auto survivor = OpenOrNull(paths, 0, sim_seed);
   ASSERT_TRUE(survivor);
   int ready[2];
   ASSERT_EQ(::pipe(ready), 0);
   const pid_t victim = ::fork();
   if (victim == 0) {
-    auto p = OpenOrNull(paths, 2);
+    auto p = OpenOrNull(paths, 2, sim_seed ? sim_seed + 2 : 0);
     if (!p) ::_exit(1);
     // Two published blocks (kept by recovery), three left unpublished (reclaimed), in
     // slabs of 2.25 MiB slots and of 0.875 MiB ones.
     for (int i = 0; i < 5; ++i) {
       auto off = p->impl().allocator->Alloc(i % 2 ? 917'504 : 2'359'296, alloc::Fit::kExact);
       if (!off.ok()) ::_exit(2);
-      std::memset(p->Ptr(off->raw(), 4096), 0x5a, 4096);
+      region::NtCopy(p->Ptr(off->raw(), 4096), std::vector<uint8_t>(4096, 0x5a).data(), 4096);
       if (i < 2 && !p->Put("keep-" + std::to_string(i), off->raw(), 4096).ok()) ::_exit(3);
     }
     if (::write(ready[1], "r", 1) != 1) ::_exit(4);
@@ -122,7 +124,7 @@ TEST(Slab, RemoteFreesAndTheRecoveryOfADeadLifeReturnEverySlab) {
   ::close(ready[0]);
   ::close(ready[1]);
   // A live node's slab, freed slot by slot from here: through node 1's ring.
-  auto owner = OpenOrNull(paths, 1);
+  auto owner = OpenOrNull(paths, 1, sim_seed ? sim_seed + 1 : 0);
   ASSERT_TRUE(owner);
   std::vector<uint64_t> offs;
   for (int i = 0; i < 12; ++i) {
@@ -150,6 +152,15 @@ TEST(Slab, RemoteFreesAndTheRecoveryOfADeadLifeReturnEverySlab) {
     ASSERT_TRUE(survivor->Destroy(r.name).ok());
   }
   testing::ExpectEverythingReturned(survivor, paths, total);
+}
+
+TEST(Slab, RemoteFreesAndTheRecoveryOfADeadLifeReturnEverySlab) { RemoteFreesAndRecovery(0); }
+
+TEST(Slab, RemoteFreesAndRecoveryUnderTheNonCoherentSimulator) {
+  for (uint64_t seed : {5u, 23u, 71u}) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    RemoteFreesAndRecovery(seed);
+  }
 }
 
 // More slot sizes than a node's class table remembers (odd small sizes, a slab of one chunk
