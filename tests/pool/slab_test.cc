@@ -99,8 +99,9 @@ void RemoteFreesAndRecovery(uint64_t sim_seed) {
   const std::vector<std::string> paths{path.path()};
   ASSERT_TRUE(Pool::Create(paths, co).ok());
   const uint64_t total = FreeChunks(paths);
-  auto survivor = OpenOrNull(paths, 0, sim_seed);
-  ASSERT_TRUE(survivor);
+  // The victim is forked before this process opens anything: a fork after the pool's threads
+  // start can deadlock the child in a lock one of them held (ASan's allocator's, for one), and
+  // ThreadSanitizer refuses it.
   int ready[2];
   ASSERT_EQ(::pipe(ready), 0);
   const pid_t victim = ::fork();
@@ -119,10 +120,21 @@ void RemoteFreesAndRecovery(uint64_t sim_seed) {
     ::pause();
     ::_exit(0);
   }
+  struct KillOnExit {  // an assertion that ends the test early leaves no paused child behind
+    pid_t pid;
+    ~KillOnExit() {
+      if (pid > 0) {
+        ::kill(pid, SIGKILL);
+        ::waitpid(pid, nullptr, 0);
+      }
+    }
+  } guard{victim};
   char c;
   ASSERT_EQ(::read(ready[0], &c, 1), 1);
   ::close(ready[0]);
   ::close(ready[1]);
+  auto survivor = OpenOrNull(paths, 0, sim_seed);  // takes over the lock manager when the victim dies
+  ASSERT_TRUE(survivor);
   // A live node's slab, freed slot by slot from here: through node 1's ring.
   auto owner = OpenOrNull(paths, 1, sim_seed ? sim_seed + 1 : 0);
   ASSERT_TRUE(owner);
@@ -141,6 +153,7 @@ void RemoteFreesAndRecovery(uint64_t sim_seed) {
   ::kill(victim, SIGKILL);
   int status;
   ::waitpid(victim, &status, 0);
+  guard.pid = 0;
   testing::SleepLeases(4);  // the victim's life ends; the survivor's manager recovers it
   auto roots = survivor->impl().roots->List();
   ASSERT_EQ(roots.size(), 2u);
