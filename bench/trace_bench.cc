@@ -18,6 +18,7 @@
 #include <list>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "cxlkv/cache.h"
@@ -155,10 +156,8 @@ Result<Replay> ReplayIntoPool(const std::string& path, const std::vector<Request
 Result<nlohmann::json> RunTraceBench(const BenchOptions& options) {
   const size_t requests = options.quick ? 300 : 2000;
   CXLKV_ASSIGN_OR_RETURN(std::vector<Request> trace, LoadTrace(options.trace, requests));
-  std::unordered_map<uint64_t, bool> seen;
-  for (const Request& r : trace) {
-    for (uint64_t id : r) seen[id] = true;
-  }
+  std::unordered_set<uint64_t> seen;
+  for (const Request& r : trace) seen.insert(r.begin(), r.end());
   const uint64_t distinct = seen.size();
   const std::string path = options.workdir + "/cxlkv-bench-trace-" + std::to_string(::getpid());
   struct Shape {

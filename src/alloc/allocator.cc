@@ -22,6 +22,19 @@ Allocator::Allocator(std::vector<Region*> regions, sync::Node& node, AllocatorOp
 
 uint64_t Allocator::SlotBytesFor(uint64_t bytes, Fit fit) const {
   if (fit == Fit::kRounded) return bytes <= kMaxHeapObject ? ClassBytes(ClassFor(bytes)) : 0;
+  // A namespace's blocks repeat one size: its answer is remembered (an entry is one word, so a
+  // racing reader sees a whole one or none), not planned again on every allocation.
+  std::atomic<uint64_t>& memo = fit_memo_[(bytes / 64) % fit_memo_.size()];
+  const uint64_t seen = memo.load(std::memory_order_relaxed);
+  if (bytes < (uint64_t{1} << 32) && (seen & 1) && (seen >> 32) == bytes) return ((seen >> 1) & 0x7fffffff) * 64;
+  const uint64_t slot = ExactSlotBytes(bytes);
+  if (bytes < (uint64_t{1} << 32) && slot / 64 < (uint64_t{1} << 31)) {
+    memo.store((bytes << 32) | (slot / 64) << 1 | 1, std::memory_order_relaxed);
+  }
+  return slot;
+}
+
+uint64_t Allocator::ExactSlotBytes(uint64_t bytes) const {
   const uint64_t slot = (bytes + 63) / 64 * 64;
   const uint64_t c = chunk_bytes();
   if (slot % c == 0) return 0;  // whole chunks fit it exactly
@@ -33,7 +46,7 @@ uint64_t Allocator::SlotBytesFor(uint64_t bytes, Fit fit) const {
   return slot;
 }
 
-bool Allocator::Locate(ObjectOffset off, ChunkRef* c, uint64_t* within) const {
+bool Allocator::Locate(ObjectOffset off, ChunkRef* c, uint64_t* within, OwnerWord* word) const {
   if (off.is_null() || off.region_index() >= regions_.size()) return false;
   const ChunkTableLayout& t = tables_[off.region_index()];
   if (!t.valid() || off.byte_offset() < t.data_offset()) return false;
@@ -44,16 +57,14 @@ bool Allocator::Locate(ObjectOffset off, ChunkRef* c, uint64_t* within) const {
   if (c->chunk >= t.chunks()) return false;
   // Inside a slab's tail chunk: the slab is indexed from its head (the head's word, read by the
   // caller, says whether it is one: a tail's distance is read from the region, bounded here).
-  const OwnerWord w = OwnerWord::Decode(meta(c->region).Fetch(t.owner(c->chunk)));
-  if (w.kind != ChunkKind::kHeapTail) return true;
-  // The tail must be part of the run its head's owner words make: a corrupted distance never
-  // sends a free into another slab.
-  if (w.detail < 1 || w.detail >= kMaxSlabChunks || w.detail > c->chunk ||
-      SlabRun(meta(c->region), t, c->chunk - w.detail) <= w.detail) {
-    return true;  // left as a tail: callers refuse it
+  *word = OwnerWord::Decode(meta(c->region).Fetch(t.owner(c->chunk)));
+  // A tail that is not part of its head's run stays a tail (callers refuse it): a corrupted
+  // distance never sends a free into another slab.
+  if (const uint64_t head = SlabHeadOf(meta(c->region), t, c->chunk, *word); head != c->chunk) {
+    *within += (c->chunk - head) * t.chunk_bytes();
+    c->chunk = head;
+    *word = OwnerWord::Decode(meta(c->region).Fetch(t.owner(head)));
   }
-  c->chunk -= w.detail;
-  *within += uint64_t{w.detail} * t.chunk_bytes();
   return true;
 }
 

@@ -37,6 +37,7 @@
 #ifndef CXLKV_SRC_ALLOC_ALLOCATOR_H_
 #define CXLKV_SRC_ALLOC_ALLOCATOR_H_
 
+#include <array>
 #include <atomic>
 #include <functional>
 #include <mutex>
@@ -168,8 +169,10 @@ class Allocator {
   }
   region::MetaAccess& meta(uint32_t r) const { return regions_[r]->impl().meta(); }
   // The chunk `off` lies in and its offset there; inside a slab's tail chunk, its head and the
-  // offset from the slab's start.
-  bool Locate(ObjectOffset off, ChunkRef* c, uint64_t* within) const;
+  // offset from the slab's start. `*word`: that chunk's owner word, as read here (P2: fetched).
+  bool Locate(ObjectOffset off, ChunkRef* c, uint64_t* within, OwnerWord* word) const;
+  // SlotBytesFor's plan for an exact-fit size (SlabChunksFor over every slab length).
+  uint64_t ExactSlotBytes(uint64_t bytes) const;
 
   // Allocator-lock helpers. REQUIRES for *Locked: the allocator lock is held.
   Status LockAllocator();
@@ -267,6 +270,8 @@ class Allocator {
   std::atomic<uint32_t> next_region_{0};
   uint64_t lease_lines_ = 1;  // owner-word lines per lease refill
   uint32_t max_slab_chunks_ = 1;
+  // SlotBytesFor's answers for exact sizes: (bytes << 32) | (slot / 64) << 1 | 1, by bytes / 64.
+  mutable std::array<std::atomic<uint64_t>, 8> fit_memo_{};
   bool leasable_ = true;      // owner words are line-aligned in every region
   bool lease_scanned_ = false;  // guarded by heap_mu
   // Lines of this node's lease that this process knows of (region, first chunk): a hint,

@@ -301,10 +301,9 @@ bool IsAllocated(Region& region, uint64_t off, uint32_t max_nodes) {
   auto& meta = region.impl().meta();
   OwnerWord w = OwnerWord::Decode(meta.Fetch(t.owner(c)));
   uint64_t within = off - t.data_offset() - c * t.chunk_bytes();
-  if (w.kind == ChunkKind::kHeapTail && w.detail >= 1 && w.detail <= c && SlabRun(meta, t, c - w.detail) > w.detail) {
-    // Inside a slab: indexed from its head.
-    c -= w.detail;
-    within += uint64_t{w.detail} * t.chunk_bytes();
+  if (const uint64_t head = SlabHeadOf(meta, t, c, w); head != c) {  // inside a slab: indexed from its head
+    within += (c - head) * t.chunk_bytes();
+    c = head;
     w = OwnerWord::Decode(meta.Fetch(t.owner(c)));
   }
   if (w.kind == ChunkKind::kLargeHead || w.kind == ChunkKind::kLeasedObject) return within == 0;
@@ -316,6 +315,11 @@ bool IsAllocated(Region& region, uint64_t off, uint32_t max_nodes) {
   uint64_t slot = (within - h.first_slot) / h.class_bytes;
   if (slot >= h.slots) return false;
   return (meta.Fetch(SlotBitmapWord(t, c, h, slot / 64)) >> (slot % 64)) & 1;
+}
+
+uint64_t SlabHeadOf(region::MetaAccess& meta, const ChunkTableLayout& t, uint64_t chunk, OwnerWord w) {
+  if (w.kind != ChunkKind::kHeapTail || w.detail < 1 || w.detail >= kMaxSlabChunks || w.detail > chunk) return chunk;
+  return SlabRun(meta, t, chunk - w.detail) > w.detail ? chunk - w.detail : chunk;
 }
 
 HeapHeader ReadSlabHeader(region::MetaAccess& meta, const ChunkTableLayout& t, uint64_t chunk) {

@@ -226,6 +226,9 @@ inline uint64_t SlotBitmapWord(const ChunkTableLayout& t, uint64_t chunk, const 
 // Capped at kMaxSlabChunks. The owner words change only under the allocator lock; read without
 // it, the count is a snapshot.
 uint64_t SlabRun(region::MetaAccess& meta, const ChunkTableLayout& t, uint64_t chunk);
+// The chunk that heads the slab `chunk` lies in: `chunk` itself unless its owner word `w` is a
+// tail whose distance leads into its head's run (a corrupted distance is not followed).
+uint64_t SlabHeadOf(region::MetaAccess& meta, const ChunkTableLayout& t, uint64_t chunk, OwnerWord w);
 // The header line of `chunk`, read past this process's cache (another node may have written it).
 HeapHeader ReadSlabHeader(region::MetaAccess& meta, const ChunkTableLayout& t, uint64_t chunk);
 // Slots set in the bitmap of the slab headed by `chunk` (header `h`, valid), read past the cache

@@ -47,11 +47,11 @@ Status Allocator::FreeSlot(ChunkRef chunk, uint64_t within, bool orphan, uint32_
 Status Allocator::Free(ObjectOffset off, int reroutes) {
   ChunkRef chunk;
   uint64_t within;
-  if (!Locate(off, &chunk, &within)) {
+  OwnerWord w;
+  if (!Locate(off, &chunk, &within, &w)) {
     return InvalidArgument("offset 0x" + std::to_string(off.raw()) + " is not inside this pool's data area");
   }
   const ChunkTableLayout& t = tables_[chunk.region];
-  OwnerWord w = OwnerWord::Decode(meta(chunk.region).Fetch(t.owner(chunk.chunk)));
   switch (w.kind) {
     case ChunkKind::kLargeHead: {
       if (within != 0) return InvalidArgument("offset points inside a large object, not at its start");
@@ -299,9 +299,9 @@ void Allocator::ApplyDrainClaim() {
 void Allocator::ApplyRemoteFree(ObjectOffset off) {
   ChunkRef chunk;
   uint64_t within;
-  if (!Locate(off, &chunk, &within)) return;
+  OwnerWord w;
+  if (!Locate(off, &chunk, &within, &w)) return;
   const uint64_t owner = tables_[chunk.region].owner(chunk.chunk);
-  OwnerWord w = OwnerWord::Decode(meta(chunk.region).Fetch(owner));
   const bool node_owned = w.kind == ChunkKind::kHeap || w.kind == ChunkKind::kLeasedObject;
   const bool mine = node_owned && w.node == node_.id() && w.incarnation == Inc20(node_.incarnation());
   if (!mine) {

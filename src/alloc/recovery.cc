@@ -130,8 +130,8 @@ void Allocator::Recover(uint32_t dead, uint64_t incarnation) {
         const ObjectOffset off(m.Fetch(ring + kInboxEntriesOffset + (head % kInboxEntries) * 8));
         ChunkRef chunk;
         uint64_t within;
-        if (!Locate(off, &chunk, &within)) continue;
-        const OwnerWord w = OwnerWord::Decode(meta(chunk.region).Fetch(tables_[chunk.region].owner(chunk.chunk)));
+        OwnerWord w;
+        if (!Locate(off, &chunk, &within, &w)) continue;
         // The node may already run as a newer life (a quick rejoin), and a freer pushes for the
         // life it sees: from the first free of a newer life's object on, the rest of the ring
         // is that life's to drain. Consuming it here dropped those frees, and the objects
@@ -246,8 +246,8 @@ std::unordered_set<uint64_t> Allocator::PendingRemoteFreesLocked() {
 bool Allocator::HeldByEndedLife(ObjectOffset off) {
   ChunkRef chunk;
   uint64_t within;
-  if (!Locate(off, &chunk, &within)) return false;
-  const OwnerWord w = OwnerWord::Decode(meta(chunk.region).Fetch(tables_[chunk.region].owner(chunk.chunk)));
+  OwnerWord w;
+  if (!Locate(off, &chunk, &within, &w)) return false;
   switch (w.kind) {
     case ChunkKind::kOrphanHeap: return true;
     case ChunkKind::kHeap:
@@ -260,7 +260,8 @@ bool Allocator::HeldByEndedLife(ObjectOffset off) {
 Result<bool> Allocator::ReclaimIfUnreachable(ObjectOffset off) {
   ChunkRef chunk;
   uint64_t within;
-  if (!Locate(off, &chunk, &within)) return false;
+  OwnerWord unlocked;  // read again under the lock below
+  if (!Locate(off, &chunk, &within, &unlocked)) return false;
   CXLKV_RETURN_IF_ERROR(LockAllocator());
   const ChunkTableLayout& t = tables_[chunk.region];
   const uint64_t word = meta(chunk.region).Fetch(t.owner(chunk.chunk));

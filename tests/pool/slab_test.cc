@@ -48,17 +48,23 @@ bool Intact(Pool& p, const SlabBlock& b) {
   return true;
 }
 
+// A fresh pool of one region at `path`, opened as node 0; `*total`: its free chunks at the start.
+std::unique_ptr<Pool> FreshPool(const std::string& path, uint64_t size, uint32_t max_nodes, uint64_t* total) {
+  PoolCreateOptions co;
+  co.size = size;
+  co.max_nodes = max_nodes;
+  if (!Pool::Create({path}, co).ok()) return nullptr;
+  *total = FreeChunks({path});
+  return OpenOrNull({path}, 0);
+}
+
 // Fills a pool with exact-size blocks of each size in turn until it is full: the bytes held are
 // what the slab geometry and the pool's length allow; every block reads back its own stamp;
 // freed, every slab gives its chunks back for the next size.
 TEST(Slab, EveryModelBlockSizeFillsThePoolWithoutOverlap) {
   testing::TempRegionPath path("slab-fill");
-  PoolCreateOptions co;
-  co.size = kSlabRegionBytes;
-  co.max_nodes = 2;
-  ASSERT_TRUE(Pool::Create({path.path()}, co).ok());
-  const uint64_t total = FreeChunks({path.path()});
-  auto p = OpenOrNull({path.path()}, 0);
+  uint64_t total = 0;
+  auto p = FreshPool(path.path(), kSlabRegionBytes, 2, &total);
   ASSERT_TRUE(p);
   alloc::Allocator& a = *p->impl().allocator;
   for (uint64_t size : kBlockSizes) {
@@ -180,12 +186,8 @@ TEST(Slab, RemoteFreesAndRecoveryUnderTheNonCoherentSimulator) {
 // each): each still allocates and frees, and a size whose entry was given up finds its slab again.
 TEST(Slab, MoreSizesThanTheNodeRemembersStillAllocateAndFree) {
   testing::TempRegionPath path("slab-sizes");
-  PoolCreateOptions co;
-  co.size = 256 << 20;
-  co.max_nodes = 2;
-  ASSERT_TRUE(Pool::Create({path.path()}, co).ok());
-  const uint64_t total = FreeChunks({path.path()});
-  auto p = OpenOrNull({path.path()}, 0);
+  uint64_t total = 0;
+  auto p = FreshPool(path.path(), 256 << 20, 2, &total);
   ASSERT_TRUE(p);
   std::vector<SlabBlock> blocks;
   for (int round = 0; round < 2; ++round) {
@@ -208,11 +210,8 @@ TEST(Slab, MoreSizesThanTheNodeRemembersStillAllocateAndFree) {
 // the slab refused, not applied to some other chunk.
 TEST(Slab, CheckReportsABrokenSlabAndFreesRefuseIt) {
   testing::TempRegionPath path("slab-check");
-  PoolCreateOptions co;
-  co.size = kSlabRegionBytes;
-  co.max_nodes = 2;
-  ASSERT_TRUE(Pool::Create({path.path()}, co).ok());
-  auto p = OpenOrNull({path.path()}, 0);
+  uint64_t total = 0;
+  auto p = FreshPool(path.path(), kSlabRegionBytes, 2, &total);
   ASSERT_TRUE(p);
   std::vector<uint64_t> offs;
   for (int i = 0; i < 3; ++i) {
