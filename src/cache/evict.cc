@@ -190,11 +190,13 @@ std::vector<Index::TierBlock> Index::LruReady(const std::function<bool(const Ent
   return out;
 }
 
-uint64_t Index::EvictLru(uint64_t target, uint64_t only_bytes) {
+uint64_t Index::EvictLru(uint64_t target, uint64_t only_bytes, bool only_mine) {
   if (target == 0) return 0;
   // Region entries only: a capacity entry frees no region space.
-  std::vector<TierBlock> cands = LruReady([only_bytes](const Entry& e) {
-    return e.tier == kTierRegion && (only_bytes == 0 || e.bytes == only_bytes);
+  const uint32_t me = node_.id();
+  std::vector<TierBlock> cands = LruReady([only_bytes, only_mine, me](const Entry& e) {
+    return e.tier == kTierRegion && (only_bytes == 0 || e.bytes == only_bytes) &&
+           (!only_mine || WriterNode(e.writer) == me);
   });
   // The oldest entries that cover the target, grouped by stripe: one lock per stripe.
   std::map<uint32_t, std::vector<const TierBlock*>> by_stripe;

@@ -395,11 +395,20 @@ Result<alloc::ObjectOffset> Index::AllocatePayload(uint64_t bytes) {
       if (r.ok() || r.status().code() != StatusCode::kNoSpace) return r;
       allocator_full = true;
     }
-    // Room by the space this put can use: a block of its own size frees a slot of its class
-    // (evicting other sizes frees nothing it can use until one of their slabs empties whole).
-    // Without one, or when that slot was another node's, the plain LRU: a watermark's worth,
-    // at least this block, doubling each round, so the oldest slab of another size empties.
-    const uint64_t same = allocator_full && attempt < 2 ? MakeRoom(bytes, bytes) : 0;
+    // Room by the space this put can use. Frees other nodes made of this node's slots first:
+    // they wait in its ring until its next beat. Then a block of its own size that this node
+    // wrote: the slot is in one of its own slabs, free the moment it is evicted (another node's
+    // slot goes back to that node's ring; another size frees nothing usable until one of its
+    // slabs empties whole). Then one of its size from any node, then the plain LRU: a
+    // watermark's worth, at least this block, doubling each round, so the oldest slab of
+    // another size empties.
+    if (allocator_full && attempt == 0) {
+      allocator_.DrainRemoteFrees();
+      auto r = allocator_.Alloc(bytes, alloc::Fit::kExact);
+      if (r.ok() || r.status().code() != StatusCode::kNoSpace) return r;
+    }
+    uint64_t same = 0;
+    if (allocator_full && attempt < 2) same = MakeRoom(bytes, bytes, /*only_mine=*/attempt == 0 && !central());
     if (same == 0 && MakeRoom(std::max(bytes << std::min(attempt, 6), high - std::min(high, low))) == 0) break;
   }
   Add(kFullErrors, 1);
@@ -408,7 +417,7 @@ Result<alloc::ObjectOffset> Index::AllocatePayload(uint64_t bytes) {
                  "release pins or grow the pool");
 }
 
-uint64_t Index::MakeRoom(uint64_t bytes, uint64_t only_bytes) {
+uint64_t Index::MakeRoom(uint64_t bytes, uint64_t only_bytes, bool only_mine) {
   // With capacity tiers, room is made by spilling (the node's cxlkvd moves the LRU blocks to its
   // devices); only what that cannot free is dropped.
   CapacityPromoter* tiers = room_maker_.load(std::memory_order_acquire);
@@ -421,7 +430,7 @@ uint64_t Index::MakeRoom(uint64_t bytes, uint64_t only_bytes) {
       return spilled;
     }
   }
-  return EvictLru(bytes, only_bytes);
+  return EvictLru(bytes, only_bytes, only_mine);
 }
 
 void Index::MaybeCrash(CrashPoint p) {

@@ -118,8 +118,9 @@ class Index final : public IndexApi {
   // Evicts unpinned READY entries, least recently used first, until `bytes` are freed.
   // Returns the bytes freed (less when not enough is evictable).
   // Evicts the least recently used READY region blocks, at least `bytes` of them; of `only_bytes`
-  // each when it is not 0 (a slot of that size is what the put waiting for room can use).
-  uint64_t EvictLru(uint64_t bytes, uint64_t only_bytes = 0);
+  // each when it is not 0 (a slot of that size is what the put waiting for room can use), and
+  // only blocks this node wrote when `only_mine` (their slots are in this node's slabs).
+  uint64_t EvictLru(uint64_t bytes, uint64_t only_bytes = 0, bool only_mine = false);
   // Payload bytes of WRITING, READY and EVICTING entries, from every node's counters. A
   // central writer reads its own node's row and the other rows' sums of the last sweep: only
   // service lives write these counters, and a row of a life that no longer serves is final.
@@ -418,9 +419,9 @@ class Index final : public IndexApi {
   uint32_t pin_page_hint_ = 0;
   void MaybeCrash(CrashPoint p);
   // Frees about `bytes` of region space: spilled by the room maker when there is one and it
-  // moves anything, else evicted (blocks of `only_bytes` each when it is not 0). Returns the
-  // bytes freed.
-  uint64_t MakeRoom(uint64_t bytes, uint64_t only_bytes = 0);
+  // moves anything, else evicted (blocks of `only_bytes` each when it is not 0, this node's own
+  // when `only_mine`). Returns the bytes freed.
+  uint64_t MakeRoom(uint64_t bytes, uint64_t only_bytes = 0, bool only_mine = false);
   std::atomic<CapacityPromoter*> room_maker_{nullptr};
 };
 
