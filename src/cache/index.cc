@@ -396,19 +396,19 @@ Result<alloc::ObjectOffset> Index::AllocatePayload(uint64_t bytes) {
       allocator_full = true;
     }
     // Room by the space this put can use. Frees other nodes made of this node's slots first:
-    // they wait in its ring until its next beat. Then a block of its own size that this node
-    // wrote: the slot is in one of its own slabs, free the moment it is evicted (another node's
-    // slot goes back to that node's ring; another size frees nothing usable until one of its
-    // slabs empties whole). Then one of its size from any node, then the plain LRU: a
-    // watermark's worth, at least this block, doubling each round, so the oldest slab of
-    // another size empties.
+    // they wait in its ring until its next beat. Then the least recently used block of its own
+    // size (another size frees nothing usable until one of its slabs empties whole). When that
+    // slot was another node's — its free goes to that node's ring, usable after its next beat —
+    // the oldest of its size that this node wrote: that slot is in one of its own slabs, free the
+    // moment it is evicted. Then the plain LRU: a watermark's worth, at least this block,
+    // doubling each round, so the oldest slab of another size empties.
     if (allocator_full && attempt == 0) {
       allocator_.DrainRemoteFrees();
       auto r = allocator_.Alloc(bytes, alloc::Fit::kExact);
       if (r.ok() || r.status().code() != StatusCode::kNoSpace) return r;
     }
     uint64_t same = 0;
-    if (allocator_full && attempt < 2) same = MakeRoom(bytes, bytes, /*only_mine=*/attempt == 0 && !central());
+    if (allocator_full && attempt < 2) same = MakeRoom(bytes, bytes, /*only_mine=*/attempt == 1 && !central());
     if (same == 0 && MakeRoom(std::max(bytes << std::min(attempt, 6), high - std::min(high, low))) == 0) break;
   }
   Add(kFullErrors, 1);

@@ -305,7 +305,8 @@ TEST(Cli, DemoComparesFourConfigurationsWithIdenticalTokens) {
   // Tiered hits at least as much; strictly more depends on the background spiller keeping up
   // with the writer, which a loaded 2-core machine does not promise (seen: 0.808 both). The
   // tiers serving hits at all is asserted above.
-  EXPECT_GE(tiered["second_half_hit_rate"].get<double>(), plain["second_half_hit_rate"].get<double>());
+  EXPECT_GE(tiered["second_half_hit_rate"].get<double>(), plain["second_half_hit_rate"].get<double>())
+      << "tiered " << tiered.dump() << "\nplain " << plain.dump();
   EXPECT_TRUE(lc["tokens_identical"].get<bool>());
   // Last, the long-context attention scenario: dense, then sparse and hybrid per budget, in the
   // engine's process and through a near-memory service over a pool (whose region is removed).
