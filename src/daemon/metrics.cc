@@ -156,8 +156,10 @@ std::string Daemon::RenderMetrics() {
   if (tiers_) {
     const nlohmann::json t = tiers_->Stats();
     const std::pair<const char*, const char*> gauges[] = {
-        {"slots", "Slots of each capacity device of this node."},
+        {"slots", "Largest slots (--tier-slot) each capacity device of this node holds."},
         {"used_slots", "Slots of each capacity device holding a block."},
+        {"capacity_bytes", "Bytes of each capacity device of this node."},
+        {"used_bytes", "Bytes of each capacity device in slots holding a block (each block's size, header and padding included)."},
         {"bandwidth_bytes_per_second", "Each device's measured read bandwidth (placement weights, Algorithm 1)."},
     };
     for (const auto& [key, help] : gauges) {

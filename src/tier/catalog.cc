@@ -19,14 +19,16 @@ namespace {
 static_assert(std::endian::native == std::endian::little, "the catalog's format is little-endian");
 
 constexpr uint16_t kRecordMagic = 0x4B43;                    // "CK"
-constexpr uint8_t kRecordVersion = 1;
+// Version 2: a slot is a device's first granule of the block's extent (version 1 numbered
+// fixed-size slots; its records are not read, so an older catalog's blocks are not restored).
+constexpr uint8_t kRecordVersion = 2;
 constexpr uint8_t kOpBase = 1;                              // the log's first record: what it follows
 constexpr uint64_t kCheckpointMagic = 0x31544143564B5843ull;  // "CXKVCAT1"
-constexpr uint16_t kCheckpointVersion = 1;
+constexpr uint16_t kCheckpointVersion = 2;
 constexpr size_t kCrcCovered = 60;                          // every image: CRC-32C of [0, 60) at 60
 constexpr size_t kChunkRecords = 4096;                      // 256 KiB per read/write
 constexpr int kMaxRetries = 64;                             // EINTR/EAGAIN, as the SSD engine
-constexpr uint64_t kMaxSlots = uint64_t{1} << 32;           // the map costs 48 bytes per slot
+constexpr uint64_t kMaxSlots = uint64_t{1} << 40;           // granules; the map holds live ones only
 
 // A log or checkpoint record as it lies on disk (naturally aligned: no padding).
 struct RecordImage {
@@ -144,12 +146,9 @@ Catalog::~Catalog() {
 void Catalog::Apply(const CatalogRecord& r) {
   const uint64_t s = r.entry.slot;
   if (r.op == CatalogOp::kPut) {
-    live_ += present_[s] ? 0 : 1;
     table_[s] = r.entry;
-    present_[s] = true;
-  } else if (present_[s]) {
-    present_[s] = false;
-    --live_;
+  } else {
+    table_.erase(s);
   }
 }
 
@@ -159,9 +158,7 @@ void Catalog::Apply(const CatalogRecord& r) {
 // checkpoint we no longer have, the map would be a past state, and everything is dropped.
 Status Catalog::Replay() {
   const auto t0 = std::chrono::steady_clock::now();
-  table_.assign(slot_count_, CatalogEntry{});
-  present_.assign(slot_count_, false);
-  live_ = 0;
+  table_.clear();
   ReplayStats& st = replay_;
   std::vector<std::byte> buf(kChunkRecords * kCatalogRecordBytes);
   auto note = [&](const std::string& m) { st.message += (st.message.empty() ? "" : "; ") + m; };
@@ -203,7 +200,16 @@ Status Catalog::Replay() {
     CXLKV_RETURN_IF_ERROR(s);
     if (!valid[c]) {
       ++st.checkpoint_copies_dropped;
-      note(path + " has a torn or corrupt header: dropped");
+      uint64_t magic = 0;
+      uint16_t version = 0;
+      std::memcpy(&magic, buf.data(), sizeof magic);
+      std::memcpy(&version, buf.data() + sizeof magic, sizeof version);
+      if (magic == kCheckpointMagic && version != kCheckpointVersion) {
+        note(path + " is of catalog format " + std::to_string(version) + " (this cxlkv reads " +
+             std::to_string(kCheckpointVersion) + "): dropped, and the blocks it named are not restored");
+      } else {
+        note(path + " has a torn or corrupt header: dropped");
+      }
     }
   }
   // Newest first; a copy whose entries fail their CRC is dropped and the older one tried. Entries
@@ -243,11 +249,10 @@ Status Catalog::Replay() {
     }
     ++st.checkpoint_copies_dropped;
     note(path + " has torn or corrupt entries: dropped");
-    present_.assign(slot_count_, false);
-    live_ = 0;
+    table_.clear();
   }
   st.checkpoint_sequence = last_seq_ = ckpt_seq;
-  st.checkpoint_entries = live_;
+  st.checkpoint_entries = table_.size();
 
   enum class Link { kUnknown, kYes, kNo } link = Link::kUnknown;
   const std::string path = LogPath(base_);
@@ -311,8 +316,7 @@ Status Catalog::Replay() {
     st.dropped_records += unlinked + st.log_records + st.covered_records;
     st.log_records = st.covered_records = st.checkpoint_entries = 0;
     st.started_empty = true;
-    present_.assign(slot_count_, false);
-    live_ = 0;
+    table_.clear();
     note("nothing can be proven current: the SSD tier starts empty");
   }
   if (st.dropped_records > 0) note(std::to_string(st.dropped_records) + " record(s) dropped");
@@ -435,9 +439,8 @@ Status Catalog::CheckpointLocked() {
     off += fill;
     fill = 0;
   };
-  for (uint64_t s = 0; s < slot_count_ && rc == 0; ++s) {
-    if (!present_[s]) continue;
-    EncodeRecord(uint8_t(CatalogOp::kPut), h.seq, table_[s], &buf[fill]);
+  for (auto it = table_.begin(); it != table_.end() && rc == 0; ++it) {
+    EncodeRecord(uint8_t(CatalogOp::kPut), h.seq, it->second, &buf[fill]);
     fill += kCatalogRecordBytes;
     ++h.count;
     if (fill == buf.size()) flush();
@@ -482,17 +485,16 @@ Status Catalog::RestartLogLocked() {
 std::vector<CatalogEntry> Catalog::Live() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<CatalogEntry> out;
-  out.reserve(live_);
-  for (uint64_t s = 0; s < slot_count_; ++s) {
-    if (present_[s]) out.push_back(table_[s]);
-  }
+  out.reserve(table_.size());
+  for (const auto& [slot, e] : table_) out.push_back(e);
   return out;
 }
 
 bool Catalog::Find(uint64_t slot, CatalogEntry* out) const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (slot >= slot_count_ || !present_[slot]) return false;
-  *out = table_[slot];
+  auto it = table_.find(slot);
+  if (it == table_.end()) return false;
+  *out = it->second;
   return true;
 }
 

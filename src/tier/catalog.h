@@ -24,6 +24,8 @@
 //                           A copy is used only when both CRCs hold; the newest valid one wins.
 //   P.log                   a kBase record naming the checkpoint sequence the log follows, then
 //                           kPut/kFree records with strictly increasing sequence numbers.
+// A slot is the device's first granule of the block's extent (slot_allocator.h); the block's
+// bytes give the extent's length, so a record names its whole slot. Format version 2.
 // A record (64 bytes): magic u16 | op u8 | version u8 | tier kind u16 | flags u16 | sequence u64 |
 // slot u64 | key lo u64 | key hi u64 | namespace u64 | generation u64 | bytes u32 | CRC-32C u32
 // over bytes [0, 60).
@@ -31,6 +33,7 @@
 #define CXLKV_SRC_TIER_CATALOG_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -90,7 +93,8 @@ struct ReplayStats {
 class Catalog {
  public:
   // Replays P.catalog/P.catalog.1 and P.log (missing files: an empty map, the first start), then
-  // writes a checkpoint. `slot_count` is the device's: records naming a slot >= it are dropped.
+  // writes a checkpoint. `slot_count` is the device's granule count: records naming a slot >= it
+  // are dropped.
   // Errors: a path that cannot be created or written (kNotFound, kPermissionDenied, kIoError,
   // kNoSpace), each naming the file and what to do.
   static Result<std::unique_ptr<Catalog>> Open(IoPlatform& io, const std::string& base_path,
@@ -116,7 +120,10 @@ class Catalog {
   std::vector<CatalogEntry> Live() const;
   // The entry of `slot`, if one is live.
   bool Find(uint64_t slot, CatalogEntry* out) const;
-  uint64_t live_count() const { return Locked(live_); }
+  uint64_t live_count() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return table_.size();
+  }
   uint64_t slot_count() const { return slot_count_; }
   uint64_t last_sequence() const { return Locked(last_seq_); }
   uint64_t log_bytes() const { return Locked(log_end_); }  // the log's current length
@@ -147,9 +154,7 @@ class Catalog {
   ReplayStats replay_;
 
   mutable std::mutex mu_;
-  std::vector<CatalogEntry> table_;  // GUARDED_BY(mu_): indexed by slot
-  std::vector<bool> present_;        // GUARDED_BY(mu_)
-  uint64_t live_ = 0;                // GUARDED_BY(mu_)
+  std::map<uint64_t, CatalogEntry> table_;  // GUARDED_BY(mu_): the live entries by slot
   uint64_t last_seq_ = 0;            // GUARDED_BY(mu_): highest sequence ever handed out or seen
   int ckpt_fd_[2] = {-1, -1};        // GUARDED_BY(mu_)
   int base_copy_ = -1;               // GUARDED_BY(mu_): the newest durable copy; never overwritten

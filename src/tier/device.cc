@@ -29,8 +29,48 @@ void GatherPayload(std::span<const std::span<const std::byte>> payload, std::byt
   }
 }
 
-Device::Device(TierKind kind, uint32_t index, uint64_t slot_bytes, uint64_t slot_count, std::string name)
-    : kind_(kind), index_(index), slot_bytes_(slot_bytes), name_(name), allocator_(slot_count, std::move(name)) {}
+Device::Device(TierKind kind, uint32_t index, uint64_t slot_bytes, uint64_t granule_bytes, uint64_t capacity_bytes,
+               std::string name)
+    : kind_(kind),
+      index_(index),
+      slot_bytes_(slot_bytes),
+      granule_bytes_(granule_bytes),
+      name_(name),
+      allocator_(capacity_bytes / granule_bytes, std::move(name)) {}
+
+Result<std::vector<uint64_t>> Device::AllocateSlots(std::span<const uint64_t> payload_bytes) {
+  std::vector<uint64_t> lengths;
+  lengths.reserve(payload_bytes.size());
+  for (uint64_t n : payload_bytes) {
+    if (n > payload_capacity()) {
+      return InvalidArgument(name_ + ": a block of " + std::to_string(n) + " bytes is larger than its largest slot (" +
+                             std::to_string(payload_capacity()) + " bytes after the header): give the tiers a larger "
+                             "--tier-slot");
+    }
+    lengths.push_back(GranulesFor(n));
+  }
+  return allocator_.Allocate(lengths);
+}
+
+Result<std::vector<uint64_t>> Device::AllocateSlots(size_t n) {
+  return allocator_.Allocate(std::vector<uint64_t>(n, GranulesFor(payload_capacity())));
+}
+
+Status Device::MarkSlotAllocated(uint64_t slot, uint64_t payload_bytes) {
+  if (payload_bytes > payload_capacity()) {
+    return InvalidArgument(name_ + ": slot " + std::to_string(slot) + " cannot hold a block of " +
+                           std::to_string(payload_bytes) + " bytes (the largest is " +
+                           std::to_string(payload_capacity()) + ")");
+  }
+  return allocator_.MarkAllocated(slot, GranulesFor(payload_bytes));
+}
+
+uint64_t Device::ExtentBytes(uint64_t slot) const {
+  if (slot >= granule_count()) return 0;
+  if (const uint64_t length = allocator_.LengthOf(slot); length != 0) return length * granule_bytes_;
+  const uint64_t largest = GranulesFor(payload_capacity()) * granule_bytes_;
+  return std::min(largest, (granule_count() - slot) * granule_bytes_);
+}
 
 DeviceStats Device::stats() const {
   DeviceStats s;
@@ -47,35 +87,40 @@ DeviceStats Device::stats() const {
 }
 
 Status Device::CheckWrite(const WriteItem& item, uint32_t* payload_bytes) const {
-  if (item.slot >= slot_count()) {
+  if (item.slot >= granule_count()) {
     return InvalidArgument(name_ + ": slot " + std::to_string(item.slot) + " is out of range (the device has " +
-                           std::to_string(slot_count()) + " slots)");
+                           std::to_string(granule_count()) + " granules of " + std::to_string(granule_bytes_) +
+                           " bytes)");
   }
-  uint64_t n = PayloadBytes(item.payload);
-  if (n > payload_capacity()) {
-    return InvalidArgument(name_ + ": a payload of " + std::to_string(n) + " bytes does not fit a slot of " +
-                           std::to_string(slot_bytes_) + " bytes (" + std::to_string(payload_capacity()) +
-                           " after the header): use a device with larger slots");
+  const uint64_t n = PayloadBytes(item.payload);
+  const uint64_t extent = ExtentBytes(item.slot);
+  if (kSlotHeaderBytes + n > extent) {
+    return InvalidArgument(name_ + ": a payload of " + std::to_string(n) + " bytes does not fit slot " +
+                           std::to_string(item.slot) + " of " + std::to_string(extent) + " bytes (" +
+                           std::to_string(extent - std::min<uint64_t>(extent, kSlotHeaderBytes)) +
+                           " after the header): allocate the slot for the block's size");
   }
   *payload_bytes = static_cast<uint32_t>(n);
   return Status::Ok();
 }
 
 Status Device::CheckRead(const ReadItem& item) const {
-  if (item.slot >= slot_count()) {
+  if (item.slot >= granule_count() || ExtentBytes(item.slot) <= kSlotHeaderBytes) {
     return InvalidArgument(name_ + ": slot " + std::to_string(item.slot) + " is out of range (the device has " +
-                           std::to_string(slot_count()) + " slots)");
+                           std::to_string(granule_count()) + " granules of " + std::to_string(granule_bytes_) +
+                           " bytes)");
   }
   return Status::Ok();
 }
 
 uint64_t Device::ReadSpan(const ReadItem& item) const {
-  uint64_t want = kSlotHeaderBytes + std::min<uint64_t>(item.dst.size(), payload_capacity());
-  return want;
+  const uint64_t extent = ExtentBytes(item.slot);
+  return std::min<uint64_t>(extent, kSlotHeaderBytes + item.dst.size());
 }
 
 Status Device::FinishRead(ReadItem& item, const std::byte* image, size_t readable) {
-  uint64_t limit = std::min<uint64_t>(item.dst.size(), payload_capacity());
+  const uint64_t extent = ExtentBytes(item.slot);
+  uint64_t limit = std::min<uint64_t>(item.dst.size(), extent - std::min<uint64_t>(extent, kSlotHeaderBytes));
   uint32_t n = 0;
   item.verdict = CheckSlot(image, readable, limit, item.expect, verify_crc(), &n);
   switch (item.verdict) {

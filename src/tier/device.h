@@ -69,10 +69,22 @@ class Device {
 
   TierKind kind() const { return kind_; }
   uint32_t index() const { return index_; }
+  // The largest slot, header included: what the device was configured with (--tier-slot); a
+  // block up to payload_capacity() fits. A slot takes only the granules its block needs.
   uint64_t slot_bytes() const { return slot_bytes_; }
   uint64_t payload_capacity() const { return slot_bytes_ - kSlotHeaderBytes; }
-  uint64_t slot_count() const { return allocator_.count(); }
-  uint64_t capacity_bytes() const { return slot_bytes_ * allocator_.count(); }
+  // The unit slots are carved in (the SSD's 4 KiB I/O unit, a DRAM line); slot s lies at byte
+  // SlotOffset(s).
+  uint64_t granule_bytes() const { return granule_bytes_; }
+  uint64_t granule_count() const { return allocator_.count(); }
+  uint64_t SlotOffset(uint64_t slot) const { return slot * granule_bytes_; }
+  // Granules of the slot a block of `payload_bytes` takes: header and payload, rounded up.
+  uint64_t GranulesFor(uint64_t payload_bytes) const {
+    return (kSlotHeaderBytes + payload_bytes + granule_bytes_ - 1) / granule_bytes_;
+  }
+  // How many largest slots the device holds (its size in --tier-slot units).
+  uint64_t slot_count() const { return capacity_bytes() / slot_bytes_; }
+  uint64_t capacity_bytes() const { return granule_bytes_ * allocator_.count(); }
 
   // Measured (probe.h) or configured retrieval bandwidth in bytes/s; 0 until known.
   uint64_t bandwidth() const { return bandwidth_.load(std::memory_order_relaxed); }
@@ -81,12 +93,22 @@ class Device {
   // CRC verification on read (default on). Off only to measure its cost (bench tier).
   void set_verify_crc(bool on) { verify_crc_.store(on, std::memory_order_relaxed); }
 
-  Result<std::vector<uint64_t>> AllocateSlots(size_t n) { return allocator_.Allocate(n); }
+  // One slot per block of these payload sizes, each exactly its GranulesFor; all or nothing
+  // (kNoSpace when they do not all fit; InvalidArgument for one larger than payload_capacity()).
+  Result<std::vector<uint64_t>> AllocateSlots(std::span<const uint64_t> payload_bytes);
+  // `n` slots of the largest size (the probe's, and tests').
+  Result<std::vector<uint64_t>> AllocateSlots(size_t n);
   Status FreeSlots(std::span<const uint64_t> slots) { return allocator_.Free(slots); }
-  Status MarkSlotAllocated(uint64_t slot) { return allocator_.MarkAllocated(slot); }
-  uint64_t free_slots() const { return allocator_.free_count(); }
-  Status ResetUsedSlots(const std::vector<bool>& used) { return allocator_.ResetUsed(used); }
+  // A restart's: the slot at `slot` holds a block of `payload_bytes`.
+  Status MarkSlotAllocated(uint64_t slot, uint64_t payload_bytes);
+  // Free space in largest slots (what fits if nothing is fragmented) and in bytes.
+  uint64_t free_slots() const { return free_bytes() / slot_bytes_; }
+  uint64_t free_bytes() const { return allocator_.free_count() * granule_bytes_; }
+  // Makes exactly these extents (granules, AddExtent-built) the allocated slots.
+  Status ResetUsedSlots(const SlotExtents& used) { return allocator_.ResetUsed(used); }
   bool SlotAllocated(uint64_t slot) const { return allocator_.IsAllocated(slot); }
+  SlotExtents AllocatedSlots() const { return allocator_.Allocated(); }
+  uint64_t allocated_slots() const { return allocator_.allocated_slots(); }
 
   // One line for the log and `cxlkv stat`: kind, where, size, and the I/O path in use with every
   // fallback taken and why.
@@ -98,7 +120,10 @@ class Device {
   DeviceStats stats() const;
 
  protected:
-  Device(TierKind kind, uint32_t index, uint64_t slot_bytes, uint64_t slot_count, std::string name);
+  // `capacity_bytes` is carved into granules of `granule_bytes` (the tail that is less than
+  // one is not used).
+  Device(TierKind kind, uint32_t index, uint64_t slot_bytes, uint64_t granule_bytes, uint64_t capacity_bytes,
+         std::string name);
 
   const std::string& name() const { return name_; }
   bool verify_crc() const { return verify_crc_.load(std::memory_order_relaxed); }
@@ -108,6 +133,9 @@ class Device {
   Status CheckRead(const ReadItem& item) const;
   // The bytes of a slot a read of `item` must fetch: header + destination, at most the slot.
   uint64_t ReadSpan(const ReadItem& item) const;
+  // The bytes of the slot at `slot`: its extent when allocated; otherwise (a caller that manages
+  // slots itself) a largest slot, cut at the device's end.
+  uint64_t ExtentBytes(uint64_t slot) const;
   // Validates a fetched slot image and copies the payload out; the item's verdict and the
   // counters are updated. Returns OK or the miss.
   Status FinishRead(ReadItem& item, const std::byte* image, size_t readable);
@@ -118,6 +146,7 @@ class Device {
   const TierKind kind_;
   const uint32_t index_;
   const uint64_t slot_bytes_;
+  const uint64_t granule_bytes_;
   const std::string name_;
   SlotAllocator allocator_;
   std::atomic<uint64_t> bandwidth_{0};

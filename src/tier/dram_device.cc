@@ -14,8 +14,7 @@ Result<std::unique_ptr<DramDevice>> DramDevice::Create(const DramOptions& option
     return InvalidArgument("dram tier: slot size " + std::to_string(options.slot_bytes) +
                            " must be a multiple of 64 above the 64-byte header and at most 2 GiB");
   }
-  uint64_t slots = options.capacity_bytes / options.slot_bytes;
-  if (slots == 0) {
+  if (options.capacity_bytes < options.slot_bytes) {
     return InvalidArgument("dram tier: capacity " + std::to_string(options.capacity_bytes) +
                            " bytes holds no slot of " + std::to_string(options.slot_bytes) + " bytes: give more");
   }
@@ -31,7 +30,7 @@ Result<std::unique_ptr<DramDevice>> DramDevice::Create(const DramOptions& option
                              " does not exist (highest is " + std::to_string(max_node) + ")");
     }
   }
-  size_t map_bytes = slots * options.slot_bytes;
+  const size_t map_bytes = options.capacity_bytes / kDramGranule * kDramGranule;
   void* p = ::mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) {
     return NoSpace("dram tier: cannot map " + std::to_string(map_bytes) + " bytes: " + std::strerror(errno) +
@@ -50,12 +49,12 @@ Result<std::unique_ptr<DramDevice>> DramDevice::Create(const DramOptions& option
   // a later write; and so the first reads do not pay the faults.
   if (platform.Populate(p, map_bytes) < 0) std::memset(p, 0, map_bytes);
   return std::unique_ptr<DramDevice>(
-      new DramDevice(options, slots, static_cast<std::byte*>(p), map_bytes, std::move(numa_note)));
+      new DramDevice(options, static_cast<std::byte*>(p), map_bytes, std::move(numa_note)));
 }
 
-DramDevice::DramDevice(const DramOptions& options, uint64_t slots, std::byte* base, size_t map_bytes,
-                       std::string numa_note)
-    : Device(TierKind::kMem, options.index, options.slot_bytes, slots, "dram tier " + std::to_string(options.index)),
+DramDevice::DramDevice(const DramOptions& options, std::byte* base, size_t map_bytes, std::string numa_note)
+    : Device(TierKind::kMem, options.index, options.slot_bytes, kDramGranule, map_bytes,
+             "dram tier " + std::to_string(options.index)),
       base_(base),
       map_bytes_(map_bytes),
       numa_note_(std::move(numa_note)) {}
@@ -63,8 +62,8 @@ DramDevice::DramDevice(const DramOptions& options, uint64_t slots, std::byte* ba
 DramDevice::~DramDevice() { ::munmap(base_, map_bytes_); }
 
 std::string DramDevice::Describe() const {
-  std::string s = "mem[" + std::to_string(index()) + "] dram: " + util::FormatBytes(capacity_bytes()) + ", " +
-                  std::to_string(slot_count()) + " slots of " + util::FormatBytes(slot_bytes());
+  std::string s = "mem[" + std::to_string(index()) + "] dram: " + util::FormatBytes(capacity_bytes()) +
+                  ", slots of each block's size in 64 B lines, up to " + util::FormatBytes(slot_bytes());
   if (!numa_note_.empty()) s += "; " + numa_note_;
   return s;
 }

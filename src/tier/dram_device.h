@@ -1,4 +1,5 @@
-// The node-local DRAM tier (tier 1): an anonymous mapping carved into slots, optionally bound to
+// The node-local DRAM tier (tier 1): an anonymous mapping carved into slots of each block's size
+// (in 64-byte lines: slot_allocator.h), optionally bound to
 // one NUMA node (mbind before first touch, through region::Platform). Same slot format and batch
 // API as the SSD tier, so a read validates the same way on every device.
 //
@@ -15,10 +16,13 @@
 
 namespace cxlkv::tier {
 
+inline constexpr uint64_t kDramGranule = 64;  // a DRAM tier's slots are whole lines
+
 struct DramOptions {
   uint32_t index = 0;                 // the device's index in the pool (Table I device_idx)
-  uint64_t capacity_bytes = 0;        // required; rounded down to whole slots
-  uint64_t slot_bytes = 256 << 10;    // default 256 KiB, header included; a multiple of 64
+  uint64_t capacity_bytes = 0;        // required, at least one largest slot; rounded down to 64 B
+  uint64_t slot_bytes = 256 << 10;    // the largest slot: default 256 KiB, header included; a
+                                      // multiple of 64
   int numa_node = -1;                 // -1: wherever the kernel puts it; else bind to this node
   region::Platform* platform = nullptr;  // default: region::Platform::Default()
 };
@@ -35,9 +39,9 @@ class DramDevice final : public Device {
   std::vector<Status> Read(std::span<ReadItem> items) override;
 
  private:
-  DramDevice(const DramOptions& options, uint64_t slots, std::byte* base, size_t map_bytes, std::string numa_note);
+  DramDevice(const DramOptions& options, std::byte* base, size_t map_bytes, std::string numa_note);
 
-  std::byte* SlotPtr(uint64_t slot) const { return base_ + slot * slot_bytes(); }
+  std::byte* SlotPtr(uint64_t slot) const { return base_ + SlotOffset(slot); }
 
   std::mutex mu_;
   std::byte* const base_;

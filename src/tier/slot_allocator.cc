@@ -1,77 +1,178 @@
 #include "tier/slot_allocator.h"
 
 #include <algorithm>
+#include <iterator>
 
 namespace cxlkv::tier {
 
-SlotAllocator::SlotAllocator(uint64_t count, std::string what)
-    : count_(count), what_(std::move(what)), used_(count, false) {
-  free_.reserve(count);
-  for (uint64_t s = count; s > 0; --s) free_.push_back(s - 1);
+bool AddExtent(SlotExtents& extents, uint64_t first, uint64_t length) {
+  if (length == 0 || first + length < first) return false;
+  auto next = extents.lower_bound(first);
+  if (next != extents.end() && next->first < first + length) return false;
+  if (next != extents.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second > first) return false;
+  }
+  extents.emplace_hint(next, first, length);
+  return true;
 }
 
-Result<std::vector<uint64_t>> SlotAllocator::Allocate(size_t n) {
+SlotAllocator::SlotAllocator(uint64_t count, std::string what) : count_(count), what_(std::move(what)) {
   std::lock_guard lock(mu_);
-  if (n > free_.size()) {
-    return NoSpace(what_ + " is full: " + std::to_string(n) + " slots asked, " + std::to_string(free_.size()) +
-                   " of " + std::to_string(count_) + " free; evict blocks from it or give it more space");
+  if (count_ > 0) InsertFreeLocked(0, count_);
+}
+
+void SlotAllocator::EraseFreeLocked(std::map<uint64_t, uint64_t>::iterator it) {
+  free_by_length_.erase({it->second, it->first});
+  free_granules_ -= it->second;
+  free_.erase(it);
+}
+
+void SlotAllocator::InsertFreeLocked(uint64_t first, uint64_t length) {
+  auto next = free_.lower_bound(first);
+  if (next != free_.end() && next->first == first + length) {  // merge with the one after
+    length += next->second;
+    auto after = std::next(next);
+    EraseFreeLocked(next);
+    next = after;
   }
-  std::vector<uint64_t> out(free_.end() - static_cast<std::ptrdiff_t>(n), free_.end());
-  std::reverse(out.begin(), out.end());
-  free_.resize(free_.size() - n);
-  for (uint64_t s : out) used_[s] = true;
+  if (next != free_.begin()) {  // and with the one before
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == first) {
+      first = prev->first;
+      length += prev->second;
+      EraseFreeLocked(prev);
+    }
+  }
+  free_.emplace(first, length);
+  free_by_length_.insert({length, first});
+  free_granules_ += length;
+}
+
+void SlotAllocator::TakeLocked(uint64_t first, uint64_t length) {
+  auto it = std::prev(free_.upper_bound(first));
+  const uint64_t f = it->first, l = it->second;
+  EraseFreeLocked(it);
+  if (first > f) InsertFreeLocked(f, first - f);
+  if (first + length < f + l) InsertFreeLocked(first + length, f + l - first - length);
+  used_.emplace(first, length);
+}
+
+Result<std::vector<uint64_t>> SlotAllocator::Allocate(std::span<const uint64_t> lengths) {
+  std::lock_guard lock(mu_);
+  std::vector<uint64_t> out;
+  out.reserve(lengths.size());
+  auto undo = [&] {
+    for (uint64_t s : out) InsertFreeLocked(s, used_.extract(s).mapped());
+  };
+  for (uint64_t length : lengths) {
+    if (length == 0 || length > count_) {
+      undo();
+      return InvalidArgument(what_ + ": a slot of " + std::to_string(length) + " granules was asked for (the device has " +
+                             std::to_string(count_) + ")");
+    }
+    // Best fit: the shortest free extent that holds it, the lowest of those; carved from its start.
+    auto fit = free_by_length_.lower_bound({length, 0});
+    if (fit == free_by_length_.end()) {
+      uint64_t asked = 0;
+      for (uint64_t l : lengths) asked += l;
+      undo();
+      const uint64_t largest = free_by_length_.empty() ? 0 : free_by_length_.rbegin()->first;
+      return NoSpace(what_ + " is full: " + std::to_string(lengths.size()) + " slot(s) of " + std::to_string(asked) +
+                     " granules in all asked, " + std::to_string(free_granules_) + " of " + std::to_string(count_) +
+                     " free (" + std::to_string(largest) + " in one piece); evict blocks from it or give it more space");
+    }
+    const uint64_t first = fit->second;
+    TakeLocked(first, length);
+    out.push_back(first);
+  }
   return out;
 }
 
 Status SlotAllocator::Free(std::span<const uint64_t> slots) {
   std::lock_guard lock(mu_);
-  for (size_t i = 0; i < slots.size(); ++i) {
-    uint64_t s = slots[i];
-    if (s >= count_ || !used_[s]) {
-      for (size_t j = 0; j < i; ++j) used_[slots[j]] = true;  // all or nothing
+  std::vector<std::pair<uint64_t, uint64_t>> taken;
+  taken.reserve(slots.size());
+  for (uint64_t s : slots) {
+    auto it = used_.find(s);
+    if (it == used_.end()) {
+      for (auto [first, length] : taken) used_.emplace(first, length);  // all or nothing
       return InvalidArgument(what_ + ": slot " + std::to_string(s) + " is " +
-                             (s >= count_ ? "out of range" : "not allocated (or named twice)") +
-                             "; nothing was freed");
+                             (s >= count_ ? "out of range" : "not allocated (or named twice)") + "; nothing was freed");
     }
-    used_[s] = false;
+    taken.push_back(*it);
+    used_.erase(it);
   }
-  free_.insert(free_.end(), slots.begin(), slots.end());
+  for (auto [first, length] : taken) InsertFreeLocked(first, length);
   return Status::Ok();
 }
 
-Status SlotAllocator::MarkAllocated(uint64_t slot) {
+Status SlotAllocator::MarkAllocated(uint64_t first, uint64_t length) {
   std::lock_guard lock(mu_);
-  if (slot >= count_ || used_[slot]) {
-    return InvalidArgument(what_ + ": slot " + std::to_string(slot) + " cannot be marked allocated: " +
-                           (slot >= count_ ? "out of range" : "already allocated"));
+  auto it = free_.upper_bound(first);
+  const bool inside = length != 0 && first < count_ && length <= count_ - first && it != free_.begin() &&
+                      std::prev(it)->first + std::prev(it)->second >= first + length;
+  if (!inside) {
+    return InvalidArgument(what_ + ": slot " + std::to_string(first) + " of " + std::to_string(length) +
+                           " granules cannot be marked allocated: " +
+                           (length == 0 || first >= count_ || length > count_ - first ? "out of range"
+                                                                                      : "not all of it is free"));
   }
-  used_[slot] = true;
-  free_.erase(std::find(free_.begin(), free_.end(), slot));
+  TakeLocked(first, length);
   return Status::Ok();
 }
 
-uint64_t SlotAllocator::free_count() const {
-  std::lock_guard lock(mu_);
-  return free_.size();
-}
-
-Status SlotAllocator::ResetUsed(const std::vector<bool>& used) {
-  if (used.size() != count_) {
-    return InvalidArgument(what_ + ": " + std::to_string(used.size()) + " slot flags given for " +
-                           std::to_string(count_) + " slots");
+Status SlotAllocator::ResetUsed(const SlotExtents& used) {
+  if (!used.empty()) {
+    auto last = std::prev(used.end());
+    if (last->first >= count_ || last->second > count_ - last->first) {
+      return InvalidArgument(what_ + ": slot " + std::to_string(last->first) + " of " + std::to_string(last->second) +
+                             " granules runs past the device's " + std::to_string(count_));
+    }
   }
   std::lock_guard lock(mu_);
-  used_ = used;
   free_.clear();
-  for (uint64_t s = count_; s > 0; --s) {
-    if (!used_[s - 1]) free_.push_back(s - 1);  // the lowest on top, as at construction
+  free_by_length_.clear();
+  free_granules_ = 0;
+  used_ = used;
+  uint64_t at = 0;
+  for (auto [first, length] : used_) {
+    if (first > at) InsertFreeLocked(at, first - at);
+    at = std::max(at, first + length);
   }
+  if (at < count_) InsertFreeLocked(at, count_ - at);
   return Status::Ok();
 }
 
 bool SlotAllocator::IsAllocated(uint64_t slot) const {
   std::lock_guard lock(mu_);
-  return slot < count_ && used_[slot];
+  return used_.contains(slot);
+}
+
+uint64_t SlotAllocator::LengthOf(uint64_t slot) const {
+  std::lock_guard lock(mu_);
+  auto it = used_.find(slot);
+  return it == used_.end() ? 0 : it->second;
+}
+
+SlotExtents SlotAllocator::Allocated() const {
+  std::lock_guard lock(mu_);
+  return used_;
+}
+
+uint64_t SlotAllocator::free_count() const {
+  std::lock_guard lock(mu_);
+  return free_granules_;
+}
+
+uint64_t SlotAllocator::largest_free() const {
+  std::lock_guard lock(mu_);
+  return free_by_length_.empty() ? 0 : free_by_length_.rbegin()->first;
+}
+
+uint64_t SlotAllocator::allocated_slots() const {
+  std::lock_guard lock(mu_);
+  return used_.size();
 }
 
 }  // namespace cxlkv::tier

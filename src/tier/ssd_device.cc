@@ -167,7 +167,6 @@ Result<std::unique_ptr<SsdDevice>> SsdDevice::Open(const SsdOptions& o) {
   } else {
     return fail(InvalidArgument("ssd tier: " + path + " is neither a regular file nor a block device"));
   }
-  uint64_t slots = size / o.slot_bytes;
 
   const uint32_t stages = o.use_io_uring ? RingStages(o.queue_depth) : 1;
   size_t arena_bytes = uint64_t{stages} * o.slot_bytes;
@@ -190,7 +189,7 @@ Result<std::unique_ptr<SsdDevice>> SsdDevice::Open(const SsdOptions& o) {
     }
   }
   auto dev = std::unique_ptr<SsdDevice>(
-      new SsdDevice(o, slots, fd, static_cast<std::byte*>(arena), arena_bytes, std::move(io)));
+      new SsdDevice(o, size, fd, static_cast<std::byte*>(arena), arena_bytes, std::move(io)));
   EngineTarget target{&pf, fd, dev->arena_, o.slot_bytes, stages, o.queue_depth, "ssd tier " + path};
   if (o.use_io_uring) {
     std::unique_ptr<IoRing> ring;
@@ -212,9 +211,9 @@ Result<std::unique_ptr<SsdDevice>> SsdDevice::Open(const SsdOptions& o) {
   return dev;
 }
 
-SsdDevice::SsdDevice(const SsdOptions& o, uint64_t slots, int fd, std::byte* arena, size_t arena_bytes,
+SsdDevice::SsdDevice(const SsdOptions& o, uint64_t size, int fd, std::byte* arena, size_t arena_bytes,
                      SsdIoPath path)
-    : Device(TierKind::kSsd, o.index, o.slot_bytes, slots, "ssd tier " + o.path),
+    : Device(TierKind::kSsd, o.index, o.slot_bytes, kIoUnit, size, "ssd tier " + o.path),
       platform_(o.platform ? o.platform : &IoPlatform::Default()),
       file_(o.path),
       fd_(fd),
@@ -232,8 +231,8 @@ SsdDevice::~SsdDevice() {
 
 std::string SsdDevice::Describe() const {
   std::string s = "ssd[" + std::to_string(index()) + "] " + file_ + ": " + util::FormatBytes(capacity_bytes()) +
-                  (path_.nvme_passthrough ? " NVMe namespace" : path_.block_device ? " block device" : " file") + ", " + std::to_string(slot_count()) +
-                  " slots of " + util::FormatBytes(slot_bytes()) + "; ";
+                  (path_.nvme_passthrough ? " NVMe namespace" : path_.block_device ? " block device" : " file") +
+                  ", slots of each block's size in 4 KiB units, up to " + util::FormatBytes(slot_bytes()) + "; ";
   if (path_.nvme_passthrough) {
     s += "NVMe passthrough (io_uring command) nsid " + std::to_string(path_.nvme.nsid) + ", " +
          std::to_string(path_.nvme.lba_bytes) + " B blocks, " + util::FormatBytes(path_.nvme.max_transfer_bytes) +
@@ -282,8 +281,8 @@ std::vector<Status> SsdDevice::Write(std::span<const WriteItem> items) {
     if (!out[i].ok()) continue;
     todo.push_back(i);
     lens.push_back(n);
-    lo = std::min(lo, items[i].slot * slot_bytes());
-    hi = std::max(hi, items[i].slot * slot_bytes() + DiskSpan(kSlotHeaderBytes + n));
+    lo = std::min(lo, SlotOffset(items[i].slot));
+    hi = std::max(hi, SlotOffset(items[i].slot) + DiskSpan(kSlotHeaderBytes + n));
   }
   std::lock_guard lock(mu_);
   engine_->Run(
@@ -295,7 +294,7 @@ std::vector<Status> SsdDevice::Write(std::span<const WriteItem> items) {
         uint64_t image = kSlotHeaderBytes + lens[k];
         uint64_t span = DiskSpan(image);
         std::memset(stage + image, 0, span - image);  // no stale staging bytes on the disk
-        return StagedIo{true, it.slot * slot_bytes(), static_cast<uint32_t>(span)};
+        return StagedIo{true, SlotOffset(it.slot), static_cast<uint32_t>(span)};
       },
       [&](size_t k, std::byte*, const Status& st) { out[todo[k]] = st; });
   Status after = AfterBatch(true, lo, hi);
@@ -325,13 +324,13 @@ std::vector<Status> SsdDevice::Read(std::span<ReadItem> items) {
     }
     todo.push_back(i);
     spans.push_back(static_cast<uint32_t>(DiskSpan(ReadSpan(items[i]))));
-    lo = std::min(lo, items[i].slot * slot_bytes());
-    hi = std::max(hi, items[i].slot * slot_bytes() + spans.back());
+    lo = std::min(lo, SlotOffset(items[i].slot));
+    hi = std::max(hi, SlotOffset(items[i].slot) + spans.back());
   }
   std::lock_guard lock(mu_);
   engine_->Run(
       todo.size(),
-      [&](size_t k, std::byte*) { return StagedIo{false, items[todo[k]].slot * slot_bytes(), spans[k]}; },
+      [&](size_t k, std::byte*) { return StagedIo{false, SlotOffset(items[todo[k]].slot), spans[k]}; },
       [&](size_t k, std::byte* stage, const Status& st) {
         if (!st.ok()) {
           out[todo[k]] = st;

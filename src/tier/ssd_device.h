@@ -1,7 +1,7 @@
 // The SSD tier (tier 2): one preallocated large file, or a raw block device, opened O_DIRECT and
-// carved into fixed-size slots by the user-space SlotAllocator — no file per block, no
-// file-system metadata per block (Unified KV pooling §IV-B "KV-passthrough", with io_uring in the
-// place of SPDK). Slot i lies at byte i·slot_bytes. A write gathers the payload into a staging
+// carved by the user-space SlotAllocator into slots of each block's size in 4 KiB units — no file
+// per block, no file-system metadata per block (Unified KV pooling §IV-B "KV-passthrough", with
+// io_uring in the place of SPDK). Slot s lies at byte s·4 KiB. A write gathers the payload into a staging
 // buffer behind the 64-byte header (slot_format.h), seals it with its CRC-32C and writes
 // header+payload rounded up to 4 KiB; a read fetches header+destination size, validates, and
 // copies the payload out.
@@ -43,7 +43,8 @@ struct SsdOptions {
   uint32_t index = 0;               // the device's index in the pool (Table I device_idx)
   uint64_t size_bytes = 0;          // a file: preallocated to this size (never shrunk); 0: use
                                     // the existing file's size. A block device: 0 = all of it
-  uint64_t slot_bytes = 256 << 10;  // default 256 KiB, header included; a multiple of 4 KiB
+  uint64_t slot_bytes = 256 << 10;  // the largest slot: default 256 KiB, header included; a
+                                    // multiple of 4 KiB
   uint32_t queue_depth = 32;        // default 32: transfers in flight (staging: depth + up to 4)
   uint32_t spin_us = 20;            // default 20 µs of polling for a completion before sleeping
   bool create = true;               // default true: create a missing file (not its directory)
@@ -82,7 +83,7 @@ class SsdDevice final : public Device {
   const std::string& file() const { return file_; }
 
  private:
-  SsdDevice(const SsdOptions& options, uint64_t slots, int fd, std::byte* arena, size_t arena_bytes,
+  SsdDevice(const SsdOptions& options, uint64_t size, int fd, std::byte* arena, size_t arena_bytes,
             SsdIoPath path);
   // The buffered path's substitute for O_DIRECT: data to the device, clean pages dropped. On
   // passthrough: the flush that makes a write batch durable.

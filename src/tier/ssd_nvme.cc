@@ -80,7 +80,7 @@ Result<std::unique_ptr<SsdDevice>> SsdDevice::OpenNvme(const SsdOptions& o, IoPl
   void* arena = nullptr;
   if (Status s = MapArena(path, arena_bytes, &arena); !s.ok()) return fail(s);
   auto dev = std::unique_ptr<SsdDevice>(
-      new SsdDevice(o, *size / o.slot_bytes, fd, static_cast<std::byte*>(arena), arena_bytes, std::move(io)));
+      new SsdDevice(o, *size, fd, static_cast<std::byte*>(arena), arena_bytes, std::move(io)));
   // From here the device owns fd and arena: its destructor releases them on every failure.
   std::string notes;
   Status started = dev->StartNvmeEngine(o.register_buffers, o.spin_us, &notes);

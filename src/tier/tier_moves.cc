@@ -2,6 +2,7 @@
 // reserve asks for (tier_store.h; docs/tiers.md, "Spill" and "Promote on hit").
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <set>
 #include <thread>
 
@@ -44,40 +45,69 @@ TierStore::TierStore(Pool& pool, cache::Index& index, const TierStoreOptions& op
 
 // ---- spill ----
 
-Result<std::vector<uint64_t>> TierStore::TakeSlots(Device& device, size_t n) {
-  auto slots = device.AllocateSlots(n);
+Result<std::vector<uint64_t>> TierStore::TakeSlots(Device& device, std::span<const uint64_t> payload_bytes) {
+  auto slots = device.AllocateSlots(payload_bytes);
   if (slots.ok() || slots.status().code() != StatusCode::kNoSpace) return slots;
-  // Full: drop this device's least recently used blocks (the paper's pool evicts per device too).
-  const uint64_t need = n - std::min<uint64_t>(n, device.free_slots());
-  std::vector<Block> victims;
-  for (const Block& b : index_.CapacityEntriesOf(node_)) {
-    if (victims.size() == need) break;
-    if (Mine(b) && cache::LocationDevice(b.location) == device.index() && !promoting_.contains(b.location)) {
-      victims.push_back(b);
+  // Full: drop this device's least recently used blocks (the paper's pool evicts per device too),
+  // by the space these slots need: blocks of the sizes asked first (each frees exactly a slot
+  // one of them takes), then any, until the free space covers what is asked. A free space in
+  // pieces too small may still refuse: one more round drops a batch's worth more.
+  std::map<uint64_t, uint64_t> sizes;  // payload bytes -> how many asked
+  uint64_t asked = 0;
+  for (uint64_t n : payload_bytes) {
+    ++sizes[n];
+    asked += device.GranulesFor(n) * device.granule_bytes();
+  }
+  for (int round = 0; round < 2; ++round) {
+    const uint64_t free = device.free_bytes();
+    // Short of space: what is missing; enough in all but in pieces too small: a whole batch's.
+    uint64_t need = round == 0 && asked > free ? asked - free : asked;
+    std::map<uint64_t, uint64_t> same = sizes;
+    std::vector<Block> victims;
+    std::vector<Block> others;
+    for (const Block& b : index_.CapacityEntriesOf(node_)) {
+      if (!Mine(b) || cache::LocationDevice(b.location) != device.index() || promoting_.contains(b.location)) continue;
+      if (auto it = same.find(b.bytes); it != same.end() && it->second > 0 && need > 0) {
+        --it->second;
+        victims.push_back(b);
+        const uint64_t freed = device.GranulesFor(b.bytes) * device.granule_bytes();
+        need -= std::min(need, freed);
+      } else {
+        others.push_back(b);
+      }
     }
+    for (const Block& b : others) {  // still short: the oldest of other sizes
+      if (need == 0) break;
+      victims.push_back(b);
+      need -= std::min(need, device.GranulesFor(b.bytes) * device.granule_bytes());
+    }
+    if (victims.empty()) break;
+    // Only the slots of entries this drop removed are surely named by nothing: one an evictor
+    // is just putting back to READY (EVICTING now) still names its slot; reconcile frees the
+    // rest once their entries are gone.
+    std::vector<bool> dropped;
+    index_.DropCapacity(victims, &dropped);
+    std::vector<uint64_t> freed;
+    for (size_t i = 0; i < victims.size(); ++i) {
+      if (dropped[i]) freed.push_back(cache::LocationSlot(victims[i].location));
+    }
+    FreeSlots(device.index(), freed);
+    dropped_full_.fetch_add(freed.size(), std::memory_order_relaxed);
+    slots = device.AllocateSlots(payload_bytes);
+    if (slots.ok() || slots.status().code() != StatusCode::kNoSpace) return slots;
   }
-  // Only the slots of entries this drop removed are surely named by nothing: one an evictor is
-  // just putting back to READY (EVICTING now) still names its slot; reconcile frees the rest
-  // once their entries are gone.
-  std::vector<bool> dropped;
-  index_.DropCapacity(victims, &dropped);
-  std::vector<uint64_t> freed;
-  for (size_t i = 0; i < victims.size(); ++i) {
-    if (dropped[i]) freed.push_back(cache::LocationSlot(victims[i].location));
-  }
-  FreeSlots(device.index(), freed);
-  dropped_full_.fetch_add(freed.size(), std::memory_order_relaxed);
-  return device.AllocateSlots(n);
+  return slots;
 }
 
-std::vector<PlacementRun> TierStore::SpreadOverflow(std::vector<PlacementRun> runs) const {
-  // A device's share beyond its free slots goes to devices with free slots, fastest first; only
-  // when every device is full does a device drop its own LRU blocks (TakeSlots).
+std::vector<PlacementRun> TierStore::SpreadOverflow(std::vector<PlacementRun> runs, uint64_t mean_slot_bytes) const {
+  // A device's share beyond its free space goes to devices with free space, fastest first; only
+  // when every device is full does a device drop its own LRU blocks (TakeSlots). Room is counted
+  // in blocks of the batch's mean slot.
   std::vector<uint64_t> counts(devices_.size(), 0), room(devices_.size(), 0);
   uint64_t overflow = 0;
   for (const PlacementRun& r : runs) counts[r.device] += r.count;
   for (size_t d = 0; d < devices_.size(); ++d) {
-    room[d] = devices_[d]->free_slots();
+    room[d] = devices_[d]->free_bytes() / std::max<uint64_t>(1, mean_slot_bytes);
     if (counts[d] > room[d]) {
       overflow += counts[d] - room[d];
       counts[d] = room[d];
@@ -118,7 +148,9 @@ Result<uint64_t> TierStore::SpillLocked(uint64_t bytes) {
   // Algorithm 1's split, with each device's unspent share carried to the next batch (a spill
   // that keeps up moves a few blocks at a time: placement.h).
   CXLKV_ASSIGN_OR_RETURN(std::vector<PlacementRun> runs, placement_->Next(cands.size()));
-  runs = SpreadOverflow(std::move(runs));
+  uint64_t batch_bytes = 0;
+  for (const Block& b : cands) batch_bytes += b.bytes + kSlotHeaderBytes;
+  runs = SpreadOverflow(std::move(runs), batch_bytes / cands.size());
 
   // Per device: its items (slot, tag, the region bytes as one piece) and which block each is.
   struct Planned {
@@ -130,7 +162,9 @@ Result<uint64_t> TierStore::SpillLocked(uint64_t bytes) {
   std::vector<std::vector<WriteItem>> items(devices_.size());
   for (const PlacementRun& run : runs) {
     Device& dev = *devices_[run.device];
-    auto slots = TakeSlots(dev, run.count);
+    std::vector<uint64_t> sizes(run.count);
+    for (uint64_t k = 0; k < run.count; ++k) sizes[k] = cands[run.first + k].bytes;
+    auto slots = TakeSlots(dev, sizes);
     if (!slots.ok()) {
       spill_failed_.fetch_add(run.count, std::memory_order_relaxed);
       continue;

@@ -46,7 +46,7 @@ Status TierStore::RecordNamespacesLocked(uint32_t device, std::span<const Catalo
 }
 
 std::vector<uint64_t> TierStore::RestoreLocked(uint32_t device, std::span<const CatalogEntry> unnamed,
-                                               std::vector<bool>& named) {
+                                               SlotExtents& named) {
   std::vector<uint64_t> stale;
   NamespaceBook* book = books_[device].get();
   Device& dev = *devices_[device];
@@ -76,11 +76,15 @@ std::vector<uint64_t> TierStore::RestoreLocked(uint32_t device, std::span<const 
   std::vector<cache::Index::CapacityInsert> inserts;
   std::vector<uint64_t> insert_slot;
   for (const CatalogEntry& e : unnamed) {
-    const int64_t ns = e.tier_kind == static_cast<uint16_t>(TierKind::kSsd) && e.bytes != 0 &&
-                               e.bytes <= dev.payload_capacity() && e.slot < named.size() && !named[e.slot]
-                           ? resolve(e.ns)
-                           : -1;
+    // The slot is held for it while the insert is decided: two records whose slots overlap (a
+    // damaged catalog) do not both come back.
+    const bool fits = e.tier_kind == static_cast<uint16_t>(TierKind::kSsd) && e.bytes != 0 &&
+                      e.bytes <= dev.payload_capacity() && e.slot < dev.granule_count() &&
+                      dev.GranulesFor(e.bytes) <= dev.granule_count() - e.slot &&
+                      AddExtent(named, e.slot, dev.GranulesFor(e.bytes));
+    const int64_t ns = fits ? resolve(e.ns) : -1;
     if (ns < 0) {
+      if (fits) named.erase(e.slot);
       stale.push_back(e.slot);
       continue;
     }
@@ -94,16 +98,15 @@ std::vector<uint64_t> TierStore::RestoreLocked(uint32_t device, std::span<const 
   for (size_t i = 0; i < inserts.size(); ++i) {
     switch (inserts[i].outcome) {
       case Outcome::kInserted:
-        named[insert_slot[i]] = true;
         ++restored;
         break;
       case Outcome::kTaken:  // the key is cached elsewhere already, or its stripe is full
+        named.erase(insert_slot[i]);
         stale.push_back(insert_slot[i]);
         break;
       case Outcome::kLocked:
         // Not decided (the lock was not granted, or this life ended under it): the slot is
         // kept — no spill or probe may write it — and the next Reconcile tries again.
-        named[insert_slot[i]] = true;
         awaiting_restore_[device].insert(insert_slot[i]);
         ++kept;
         break;

@@ -129,7 +129,7 @@ Result<std::unique_ptr<TierStore>> TierStore::Open(Pool& pool, const TierStoreOp
       // The restart record of the SSD's slots, beside its file or in its catalog directory
       // (catalog.h): a slot is named in the index only once the catalog says, durably, what it holds.
       const std::string state = spec.StateBase();
-      auto catalog = Catalog::Open(IoPlatform::Default(), state, (*dev)->slot_count());
+      auto catalog = Catalog::Open(IoPlatform::Default(), state, (*dev)->granule_count());
       if (!catalog.ok()) return Status(catalog.status().code(), what + catalog.status().message());
       if (!(*catalog)->replay_stats().message.empty()) {
         std::fprintf(stderr, "cxlkv: tier: %s: %s\n", spec.path.c_str(), (*catalog)->replay_stats().message.c_str());
@@ -191,7 +191,7 @@ bool TierStore::Mine(const Block& b) const {
   if (cache::WriterNode(b.writer) != node_) return false;
   const uint32_t dev = cache::LocationDevice(b.location);
   if (dev >= devices_.size() || EntryTierOf(devices_[dev]->kind()) != b.tier) return false;
-  if (cache::LocationSlot(b.location) >= devices_[dev]->slot_count()) return false;
+  if (cache::LocationSlot(b.location) >= devices_[dev]->granule_count()) return false;
   // A node-DRAM block lives in the memory of the process that wrote it: this one, or nobody.
   return b.tier == cache::kTierSsd || b.writer == index_.WriterOfThisProcess();
 }
@@ -296,15 +296,15 @@ void TierStore::ProbeLocked(bool only_unknown) {
 }
 
 uint64_t TierStore::ReconcileLocked(bool adopt) {
-  std::vector<std::vector<bool>> named(devices_.size());
-  for (size_t d = 0; d < devices_.size(); ++d) named[d].assign(devices_[d]->slot_count(), false);
+  std::vector<SlotExtents> named(devices_.size());
   std::vector<Block> lost;
   for (const Block& b : index_.CapacityEntriesOf(node_, /*with_evicting=*/true)) {
     const uint32_t d = cache::LocationDevice(b.location);
     const uint64_t slot = cache::LocationSlot(b.location);
-    // Not on a device of this store (another configuration, an earlier process's DRAM), or a
-    // slot named twice: nobody can serve it.
-    if (!Mine(b) || named[d][slot]) {
+    // Not on a device of this store (another configuration, an earlier process's DRAM), larger
+    // than its largest slot, or a slot that overlaps one named already: nobody can serve it.
+    if (!Mine(b) || b.bytes > devices_[d]->payload_capacity() ||
+        slot + devices_[d]->GranulesFor(b.bytes) > devices_[d]->granule_count()) {
       lost.push_back(b);
       continue;
     }
@@ -314,20 +314,20 @@ uint64_t TierStore::ReconcileLocked(bool adopt) {
       CatalogEntry known;
       uint64_t fingerprint = 0;
       if (!catalogs_[d]->Find(slot, &known) || !(known.key == b.key) || known.generation != b.gen ||
-          !FingerprintLocked(b.ns, &fingerprint) || known.ns != fingerprint) {
+          known.bytes != b.bytes || !FingerprintLocked(b.ns, &fingerprint) || known.ns != fingerprint) {
         lost.push_back(b);
         unproven_.fetch_add(1, std::memory_order_relaxed);
         continue;
       }
     }
-    named[d][slot] = true;
+    if (!AddExtent(named[d], slot, devices_[d]->GranulesFor(b.bytes))) lost.push_back(b);
   }
   const uint64_t dropped = index_.DropCapacity(lost);
   dropped_lost_.fetch_add(dropped, std::memory_order_relaxed);
   for (size_t d = 0; d < devices_.size(); ++d) {
     Device& dev = *devices_[d];
     if (adopt) {
-      adopted_.fetch_add(std::count(named[d].begin(), named[d].end(), true), std::memory_order_relaxed);
+      adopted_.fetch_add(named[d].size(), std::memory_order_relaxed);
       // What the catalog holds and no entry names — every block of a region that was lost or
       // re-created, a spill cut before it published, an entry dropped while no cxlkvd of this
       // node ran — is named again where it can be (tier_restore.cc); the rest is free now (a
@@ -336,7 +336,7 @@ uint64_t TierStore::ReconcileLocked(bool adopt) {
       if (catalogs_[d] != nullptr) {
         std::vector<CatalogEntry> unnamed;
         for (const CatalogEntry& e : catalogs_[d]->Live()) {
-          if (!named[d][e.slot]) unnamed.push_back(e);
+          if (!named[d].contains(e.slot)) unnamed.push_back(e);
         }
         stale = RestoreLocked(static_cast<uint32_t>(d), unnamed, named[d]);
       }
@@ -351,14 +351,16 @@ uint64_t TierStore::ReconcileLocked(bool adopt) {
       std::vector<CatalogEntry> unnamed;
       for (uint64_t slot : std::exchange(awaiting_restore_[d], {})) {
         CatalogEntry e;
-        if (!named[d][slot] && catalogs_[d]->Find(slot, &e)) unnamed.push_back(e);
+        if (!named[d].contains(slot) && catalogs_[d]->Find(slot, &e)) unnamed.push_back(e);
       }
+      // Their slots are allocated already (kept): the restore checks overlap against what the
+      // index names, not against themselves.
       FreeSlots(static_cast<uint32_t>(d), RestoreLocked(static_cast<uint32_t>(d), unnamed, named[d]));
     }
     // Slots whose entry is gone (evicted by another process, or dropped by a full stripe).
     std::vector<uint64_t> orphans;
-    for (uint64_t s = 0; s < dev.slot_count(); ++s) {
-      if (!named[d][s] && dev.SlotAllocated(s)) orphans.push_back(s);
+    for (const auto& [first, length] : dev.AllocatedSlots()) {
+      if (!named[d].contains(first)) orphans.push_back(first);
     }
     if (!orphans.empty()) {
       FreeSlots(static_cast<uint32_t>(d), orphans);
@@ -387,7 +389,9 @@ nlohmann::json TierStore::Stats() const {
                             {"describe", d->Describe()},
                             {"slot_bytes", d->slot_bytes()},
                             {"slots", d->slot_count()},
-                            {"used_slots", d->slot_count() - d->free_slots()},
+                            {"used_slots", d->allocated_slots()},
+                            {"capacity_bytes", d->capacity_bytes()},
+                            {"used_bytes", d->capacity_bytes() - d->free_bytes()},
                             {"bandwidth_bytes_per_second", d->bandwidth()},
                             {"writes", s.writes},
                             {"reads", s.reads},

@@ -161,18 +161,18 @@ class TierStore {
   // Names again in the index the catalog's blocks no entry names (marking their slots in
   // `named`); returns the slots of those that cannot be (to be freed). Those it could not decide
   // are marked too, and wait in awaiting_restore_. REQUIRES: move_mu_ held.
-  std::vector<uint64_t> RestoreLocked(uint32_t device, std::span<const CatalogEntry> unnamed, std::vector<bool>& named);
+  std::vector<uint64_t> RestoreLocked(uint32_t device, std::span<const CatalogEntry> unnamed, SlotExtents& named);
   // Drops from the book the namespaces no block of the device's catalog uses any more.
   void RetainNamespacesLocked(uint32_t device);
   // Records the frees, then returns the slots to the device.
   void FreeSlots(uint32_t device, std::span<const uint64_t> slots);
   // The runs with each device's share beyond its free slots moved to devices that have some.
-  std::vector<PlacementRun> SpreadOverflow(std::vector<PlacementRun> runs) const;
+  std::vector<PlacementRun> SpreadOverflow(std::vector<PlacementRun> runs, uint64_t mean_slot_bytes) const;
   // Blocks whose slots read back invalid (empty, corrupt, torn, reused): their entries are
   // dropped, and the slots of those this drop removed freed. REQUIRES: move_mu_ held.
   void DropInvalidLocked(std::span<const cache::Index::TierBlock> invalid);
   // Slots for `n` blocks on `device`, dropping its least recently used blocks if it is full.
-  Result<std::vector<uint64_t>> TakeSlots(Device& device, size_t n);
+  Result<std::vector<uint64_t>> TakeSlots(Device& device, std::span<const uint64_t> payload_bytes);
   // Runs jobs[i] on device i's worker, all at once; returns when all are done.
   void RunOnDevices(std::vector<std::function<void()>>& jobs);
   void WorkerLoop(size_t device);

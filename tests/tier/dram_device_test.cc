@@ -42,23 +42,26 @@ TEST(TierDramDevice, BytesWrittenReadBackIdentical) {
 TEST(TierDramDevice, ReusedSlotAndCorruptSlotAreMisses) {
   auto dev = MakeDram(8192, 4);
   ASSERT_TRUE(dev);
+  auto slots = dev->AllocateSlots(std::vector<uint64_t>{5000, 5000});
+  ASSERT_TRUE(slots.ok()) << slots.status().ToString();
+  const uint64_t used = (*slots)[0], never = (*slots)[1];
   auto a = Payload(1, 5000), b = Payload(2, 5000);
   std::span<const std::byte> pa(a), pb(b);
-  WriteItem wa{1, Tag(1, 1), std::span(&pa, 1)}, wb{1, Tag(2, 2), std::span(&pb, 1)};
+  WriteItem wa{used, Tag(1, 1), std::span(&pa, 1)}, wb{used, Tag(2, 2), std::span(&pb, 1)};
   ASSERT_TRUE(dev->Write(std::span(&wa, 1))[0].ok());
   ASSERT_TRUE(dev->Write(std::span(&wb, 1))[0].ok());
   std::vector<std::byte> out(5000);
-  ReadItem r{1, Tag(1, 1), out};
+  ReadItem r{used, Tag(1, 1), out};
   EXPECT_TRUE(IsMiss(dev->Read(std::span(&r, 1))[0]));
   EXPECT_EQ(r.verdict, SlotVerdict::kStale);
-  ReadItem empty{3, Tag(1, 1), out};
+  ReadItem empty{never, Tag(1, 1), out};
   EXPECT_TRUE(IsMiss(dev->Read(std::span(&empty, 1))[0]));
   EXPECT_EQ(empty.verdict, SlotVerdict::kEmpty);
   // A destination smaller than the stored payload: the header's length is not trusted past it.
   std::vector<std::byte> small(100);
-  ReadItem rs{1, Tag(2, 2), small};
+  ReadItem rs{used, Tag(2, 2), small};
   EXPECT_TRUE(IsMiss(dev->Read(std::span(&rs, 1))[0]));
-  ReadItem rb{1, Tag(2, 2), out};
+  ReadItem rb{used, Tag(2, 2), out};
   ASSERT_TRUE(dev->Read(std::span(&rb, 1))[0].ok());
   EXPECT_EQ(out, b);
 }

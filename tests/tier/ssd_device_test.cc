@@ -127,14 +127,16 @@ class TierSsdMisses : public ::testing::Test {
     ASSERT_TRUE(d.ok()) << d.status().ToString();
     dev_ = std::move(*d);
   }
-  Status WriteOne(uint64_t slot, const SlotTag& tag, const std::vector<std::byte>& data) {
+  // These tests name the i-th slot of kSlot bytes (at byte i·kSlot of the file): its first granule.
+  static uint64_t SlotAt(uint64_t i) { return i * kSlot / 4096; }
+  Status WriteOne(uint64_t i, const SlotTag& tag, const std::vector<std::byte>& data) {
     std::span<const std::byte> piece(data);
-    WriteItem w{slot, tag, std::span<const std::span<const std::byte>>(&piece, 1)};
+    WriteItem w{SlotAt(i), tag, std::span<const std::span<const std::byte>>(&piece, 1)};
     return dev_->Write(std::span<const WriteItem>(&w, 1))[0];
   }
-  Status ReadOne(uint64_t slot, const SlotTag& tag, std::vector<std::byte>* out, SlotVerdict* verdict = nullptr) {
+  Status ReadOne(uint64_t i, const SlotTag& tag, std::vector<std::byte>* out, SlotVerdict* verdict = nullptr) {
     out->assign(kPayload, std::byte{0});
-    ReadItem r{slot, tag, *out};
+    ReadItem r{SlotAt(i), tag, *out};
     Status s = dev_->Read(std::span<ReadItem>(&r, 1))[0];
     if (verdict) *verdict = r.verdict;
     return s;

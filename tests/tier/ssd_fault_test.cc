@@ -106,9 +106,11 @@ TEST_P(TierSsdInjected, EnospcFailsThatItemClearlyAndKeepsTheOthers) {
   auto dev = SsdDevice::Open(Options(dir, &p, GetParam()));
   ASSERT_TRUE(dev.ok()) << dev.status().ToString();
   // An earlier block, already durable.
+  auto slots = (*dev)->AllocateSlots(std::vector<uint64_t>(4, 9000));
+  ASSERT_TRUE(slots.ok()) << slots.status().ToString();
   auto before = Payload(1, 9000);
   std::span<const std::byte> bp(before);
-  WriteItem wb{0, Tag(100), std::span(&bp, 1)};
+  WriteItem wb{(*slots)[0], Tag(100), std::span(&bp, 1)};
   ASSERT_TRUE((*dev)->Write(std::span(&wb, 1))[0].ok());
 
   std::vector<std::vector<std::byte>> data;
@@ -116,7 +118,7 @@ TEST_P(TierSsdInjected, EnospcFailsThatItemClearlyAndKeepsTheOthers) {
   std::vector<WriteItem> w;
   for (int i = 0; i < 3; ++i) data.push_back(Payload(10 + i, 9000));
   for (int i = 0; i < 3; ++i) pieces.emplace_back(data[i]);
-  for (int i = 0; i < 3; ++i) w.push_back({static_cast<uint64_t>(1 + i), Tag(i), std::span(&pieces[i], 1)});
+  for (int i = 0; i < 3; ++i) w.push_back({(*slots)[1 + i], Tag(i), std::span(&pieces[i], 1)});
   p.write_faults = {Fault{}, Fault{-ENOSPC, 0}};  // the second transfer of the batch
   auto ws = (*dev)->Write(w);
   int failed = 0;
@@ -130,12 +132,12 @@ TEST_P(TierSsdInjected, EnospcFailsThatItemClearlyAndKeepsTheOthers) {
   EXPECT_EQ((*dev)->stats().write_errors, 1u);
   // The earlier block and the batch's others read back intact.
   std::vector<std::byte> out(9000);
-  ReadItem r{0, Tag(100), out};
+  ReadItem r{(*slots)[0], Tag(100), out};
   ASSERT_TRUE((*dev)->Read(std::span(&r, 1))[0].ok());
   EXPECT_EQ(out, before);
   for (int i = 0; i < 3; ++i) {
     if (!ws[i].ok()) continue;
-    ReadItem ri{static_cast<uint64_t>(1 + i), Tag(i), out};
+    ReadItem ri{(*slots)[1 + i], Tag(i), out};
     ASSERT_TRUE((*dev)->Read(std::span(&ri, 1))[0].ok());
     EXPECT_EQ(out, data[i]);
   }

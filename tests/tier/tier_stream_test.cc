@@ -132,7 +132,7 @@ TEST(Tiering, ACorruptSlotReadOutIsAMissAndItsEntryIsDropped) {
   ASSERT_NE(slot, ~0ull);
   int fd = ::open(dir.File("kv.tier").c_str(), O_RDWR);
   ASSERT_GE(fd, 0);
-  const off_t at = static_cast<off_t>(slot * kSlot + kSlotHeaderBytes + 77);
+  const off_t at = static_cast<off_t>(slot * 4096 /* its first 4 KiB unit */ + kSlotHeaderBytes + 77);
   uint8_t byte = 0;
   ASSERT_EQ(::pread(fd, &byte, 1, at), 1);
   byte ^= 0x01;

@@ -178,7 +178,7 @@ TEST(Tiering, ACorruptSlotIsAMissAndItsEntryIsDropped) {
   ASSERT_NE(slot, ~0ull);
   int fd = ::open(dir.File("kv.tier").c_str(), O_RDWR);
   ASSERT_GE(fd, 0);
-  const off_t at = static_cast<off_t>(slot * kSlot + kSlotHeaderBytes + 1000);
+  const off_t at = static_cast<off_t>(slot * 4096 /* its first 4 KiB unit */ + kSlotHeaderBytes + 1000);
   uint8_t byte = 0;
   ASSERT_EQ(::pread(fd, &byte, 1, at), 1);
   byte ^= 0x10;
@@ -542,6 +542,75 @@ TEST(Tiering, AMissingDevicePathFailsAtOpenWithWhatToDo) {
   EXPECT_NE(store.status().message().find("create the directory"), std::string::npos) << store.status().ToString();
   auto none = TierStore::Open(*o.pool, Options({}));
   EXPECT_EQ(none.status().code(), StatusCode::kInvalidArgument);
+}
+
+// Reads every key of `keys` that is cached (bringing it in from the tier) and checks its bytes;
+// returns how many were. `bytes` is the namespace's block size.
+size_t ReadBackSized(KvCache& cache, const NamespaceHandle& ns, const std::vector<BlockKey>& keys, uint64_t bytes) {
+  size_t hits = 0;
+  std::vector<uint8_t> back(bytes);
+  for (const BlockKey& k : keys) {
+    auto hit = cache.Lookup(ns, {&k, 1});
+    EXPECT_TRUE(hit.ok()) << hit.status().ToString();
+    if (!hit.ok() || hit->hit_blocks == 0) continue;
+    EXPECT_EQ(hit->pins[0].bytes, bytes);
+    EXPECT_TRUE(cache.Read(hit->pins[0], 0, back.data(), back.size()).ok());
+    EXPECT_TRUE(cxlkv::testing::MatchesKey(k, back.data(), back.size())) << "a block of " << bytes << " bytes differs";
+    cache.Release(hit->pins);
+    ++hits;
+  }
+  return hits;
+}
+
+// Three models' block sizes spilled to one SSD tier past its size: each takes a slot of its own
+// size, so the tier holds far more than its count of largest slots, every block cached reads
+// back identical, and a store opened again on the file serves them from its catalog.
+TEST(Tiering, ThreeBlockSizesShareAnSsdTierEachInASlotOfItsSize) {
+  cxlkv::testing::TempRegionPath path("tier-sizes");
+  ASSERT_TRUE(cxlkv::testing::CreateCachePool(path.path(), 64 << 20, 2048).ok());
+  testing::ScratchDir dir;
+  auto o = OpenCache(path.path(), 0);
+  ASSERT_TRUE(o.cache);
+  const uint64_t sizes[] = {20 << 10, 100'000, kBlock};
+  std::vector<NamespaceHandle> ns;
+  for (int m = 0; m < 3; ++m) {
+    auto h = o.cache->Namespace(cxlkv::testing::TestNamespace("size-" + std::to_string(m)));
+    ASSERT_TRUE(h.ok());
+    ns.push_back(*h);
+  }
+  const uint64_t tier_bytes = 8 * kSlot;  // 8 largest slots
+  std::vector<std::vector<BlockKey>> keys(3);
+  {
+    auto store = TierStore::Open(*o.pool, Options({Ssd(dir.File("kv.tier"), tier_bytes)}));
+    ASSERT_TRUE(store.ok()) << store.status().ToString();
+    auto service = StartTierService(*o.pool, **store);
+    ASSERT_TRUE(service.ok());
+    std::vector<uint8_t> data(kBlock);
+    for (uint64_t i = 0; i < 24; ++i) {
+      for (int m = 0; m < 3; ++m) {
+        const BlockKey k{0x5123000 + i, 0x77 + uint64_t(m)};
+        cxlkv::testing::FillForKey(k, data.data(), sizes[m]);
+        ASSERT_TRUE(o.cache->Put(ns[m], k, data.data(), sizes[m]).ok());
+        keys[m].push_back(k);
+      }
+      ASSERT_TRUE((*store)->Spill(~0ull).ok());  // everything to the tier, the oldest dropped from it
+    }
+    const nlohmann::json dev = (*store)->Stats()["devices"][0];
+    EXPECT_GT(dev["used_slots"].get<uint64_t>(), 8u) << dev.dump();
+    EXPECT_GE(dev["used_bytes"].get<double>(), 0.9 * dev["capacity_bytes"].get<double>()) << dev.dump();
+    for (int m = 0; m < 3; ++m) EXPECT_GT(ReadBackSized(*o.cache, ns[m], keys[m], sizes[m]), 0u) << "size " << m;
+    ASSERT_TRUE((*store)->Spill(~0ull).ok());  // back to the tier before the restart
+    service->reset();
+  }
+  auto store = TierStore::Open(*o.pool, Options({Ssd(dir.File("kv.tier"), tier_bytes)}));
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  auto service = StartTierService(*o.pool, **store);
+  ASSERT_TRUE(service.ok());
+  size_t served = 0;
+  for (int m = 0; m < 3; ++m) served += ReadBackSized(*o.cache, ns[m], keys[m], sizes[m]);
+  EXPECT_GT(served, 8u) << "a store opened again serves what its catalog names";
+  service->reset();
+  ExpectCheckClean(path.path());
 }
 
 }  // namespace

@@ -123,7 +123,7 @@ void AddRegionCommands(CLI::App& app, CommandResult& result) {
   init->add_option("--tier", init_args->tiers,
                    "A default capacity tier of every node's cxlkvd, repeatable: dram:SIZE[:numa=N] or ssd:PATH:SIZE[:catalog=DIR] "
                    "(%n in PATH: the node id, e.g. ssd:/data/kv-%n.tier:64G); a cxlkvd's own --tier overrides");
-  init->add_option("--tier-slot", init_args->tier_slot, "Bytes per tier slot of those tiers (default 2M+4K)");
+  init->add_option("--tier-slot", init_args->tier_slot, "The largest tier slot of those tiers, header included (default 2M+4K)");
   init->callback([init_args, &result] {
     tier::PoolTierConfig tiers;
     tiers.specs = init_args->tiers;

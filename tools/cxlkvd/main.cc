@@ -49,8 +49,8 @@ int main(int argc, char** argv) {
                  "pool's tiers (cxlkv init --tier), if any");
   app.add_flag("--no-tiers", o.no_tiers, "serve no capacity tiers, whatever the pool's default");
   std::string tier_slot;
-  app.add_option("--tier-slot", tier_slot, "bytes per tier slot, header included: the largest block a tier holds "
-                                           "is this less 64 (default 2M+4K)");
+  app.add_option("--tier-slot", tier_slot, "the largest tier slot, header included: the largest block a tier holds "
+                                           "is this less 64; each block takes a slot of its own size (default 2M+4K)");
   app.add_option("--pnm-threads", o.pnm_threads,
                  "serve near-memory attention (pnm-<node>) with an engine per NUMA node of the pool's regions, bound "
                  "to it: N threads each besides its lead (the serving thread on the first region's node); off by "
