@@ -115,6 +115,9 @@ class Allocator {
   // Test hook: runs in a heap allocation after it has chosen its slot and before the fence
   // and the stores that take it, so a test can pause the process there.
   void TestHookBeforeHeapStore(std::function<void()> hook) { test_before_heap_store_ = std::move(hook); }
+  // Test hook: runs in an owner's free of a heap slot after it has found the slot's bit and
+  // before the fence and the stores that clear it.
+  void TestHookBeforeHeapFree(std::function<void()> hook) { test_before_heap_free_ = std::move(hook); }
   // Test hook: runs in Recover before it takes the allocator lock to consume the ended life's
   // rings, so a test can let the node's next life push and drain first.
   void TestHookBeforeRecoveryLock(std::function<void()> hook);
@@ -280,6 +283,7 @@ class Allocator {
   std::atomic<uint64_t> lock_acquisitions_{0};
   std::function<void()> test_before_push_;
   std::function<void()> test_before_heap_store_;
+  std::function<void()> test_before_heap_free_;
   std::function<void()> test_before_recovery_lock_;  // guarded by test_hooks_mu_
   std::mutex test_hooks_mu_;  // guards the drain and recovery hooks (set by a test thread, run by others)
   std::atomic<bool> test_hooked_{false};  // any of the guarded hooks is set

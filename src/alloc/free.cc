@@ -28,6 +28,7 @@ Status Allocator::FreeSlot(ChunkRef chunk, uint64_t within, bool orphan, uint32_
   uint64_t bits = m.Load(off);
   uint64_t bit = uint64_t{1} << (slot % 64);
   if (!(bits & bit)) return InvalidArgument("object is not allocated (double free?)");
+  if (!orphan && test_before_heap_free_) test_before_heap_free_();
   if (!orphan) CXLKV_RETURN_IF_ERROR(FenceOwnStore("heap free", life20));  // orphans: under the allocator lock
   m.Store(off, bits & ~bit);
   m.Store(line + offsetof(HeapHeader, used), h.used - 1);

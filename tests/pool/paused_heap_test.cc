@@ -44,7 +44,9 @@ Result<uint64_t> AllocObject(Pool& p, uint64_t bytes, bool exact) {
   return off->raw();
 }
 
-void PausedHeapAllocation(uint64_t seed, uint64_t bytes = 4096, bool exact = false) {
+// `in_free`: the second operation is a free of an object taken before, paused between finding
+// its bit and clearing it; when it resumes the free is refused and clears nothing.
+void PausedHeapAllocation(uint64_t seed, uint64_t bytes = 4096, bool exact = false, bool in_free = false) {
   testing::TempRegionPath path("paused-heap");
   PoolCreateOptions co;
   co.size = kPausedHeapRegionBytes;
@@ -56,18 +58,30 @@ void PausedHeapAllocation(uint64_t seed, uint64_t bytes = 4096, bool exact = fal
     if (!p) return 1;
     auto first = AllocObject(*p, bytes, exact);
     if (!first.ok()) return 2;
+    auto to_free = in_free ? AllocObject(*p, bytes, exact) : Result<uint64_t>(uint64_t{0});
+    if (!to_free.ok()) return 3;
     bool stopped = false;
-    p->impl().allocator->TestHookBeforeHeapStore([&] {
+    auto pause = [&] {
       if (stopped) return;
       stopped = true;
       uint64_t go;
       if (Put(out, *first)) (void)Get(in, &go);  // the parent stops this process, then resumes it
-    });
-    auto second = AllocObject(*p, bytes, exact);
-    CHILD_CHECK(stopped, "the allocation never reached its stores");
-    CHILD_CHECK(!second.ok(), "an allocation paused past the lease took slot 0x%llx of a recovered chunk",
-                static_cast<unsigned long long>(second.ok() ? *second : 0));
-    CHILD_CHECK(second.status().code() == StatusCode::kLeaseExpired, "%s", second.status().ToString().c_str());
+    };
+    if (in_free) {
+      p->impl().allocator->TestHookBeforeHeapFree(pause);
+      Status freed = p->Free(*to_free);
+      CHILD_CHECK(stopped, "the free never reached its stores");
+      CHILD_CHECK(!freed.ok(), "a free paused past the lease cleared slot 0x%llx of a recovered slab",
+                  static_cast<unsigned long long>(*to_free));
+      CHILD_CHECK(freed.code() == StatusCode::kLeaseExpired, "%s", freed.ToString().c_str());
+    } else {
+      p->impl().allocator->TestHookBeforeHeapStore(pause);
+      auto second = AllocObject(*p, bytes, exact);
+      CHILD_CHECK(stopped, "the allocation never reached its stores");
+      CHILD_CHECK(!second.ok(), "an allocation paused past the lease took slot 0x%llx of a recovered chunk",
+                  static_cast<unsigned long long>(second.ok() ? *second : 0));
+      CHILD_CHECK(second.status().code() == StatusCode::kLeaseExpired, "%s", second.status().ToString().c_str());
+    }
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     while (p->impl().node->new_lives() < 2 && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -121,6 +135,16 @@ TEST(PausedHeap, AnExactSizeAllocationPausedPastTheLeaseIsRefusedAndTakesNoSlotO
 
 TEST(PausedHeap, AnExactSizeAllocationPausedPastTheLeaseIsRefusedUnderTheNonCoherentSimulator) {
   PausedHeapAllocation(29, 917'504, /*exact=*/true);
+}
+
+// A free of an exact-size slot paused past the lease: the recovery frees the slab, node 0 takes
+// its chunks, and the resumed free clears nothing in them.
+TEST(PausedHeap, AnExactSizeFreePausedPastTheLeaseIsRefusedAndClearsNothingOfARecoveredSlab) {
+  PausedHeapAllocation(0, 917'504, /*exact=*/true, /*in_free=*/true);
+}
+
+TEST(PausedHeap, AnExactSizeFreePausedPastTheLeaseIsRefusedUnderTheNonCoherentSimulator) {
+  PausedHeapAllocation(41, 917'504, /*exact=*/true, /*in_free=*/true);
 }
 
 // Node 1 frees node 2's objects through node 2's ring. Node 2 (one process) starts draining them:
