@@ -152,6 +152,7 @@ Result<Fill> FillTier(const std::string& path, tier::TierKind kind, uint64_t tie
   to.slot_bytes = (largest + tier::kSlotHeaderBytes + 4095) / 4096 * 4096;  // the largest block's slot
   to.background = false;
   to.log_placement = false;
+  to.spill_batch = 1024;  // each spill round scans the index: fewer, larger rounds for small blocks
   auto cleanup = [&] {
     for (const std::string& f : tier::SsdStateFiles(device_file)) ::unlink(f.c_str());
     ::unlink(device_file.c_str());

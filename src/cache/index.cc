@@ -386,6 +386,7 @@ Result<alloc::ObjectOffset> Index::AllocatePayload(uint64_t bytes) {
   }
   uint64_t used = UsedBytes();
   if (used + bytes > high) MakeRoom(used + bytes - std::min(low, used + bytes));
+  int idle_rounds = 0;
   for (int attempt = 0; attempt < 8; ++attempt) {
     // The budget binds only when one was set below the pool's size; otherwise the allocator
     // is the judge (counters can drift by a block after a crash mid-eviction).
@@ -407,9 +408,18 @@ Result<alloc::ObjectOffset> Index::AllocatePayload(uint64_t bytes) {
       auto r = allocator_.Alloc(bytes, alloc::Fit::kExact);
       if (r.ok() || r.status().code() != StatusCode::kNoSpace) return r;
     }
+    // Several small blocks at once (up to 1/64 of the pool): each eviction round scans the
+    // index, and a pool full of small blocks would otherwise scan it once per put.
+    const uint64_t batch = std::max(bytes, std::min(bytes * 16, cap / 64));
     uint64_t same = 0;
-    if (allocator_full && attempt < 2) same = MakeRoom(bytes, bytes, /*only_mine=*/attempt == 1 && !central());
-    if (same == 0 && MakeRoom(std::max(bytes << std::min(attempt, 6), high - std::min(high, low))) == 0) break;
+    if (allocator_full && attempt < 2) same = MakeRoom(batch, bytes, /*only_mine=*/attempt == 1 && !central());
+    if (same == 0 && MakeRoom(std::max(bytes << std::min(attempt, 6), high - std::min(high, low))) == 0) {
+      // Nothing evicted: every candidate was pinned, or its stripe held by another process just
+      // then (readers release within moments). Twice more, a moment apart, before the pool is
+      // called full.
+      if (++idle_rounds > 2) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1 << idle_rounds));
+    }
   }
   Add(kFullErrors, 1);
   return NoSpace("pool full: no room for a block of " + std::to_string(bytes) + " bytes and nothing "

@@ -306,8 +306,10 @@ int ModelsWorker(const std::string& path, uint32_t node, int rounds) {
       if (check(m, key_of(node, m, static_cast<int>(rng() % (i + 1)))) != 0) return 1;
     }
   }
-  // Most puts were acknowledged: eviction made room across the classes.
-  CHILD_CHECK(acknowledged >= uint64_t(rounds) * 3 * 9 / 10, "node %u: only %lu of %d puts acknowledged", node,
+  // Most puts were acknowledged: eviction made room across the classes. (The four processes put
+  // 2.4 times the data area: without eviction at most 42% could be. A put may still be refused
+  // when, under a sanitizer's load, every block it could evict is pinned or locked just then.)
+  CHILD_CHECK(acknowledged >= uint64_t(rounds) * 3 * 3 / 4, "node %u: only %lu of %d puts acknowledged", node,
               acknowledged, rounds * 3);
   CHILD_CHECK(verified > 0, "node %u read nothing back", node);
   return 0;
