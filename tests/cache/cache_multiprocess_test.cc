@@ -332,7 +332,7 @@ TEST(CacheProcesses, ThreeModelsFillAndEvictAcrossTheirClassesFromFourProcesses)
 
 TEST(CacheProcesses, StormUnderTheNonCoherentSimulator) {
   CXLKV_NOT_CENTRAL_UNDER_TSAN();
-  for (uint64_t seed : {11u, 22u, 33u, 44u, 55u}) {
+  for (uint64_t seed : cxlkv::testing::SimSeeds({11, 22, 33, 44, 55})) {
     testing::TempRegionPath path("storm-sim");
     ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
     StormOptions so;
@@ -365,7 +365,7 @@ TEST(CacheProcesses, BatchedStormReadsOnlyRightBytes) {
 
 TEST(CacheProcesses, BatchedStormUnderTheNonCoherentSimulator) {
   CXLKV_NOT_CENTRAL_UNDER_TSAN();
-  for (uint64_t seed : {12u, 23u, 34u, 45u, 56u}) {
+  for (uint64_t seed : cxlkv::testing::SimSeeds({12, 23, 34, 45, 56})) {
     testing::TempRegionPath path("storm-batch-sim");
     ASSERT_TRUE(testing::CreateCachePool(path.path(), 32 << 20, 1024).ok());
     auto codes = testing::RunForked(4, [&](int i) {
@@ -448,7 +448,7 @@ TEST(CacheProcesses, BatchedKillNineAtEveryStepIsRecovered) {
 // that leaves cleanly in an orphan chunk, referenced by nothing — an eviction cut short whose
 // payload's owner was recovered first (cache_recovery_test.cc shows that order alone).
 TEST(CacheProcesses, KillNineAtEveryStepUnderTheNonCoherentSimulator) {
-  for (uint64_t seed : {3u, 17u, 29u}) {
+  for (uint64_t seed : cxlkv::testing::SimSeeds({3, 17, 29})) {
     SCOPED_TRACE("seed " + std::to_string(seed));
     KillAtEveryStepAndRecover(seed, 40, 5, 6);
   }

@@ -569,7 +569,7 @@ TEST(CxlkvdPnm, APausedDaemonForgetsItsContextsAndItsClientReopens) { DaemonPaus
 // The same two stories with every process (this one, the clients, cxlkvd) behind its own
 // simulated non-coherent cache (docs/protocol.md, "Simulator"), seed by seed.
 TEST(CxlkvdPnm, KillsAndPausesUnderTheNonCoherentSimulator) {
-  for (int seed : {1, 2, 3}) {
+  for (uint64_t seed : cxlkv::testing::SimSeeds({1, 2, 3})) {
     SCOPED_TRACE("CXLKV_SIM_SEED=" + std::to_string(seed));
     ::setenv("CXLKV_SIM_SEED", std::to_string(seed).c_str(), 1);  // inherited by every child
     ClientsKilledAndPaused();

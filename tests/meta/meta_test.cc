@@ -720,7 +720,7 @@ TEST(Meta, WithNoServiceCallsFailCleanlyAndDoNotHang) {
 // The whole protocol under the non-coherent simulator: a client and the service in different
 // processes, each with its own simulated cache of the metadata, several seeds.
 TEST(Meta, RoundTripsUnderTheSimulatorWithManySeeds) {
-  for (uint64_t seed : {11u, 23u, 37u, 41u}) {
+  for (uint64_t seed : cxlkv::testing::SimSeeds({11, 23, 37, 41})) {
     TempRegionPath path("meta-sim");
     ASSERT_TRUE(CreateCentralPool(path.path()).ok());
     Child server = ForkServingHost(path.path(), 1, seed * 3 + 1);

@@ -209,7 +209,7 @@ void KillMidChurnAndRecover(uint64_t sim_seed) {
 TEST(Allocator, KillNineMidChurnKeepsPublishedAndReclaimsTheRest) { KillMidChurnAndRecover(0); }
 
 TEST(Allocator, KillNineMidChurnUnderTheNonCoherentSimulator) {
-  for (uint64_t seed : {7u, 91u, 313u}) {
+  for (uint64_t seed : cxlkv::testing::SimSeeds({7, 91, 313})) {
     SCOPED_TRACE("seed " + std::to_string(seed));
     KillMidChurnAndRecover(seed);
   }
@@ -418,7 +418,7 @@ TEST(ChunkLease, KillNineReturnsTheDeadNodesLease) { KillLesseeAndRecover(0); }
 // The same with each process behind its own simulated non-coherent cache: a lease word not
 // flushed, or read without invalidating, leaves check problems or wrong accounting here.
 TEST(ChunkLease, KillNineReturnsTheLeaseUnderTheNonCoherentSimulator) {
-  for (uint64_t seed : {101u, 202u, 303u}) {
+  for (uint64_t seed : cxlkv::testing::SimSeeds({101, 202, 303})) {
     SCOPED_TRACE("seed " + std::to_string(seed));
     KillLesseeAndRecover(seed);
   }

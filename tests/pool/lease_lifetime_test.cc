@@ -324,7 +324,7 @@ void PausedLessee(uint64_t sim_seed) {
 TEST(ChunkLease, ALesseePausedPastItsLeaseLeavesItsLeaseToTheNextLife) { PausedLessee(0); }
 
 TEST(ChunkLease, ALesseePausedPastItsLeaseUnderTheNonCoherentSimulator) {
-  for (uint64_t seed : {5u, 17u, 29u}) {
+  for (uint64_t seed : cxlkv::testing::SimSeeds({5, 17, 29})) {
     SCOPED_TRACE("seed " + std::to_string(seed));
     PausedLessee(seed);
   }

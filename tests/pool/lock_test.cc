@@ -36,7 +36,7 @@ TEST(TwoTierLock, TwoNodesOfTwoProcessesCountExactly) {
 }
 
 TEST(TwoTierLock, ExactUnderTheSimulatorOverManySeeds) {
-  for (uint64_t seed : {3, 17, 29, 41, 53}) {
+  for (uint64_t seed : cxlkv::testing::SimSeeds({3, 17, 29, 41, 53})) {
     testing::TempRegionPath path("locksim");
     LockSetup s = Prepare(path.path(), 4);
     constexpr int kIters = 150;

@@ -348,7 +348,7 @@ TEST(RemoteFree, TheRecoveryOfAnEndedLifeLeavesTheNextLifesFreesUnderTheNonCoher
 TEST(RemoteFree, ARecoveryAndTheNextLifesDrainNeverConsumeOneRingAtOnce) { NextLifeFreeDuringRecovery(0, false); }
 
 TEST(RemoteFree, ARecoveryAndTheNextLifesDrainTakeTurnsUnderTheNonCoherentSimulator) {
-  for (uint64_t seed : {13u, 101u, 457u, 823u}) {
+  for (uint64_t seed : cxlkv::testing::SimSeeds({13, 101, 457, 823})) {
     SCOPED_TRACE("seed " + std::to_string(seed));
     NextLifeFreeDuringRecovery(seed, false);
   }

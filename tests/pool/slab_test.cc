@@ -176,7 +176,7 @@ void RemoteFreesAndRecovery(uint64_t sim_seed) {
 TEST(Slab, RemoteFreesAndTheRecoveryOfADeadLifeReturnEverySlab) { RemoteFreesAndRecovery(0); }
 
 TEST(Slab, RemoteFreesAndRecoveryUnderTheNonCoherentSimulator) {
-  for (uint64_t seed : {5u, 23u, 71u}) {
+  for (uint64_t seed : cxlkv::testing::SimSeeds({5, 23, 71})) {
     SCOPED_TRACE("seed " + std::to_string(seed));
     RemoteFreesAndRecovery(seed);
   }

@@ -103,7 +103,7 @@ TEST(TierRestore, AnSsdTierWhoseOwnerWasKilledIsServedFromANewRegion) {
 }
 
 TEST(TierRestore, RestoringUnderTheNonCoherentSimulator) {
-  for (uint64_t seed : {5, 29, 71}) {
+  for (uint64_t seed : cxlkv::testing::SimSeeds({5, 29, 71})) {
     SCOPED_TRACE(seed);
     cxlkv::testing::TempRegionPath path("tier-restore-sim");
     testing::ScratchDir dir;

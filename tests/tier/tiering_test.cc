@@ -87,7 +87,7 @@ void SpillAndPromoteEverything(uint64_t sim_seed) {
 TEST(Tiering, SpilledBlocksReadBackIdenticalFromDramAndSsd) { SpillAndPromoteEverything(0); }
 
 TEST(Tiering, SpillAndPromoteUnderTheNonCoherentSimulator) {
-  for (uint64_t seed : {3, 17, 41, 59, 83, 97}) {
+  for (uint64_t seed : cxlkv::testing::SimSeeds({3, 17, 41, 59, 83, 97})) {
     SCOPED_TRACE(seed);
     SpillAndPromoteEverything(seed);
   }
