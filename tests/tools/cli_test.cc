@@ -266,9 +266,9 @@ TEST(Cli, DemoComparesFourConfigurationsWithIdenticalTokens) {
   // The long-context attention scenario is `cxlkv longctx`'s, which the LongContext tests run
   // under ThreadSanitizer too; in the demo it is 32K tokens of numeric kernels, which the TSan
   // preset leaves out for the same reason as the kernels' own tests.
-  const bool long_attention = false;
+  constexpr bool long_attention = false;
 #else
-  const bool long_attention = true;
+  constexpr bool long_attention = true;
 #endif
   auto r = Cli("demo --quick --path " + path.path() + " --size 64M --long-size 16M --tier-dir " + tier_dir +
                " --out " + out + (long_attention ? "" : " --no-long-attention"));
