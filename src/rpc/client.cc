@@ -1,6 +1,7 @@
 #include "rpc/client.h"
 
 #include <algorithm>
+#include <cstring>
 #include <thread>
 
 #include "pool/pool_internal.h"
@@ -37,6 +38,7 @@ RpcClient::RpcClient(Pool& pool, std::unique_ptr<RpcArea> area, uint32_t channel
     : node_(*pool.impl().node), area_(std::move(area)), channel_(channel), options_(options) {
   const uint32_t depth = area_->geometry().depth;
   waiting_.assign(depth, 0);
+  answered_.assign(depth, 0);
   // Resume the ring after the highest number an earlier owner of this channel published.
   region::MetaAccess& meta = area_->meta();
   uint64_t last = 0;
@@ -60,39 +62,144 @@ void RpcClient::SetPresence(bool present) {
 }
 
 Result<RpcClient::Ticket> RpcClient::Submit(uint32_t opcode, std::span<const uint8_t> payload) {
+  std::lock_guard<std::mutex> lock(mu_);
+  CXLKV_ASSIGN_OR_RETURN(Ticket t, PostLocked(opcode, payload));
+  RingLocked();
+  return t;
+}
+
+Result<RpcClient::Ticket> RpcClient::Post(uint32_t opcode, std::span<const uint8_t> payload) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return PostLocked(opcode, payload);
+}
+
+void RpcClient::Ring() {
+  std::lock_guard<std::mutex> lock(mu_);
+  RingLocked();
+}
+
+Result<RpcClient::Ticket> RpcClient::PostLocked(uint32_t opcode, std::span<const uint8_t> payload) {
   if (payload.size() > area_->request_capacity()) {
     return InvalidArgument("RPC request of " + std::to_string(payload.size()) + " bytes: service '" +
                            area_->service() + "' takes at most " + std::to_string(area_->request_capacity()));
   }
   region::MetaAccess& meta = area_->meta();
   const uint32_t depth = area_->geometry().depth;
-  std::lock_guard<std::mutex> lock(mu_);
   const uint64_t seq = next_seq_;
   const uint32_t slot = static_cast<uint32_t>((seq - 1) % depth);
   if (waiting_[slot] != 0) {
     return Busy("all " + std::to_string(depth) + " slots of this RPC channel hold requests not yet waited for");
   }
-  if (seq > depth) {
-    // The slot's previous request (ours or a dead predecessor's) must be answered first: until
-    // then the server may still read the slot.
+  if (seq > depth && answered_[slot] < seq - depth) {
+    // The slot's previous request (an abandoned one, or a dead predecessor's) must be answered
+    // first: until then the server may still read the slot.
     const uint64_t w = meta.Fetch(area_->response(node_.id(), channel_, slot));
     if (ResponseState(w) != SlotState::kDone || ResponseSeq(w) < seq - depth) {
       return Busy("the next slot of this RPC channel still holds an unanswered (abandoned) request");
     }
+    answered_[slot] = ResponseSeq(w);
   }
   const uint64_t req = area_->request(node_.id(), channel_, slot);
-  meta.Store(req + 8, (uint64_t{opcode} << 32) | payload.size());
-  meta.Write(req + kSlotHeaderBytes, payload.data(), payload.size());
-  meta.Flush(req, kSlotHeaderBytes + payload.size());  // rule P4: the body before its number
-  meta.Publish(req, seq);
+  const uint64_t word1 = (uint64_t{opcode} << 32) | payload.size();
+  constexpr size_t kHead = kLine - kSlotHeaderBytes;  // payload bytes in the slot's first line
+  posted_.push_back({slot, seq, static_cast<uint32_t>(payload.size()), word1, {}});
+  if (payload.size() <= kHead) {
+    // One line is written back whole (the simulator's and the hardware's unit): with its number
+    // stored last, a copy of the line that holds the number holds the body too (rule P4).
+    meta.Store(req + 8, word1);
+    meta.Write(req + kSlotHeaderBytes, payload.data(), payload.size());
+    meta.Store(req, seq);
+  } else {
+    // The lines past the first now; the first, which carries the number, after they are
+    // flushed (RingLocked): each line is written once.
+    std::memcpy(posted_.back().head.data(), payload.data(), kHead);
+    meta.Write(req + kLine, payload.data() + kHead, payload.size() - kHead);
+  }
   waiting_[slot] = seq;
   next_seq_ = seq + 1;
   return seq;
 }
 
+void RpcClient::RingLocked() {
+  if (posted_.empty()) return;
+  region::MetaAccess& meta = area_->meta();
+  constexpr size_t kHead = kLine - kSlotHeaderBytes;
+  lines_.clear();
+  for (const Posted& p : posted_) {
+    if (p.length <= kHead) continue;
+    const uint64_t req = area_->request(node_.id(), channel_, p.slot);
+    for (uint64_t l = kLine; l < kSlotHeaderBytes + p.length; l += kLine) lines_.push_back(req + l);
+  }
+  if (!lines_.empty()) {
+    meta.FlushEach(lines_, kLine);  // rule P1: the bodies of requests longer than a line first
+    lines_.clear();
+  }
+  for (const Posted& p : posted_) {
+    const uint64_t req = area_->request(node_.id(), channel_, p.slot);
+    if (p.length > kHead) {
+      meta.Store(req + 8, p.word1);
+      meta.Write(req + kSlotHeaderBytes, p.head.data(), kHead);
+      meta.Store(req, p.seq);  // rule P4: the number last, in the line it publishes
+    }
+    lines_.push_back(req);
+  }
+  meta.FlushEach(lines_, 8);  // every first line: one fence publishes them all
+  posted_.clear();
+}
+
+void RpcClient::PollLocked(uint32_t slot) {
+  region::MetaAccess& meta = area_->meta();
+  lines_.clear();
+  poll_slots_.clear();
+  // The oldest outstanding requests first, a window of them: the server answers a channel in
+  // ring order, so a window all answered doubles for the next poll and one that was not shrinks
+  // to what was answered. Polling every outstanding line at once would take lines from the
+  // server while it writes them.
+  const uint32_t depth = area_->geometry().depth;
+  bool has_slot = false;
+  for (uint64_t seq = next_seq_ > depth ? next_seq_ - depth : 1; seq < next_seq_ && lines_.size() < poll_window_; ++seq) {
+    const uint32_t s = static_cast<uint32_t>((seq - 1) % depth);
+    if (waiting_[s] != seq || answered_[s] == seq) continue;
+    lines_.push_back(area_->response(node_.id(), channel_, s));
+    poll_slots_.push_back(s);
+    has_slot |= s == slot;
+  }
+  if (!has_slot && waiting_[slot] != 0 && answered_[slot] != waiting_[slot]) {
+    lines_.push_back(area_->response(node_.id(), channel_, slot));
+    poll_slots_.push_back(slot);
+  }
+  if (lines_.empty()) return;
+  meta.InvalidateEach(lines_, 8);  // rule P2, one fence for all
+  // An answer longer than a line: the lines past its first are read fresh too, all of them
+  // with one more fence, before Finish reads them (rule P2).
+  std::vector<uint64_t>& rest = rest_lines_;
+  rest.clear();
+  uint32_t found = 0;
+  for (size_t i = 0; i < lines_.size(); ++i) {
+    const uint64_t w = meta.Load(lines_[i]);
+    const uint32_t s = poll_slots_[i];
+    if (ResponseState(w) != SlotState::kDone || ResponseSeq(w) != waiting_[s]) continue;
+    answered_[s] = waiting_[s];
+    ++found;
+    const uint64_t n = static_cast<uint32_t>(meta.Load(lines_[i] + 8));
+    if (n <= area_->response_capacity() && kSlotHeaderBytes + n > kLine) {
+      for (uint64_t l = kLine; l < kSlotHeaderBytes + n; l += kLine) rest.push_back(lines_[i] + l);
+    }
+  }
+  if (!rest.empty()) meta.InvalidateEach(rest, kLine);
+  poll_window_ = found == lines_.size() ? std::min(depth, poll_window_ * 2) : std::max<uint32_t>(1, found);
+}
+
 bool RpcClient::Answered(Ticket ticket) {
   if (ticket == 0) return false;
   const uint32_t slot = static_cast<uint32_t>((ticket - 1) % area_->geometry().depth);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (answered_[slot] == ticket) return true;
+  if (waiting_[slot] == ticket) {
+    RingLocked();
+    PollLocked(slot);
+    return answered_[slot] == ticket;
+  }
   const uint64_t w = area_->meta().Fetch(area_->response(node_.id(), channel_, slot));
   return ResponseState(w) == SlotState::kDone && ResponseSeq(w) == ticket;
 }
@@ -133,14 +240,15 @@ Status RpcClient::CheckServer(uint64_t seq) {
 Status RpcClient::Finish(uint64_t seq, uint32_t slot, std::span<uint8_t> out, size_t* length) {
   region::MetaAccess& meta = area_->meta();
   const uint64_t resp = area_->response(node_.id(), channel_, slot);
-  const uint64_t word1 = meta.Load(resp + 8);  // line 0 is fresh: Wait just invalidated it
+  // Fresh: the poll that saw it answered invalidated its lines (PollLocked), and the server
+  // writes the slot again only for this channel's next request there.
+  const uint64_t word1 = meta.Load(resp + 8);
   const uint64_t n = static_cast<uint32_t>(word1);
   const uint32_t code = static_cast<uint32_t>(word1 >> 32);
   if (n > area_->response_capacity() || code > static_cast<uint32_t>(StatusCode::kUnavailable)) {
     return Corrupted("malformed RPC response to request " + std::to_string(seq) + " of service '" +
                      area_->service() + "' (status " + std::to_string(code) + ", " + std::to_string(n) + " bytes)");
   }
-  if (kSlotHeaderBytes + n > kLine) meta.Invalidate(resp + kLine, RoundUpLine(kSlotHeaderBytes + n) - kLine);
   if (code != 0) {
     std::string msg(n, '\0');
     meta.Read(resp + kSlotHeaderBytes, msg.data(), n);
@@ -157,27 +265,31 @@ Status RpcClient::Finish(uint64_t seq, uint32_t slot, std::span<uint8_t> out, si
 
 Result<size_t> RpcClient::Wait(Ticket ticket, std::span<uint8_t> out, Clock::time_point deadline) {
   const uint32_t slot = static_cast<uint32_t>((ticket - 1) % area_->geometry().depth);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (ticket == 0 || waiting_[slot] != ticket) {
-      return InvalidArgument("RPC ticket " + std::to_string(ticket) + " is not waiting for an answer");
-    }
-  }
-  region::MetaAccess& meta = area_->meta();
-  const uint64_t resp = area_->response(node_.id(), channel_, slot);
-  const auto start = Clock::now();
+  Clock::time_point start{};  // read only when the answer is not in at once: a pipelined
+  Clock::time_point next_check{};  // client reaps most answers on the first look
   const auto check_every = node_.lease() / 8;
-  auto next_check = start + check_every;
   uint32_t sleeps = 0;
-  for (;;) {
-    const uint64_t w = meta.Fetch(resp);
-    if (ResponseState(w) == SlotState::kDone && ResponseSeq(w) == ticket) {
-      size_t n = 0;
-      Status s = Finish(ticket, slot, out, &n);
+  for (bool first = true;; first = false) {
+    {
       std::lock_guard<std::mutex> lock(mu_);
-      waiting_[slot] = 0;
-      if (!s.ok()) return s;
-      return n;
+      if (first) {
+        if (ticket == 0 || waiting_[slot] != ticket) {
+          return InvalidArgument("RPC ticket " + std::to_string(ticket) + " is not waiting for an answer");
+        }
+        RingLocked();  // a posted request is published before anyone waits for it
+      }
+      if (answered_[slot] != ticket) PollLocked(slot);
+      if (answered_[slot] == ticket) {
+        size_t n = 0;
+        Status s = Finish(ticket, slot, out, &n);
+        waiting_[slot] = 0;
+        if (!s.ok()) return s;
+        return n;
+      }
+    }
+    if (first) {
+      start = Clock::now();
+      next_check = start + check_every;
     }
     const auto now = Clock::now();
     if (now >= deadline) {
@@ -192,6 +304,10 @@ Result<size_t> RpcClient::Wait(Ticket ticket, std::span<uint8_t> out, Clock::tim
         Abandon(ticket);
         return alive;
       }
+    }
+    if (now - start < options_.spin_without_yield) {
+      region::CpuRelax();
+      continue;
     }
     if (now - start < options_.spin) {
       // Yield rather than spin: on a machine with fewer cores than busy threads, the server (or

@@ -26,7 +26,8 @@ struct RpcServer::Pending {
   uint32_t slot;
   uint64_t seq;
   uint32_t opcode;
-  uint32_t length;  // as the client wrote it: untrusted until checked against the slot
+  uint32_t length;  // as the client wrote it: untrusted until checked against the slot; then the
+                    // bytes of the answer's payload in its first line (staged until published)
 };
 
 Result<std::unique_ptr<RpcServer>> RpcServer::Start(Pool& pool, std::string_view service,
@@ -55,7 +56,8 @@ RpcServer::~RpcServer() {
 }
 
 RpcServerStats RpcServer::stats() const {
-  return {requests_.load(), batches_.load(), errors_.load(), takeovers_.load(), unknown_.load(), serving_.load()};
+  return {requests_.load(), batches_.load(), errors_.load(), takeovers_.load(), unknown_.load(), serving_.load(),
+          busy_ns_.load()};
 }
 
 Status RpcServer::Fence() const { return node_.CheckHeld(area_->lock()); }
@@ -108,6 +110,7 @@ Status RpcServer::TakeOver() {
   const RpcGeometry& g = area_->geometry();
   const uint32_t channels = area_->max_nodes() * g.clients_per_node;
   expected_.assign(channels, 1);
+  window_.assign(channels, 1);
   for (uint32_t n = 0; n < area_->max_nodes(); ++n) {
     for (uint32_t c = 0; c < g.clients_per_node; ++c) {
       uint64_t done = 0;
@@ -177,9 +180,16 @@ Status RpcServer::Serve() {
     if (!batch.empty()) {
       const auto found = Clock::now();
       CXLKV_RETURN_IF_ERROR(Answer(batch));
-      service_time_.Record(Clock::now() - found, batch.size());
+      const auto answered = Clock::now();
+      service_time_.Record(answered - found, batch.size());
+      busy_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(answered - now).count(),
+                         std::memory_order_relaxed);
       last_work = Clock::now();
       idle_rounds = 0;
+      continue;
+    }
+    if (now - last_work < options_.spin_without_yield) {
+      region::CpuRelax();
       continue;
     }
     if (now - last_work < options_.hot_window) {
@@ -198,33 +208,63 @@ Status RpcServer::Serve() {
   return Status::Ok();
 }
 
-// Reads the ring head of every open channel and takes the requests published in order there.
+// Reads the next requests of every open channel and takes those published in order there. Each
+// channel is probed a window of slots ahead, all windows invalidated with one fence: a window a
+// channel filled doubles for the next poll (up to the ring), one it did not fill shrinks to what
+// it held, so a pipelined client's burst is taken in a few polls and an idle channel costs a line.
 void RpcServer::Collect(std::vector<Pending>& batch) {
   region::MetaAccess& meta = area_->meta();
   const RpcGeometry& g = area_->geometry();
-  for (uint32_t idx : active_) {
+  probe_.clear();
+  probe_windows_.clear();
+  uint32_t budget = options_.max_batch;
+  const size_t channels = active_.size();
+  for (size_t k = 0; k < channels && budget > 0; ++k) {
+    const uint32_t idx = active_[(next_channel_ + k) % channels];
     const uint32_t n = idx / g.clients_per_node;
     const uint32_t c = idx % g.clients_per_node;
-    while (batch.size() < options_.max_batch) {
+    const uint32_t w = std::min(window_[idx], budget);
+    budget -= w;
+    for (uint32_t i = 0; i < w; ++i) {
+      probe_.push_back(area_->request(n, c, static_cast<uint32_t>((expected_[idx] - 1 + i) % g.depth)));
+    }
+    probe_windows_.push_back({idx, w});
+  }
+  if (channels > 0) next_channel_ = (next_channel_ + 1) % channels;  // no channel always goes first
+  if (probe_.empty()) return;
+  meta.InvalidateEach(probe_, kLine);  // rule P2: the clients' requests, not our stale copies
+  size_t at = 0;
+  for (const auto& [idx, w] : probe_windows_) {
+    const uint32_t n = idx / g.clients_per_node;
+    const uint32_t c = idx % g.clients_per_node;
+    uint32_t found = 0;
+    while (found < w) {
       const uint64_t seq = expected_[idx];
-      const uint32_t slot = static_cast<uint32_t>((seq - 1) % g.depth);
-      const uint64_t off = area_->request(n, c, slot);
-      meta.Invalidate(off, kLine);  // rule P2: the client's request, not our stale copy
+      const uint64_t off = probe_[at + found];
       if (meta.Load(off) != seq) break;
       const uint64_t word1 = meta.Load(off + 8);
-      batch.push_back({n, c, slot, seq, static_cast<uint32_t>(word1 >> 32), static_cast<uint32_t>(word1)});
+      batch.push_back({n, c, static_cast<uint32_t>((seq - 1) % g.depth), seq, static_cast<uint32_t>(word1 >> 32),
+                       static_cast<uint32_t>(word1)});
       expected_[idx] = seq + 1;
+      ++found;
     }
+    at += w;
+    window_[idx] = found == w ? std::min(g.depth, w * 2) : std::max(1u, found);
   }
 }
 
-// Runs a batch and publishes its responses: payloads first (one fence), state words last (one
-// fence), each after the fence that says this process still serves (rule P4, fencing).
+// Runs a batch and publishes its responses (rule P4, fencing): each answer's first line (status,
+// length, the payload's first 48 bytes) is staged here and written, number last, right after
+// the fence that says this process still serves, then published by one flush of that line; the
+// lines past the first of a longer answer are written and flushed before that fence. One fence
+// for a batch of one-line answers, two when one spans lines (and one more before running
+// non-idempotent requests).
 Status RpcServer::Answer(std::vector<Pending>& batch) {
   region::MetaAccess& meta = area_->meta();
   const uint32_t lock = area_->lock();
   CXLKV_RETURN_IF_ERROR(node_.CheckHeld(lock));
-  std::vector<uint64_t> lines;
+  std::vector<uint64_t>& lines = lines_;
+  lines.clear();
   for (const Pending& p : batch) {
     auto it = ops_.find(p.opcode);
     if (it != ops_.end() && !it->second.idempotent) {
@@ -233,8 +273,18 @@ Status RpcServer::Answer(std::vector<Pending>& batch) {
     }
   }
   if (!lines.empty()) meta.FlushEach(lines, 8);
+  // Collect read line 0 of each request fresh; the lines past it are invalidated together.
   lines.clear();
   for (const Pending& p : batch) {
+    if (p.length <= area_->request_capacity() && kSlotHeaderBytes + p.length > kLine) {
+      AppendLines(lines, area_->request(p.node, p.channel, p.slot) + kLine, kSlotHeaderBytes + p.length - kLine);
+    }
+  }
+  if (!lines.empty()) meta.InvalidateEach(lines, kLine);  // rule P2
+  lines.clear();
+  staged_.resize(batch.size() * kLine);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    Pending& p = batch[i];
     const uint64_t req = area_->request(p.node, p.channel, p.slot);
     const uint64_t resp = area_->response(p.node, p.channel, p.slot);
     Result<size_t> answer = 0;
@@ -245,8 +295,6 @@ Status RpcServer::Answer(std::vector<Pending>& batch) {
     } else if (it == ops_.end()) {
       answer = InvalidArgument("RPC service '" + area_->service() + "' has no opcode " + std::to_string(p.opcode));
     } else {
-      // Line 0 was invalidated by Collect; the rest of the payload is read fresh too (rule P2).
-      if (kSlotHeaderBytes + p.length > kLine) meta.Invalidate(req + kLine, RoundUpLine(kSlotHeaderBytes + p.length) - kLine);
       meta.Read(req + kSlotHeaderBytes, request_buf_.data(), p.length);
       Request r{this, p.node, p.channel, p.seq, p.opcode, {request_buf_.data(), p.length}};
       answer = it->second.run(r, {response_buf_.data(), response_buf_.size()});
@@ -254,28 +302,40 @@ Status RpcServer::Answer(std::vector<Pending>& batch) {
         answer = Internal("RPC handler of opcode " + std::to_string(p.opcode) + " overran its response buffer");
       }
     }
+    const uint8_t* body = response_buf_.data();
     uint64_t length = 0;
     StatusCode code = StatusCode::kOk;
     if (answer.ok()) {
       length = *answer;
-      meta.Write(resp + kSlotHeaderBytes, response_buf_.data(), length);
     } else {
       const Status failed = answer.status();
       code = failed.code();
       const std::string& msg = failed.message();
       length = std::min<uint64_t>(msg.size(), area_->response_capacity());
-      meta.Write(resp + kSlotHeaderBytes, msg.data(), length);
+      std::memcpy(response_buf_.data(), msg.data(), length);
       errors_.fetch_add(1, std::memory_order_relaxed);
     }
-    meta.Store(resp + 8, (uint64_t{static_cast<uint32_t>(code)} << 32) | length);
-    AppendLines(lines, resp, kSlotHeaderBytes + length);
+    // The first line, which carries the number, is staged and written whole after the fence;
+    // the lines past it are written now and flushed before it (each line written once).
+    const uint64_t word1 = (uint64_t{static_cast<uint32_t>(code)} << 32) | length;
+    const uint64_t head = std::min<uint64_t>(length, kLine - kSlotHeaderBytes);
+    uint8_t* line = staged_.data() + i * kLine;
+    std::memcpy(line + 8, &word1, 8);
+    std::memcpy(line + kSlotHeaderBytes, body, head);
+    p.length = static_cast<uint32_t>(head);
+    if (length > head) {
+      meta.Write(resp + kLine, body + head, length - head);
+      AppendLines(lines, resp + kLine, length - head);
+    }
   }
-  meta.FlushEach(lines, kLine);
+  if (!lines.empty()) meta.FlushEach(lines, kLine);  // rule P1: long answers' further lines first
   CXLKV_RETURN_IF_ERROR(node_.CheckHeld(lock));
   lines.clear();
-  for (const Pending& p : batch) {
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const Pending& p = batch[i];
     const uint64_t resp = area_->response(p.node, p.channel, p.slot);
-    meta.Store(resp, ResponseWord(p.seq, SlotState::kDone));
+    meta.Write(resp + 8, staged_.data() + i * kLine + 8, 8 + p.length);
+    meta.Store(resp, ResponseWord(p.seq, SlotState::kDone));  // rule P4: last, in the line it publishes
     lines.push_back(resp);
   }
   meta.FlushEach(lines, 8);

@@ -34,11 +34,15 @@ std::unique_ptr<rpc::RpcClient> OpenClient(Pool& pool, std::chrono::milliseconds
   return std::move(c).value();
 }
 
-// Echoes of many sizes (one line and several), then adds one at a time and a full ring at once.
-int EchoAndAdd(const std::string& path, uint32_t node, int echoes, int adds, uint64_t sim_seed = 0) {
+// Echoes of many sizes (one line and several), bursts of posted echoes behind one doorbell, then
+// adds one at a time and a full ring at once.
+// `chaos` as in ForkServer; `timeout` bounds every wait.
+int EchoAndAdd(const std::string& path, uint32_t node, int echoes, int adds, uint64_t sim_seed = 0,
+               bool chaos = true, std::chrono::milliseconds timeout = 10s) {
   auto pool = OpenOrNull({path}, node, sim_seed);
   CHILD_CHECK(pool != nullptr, "open");
-  auto client = OpenClient(*pool);
+  if (sim_seed != 0 && !chaos) Meta(*pool).simulator()->SetChaos(false);
+  auto client = OpenClient(*pool, timeout);
   CHILD_CHECK(client != nullptr, "client");
   std::vector<uint8_t> out(client->response_capacity());
   for (int k = 0; k < echoes; ++k) {
@@ -46,6 +50,25 @@ int EchoAndAdd(const std::string& path, uint32_t node, int echoes, int adds, uin
     auto n = client->Call(kEcho, in, out);
     CHILD_CHECK(n.ok(), "echo %d: %s", k, n.status().ToString().c_str());
     CHILD_CHECK(*n == in.size() && std::memcmp(out.data(), in.data(), in.size()) == 0, "echo %d differs", k);
+  }
+  // Posted in a burst behind one doorbell (one-line and longer requests mixed), answered out
+  // of ring order: the oldest last.
+  for (int round = 0; round < 3; ++round) {
+    std::vector<std::vector<uint8_t>> sent;
+    std::vector<rpc::RpcClient::Ticket> tickets;
+    for (int q = 0; q < 6; ++q) {
+      const size_t size = (q % 2 == 0) ? 1 + (q * 13 + round) % 48 : 49 + (q * 71 + round * 29) % (client->request_capacity() - 48);
+      sent.push_back(Bytes(node * 7000 + round * 10 + q, size));
+      auto t = client->Post(kEcho, sent.back());
+      CHILD_CHECK(t.ok(), "post: %s", t.status().ToString().c_str());
+      tickets.push_back(*t);
+    }
+    if (round != 1) client->Ring();  // round 1: Wait rings
+    for (int q = 5; q >= 0; --q) {
+      auto n = client->Wait(tickets[q], out, rpc::RpcClient::Clock::now() + timeout);
+      CHILD_CHECK(n.ok(), "posted echo %d: %s", q, n.status().ToString().c_str());
+      CHILD_CHECK(*n == sent[q].size() && std::memcmp(out.data(), sent[q].data(), *n) == 0, "posted echo %d differs", q);
+    }
   }
   uint64_t last = 0;
   int done = 0;
@@ -58,7 +81,7 @@ int EchoAndAdd(const std::string& path, uint32_t node, int echoes, int adds, uin
       tickets.push_back(*t);
     }
     for (auto t : tickets) {
-      auto n = client->Wait(t, out, rpc::RpcClient::Clock::now() + 10s);
+      auto n = client->Wait(t, out, rpc::RpcClient::Clock::now() + timeout);
       CHILD_CHECK(n.ok() && *n == 8, "add: %s", n.status().ToString().c_str());
       uint64_t v;
       std::memcpy(&v, out.data(), 8);
@@ -96,6 +119,25 @@ TEST(Rpc, RoundTripsUnderTheNonCoherentSimulatorWithManySeeds) {
     auto pool = OpenOrNull({path.path()}, 7);
     ASSERT_NE(pool, nullptr);
     EXPECT_EQ(ReadCounter(*pool), 120u);
+  }
+}
+
+// The same with the simulator's random write-backs and evictions off: nothing but the protocol's
+// own flushes and invalidates carries a request or an answer between processes, so one left out
+// hangs its wait (and fails it) instead of being rescued by a lucky eviction (the flush audit).
+TEST(Rpc, RoundTripsUnderTheSimulatorWithoutChaos) {
+  for (uint64_t seed : SimSeeds({1, 2})) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    TempRegionPath path("rpcquiet");
+    MakePool(path);
+    Child server = ForkServer(path.path(), 0, true, seed * 100, false);
+    ASSERT_GT(server.pid, 0);
+    auto codes = RunForked(2, [&](int i) { return EchoAndAdd(path.path(), 1 + i, 30, 30, seed * 100 + 1 + i, false, 3s); });
+    for (int c : codes) EXPECT_EQ(c, 0);
+    EXPECT_EQ(StopChild(server), 0);
+    auto pool = OpenOrNull({path.path()}, 7);
+    ASSERT_NE(pool, nullptr);
+    EXPECT_EQ(ReadCounter(*pool), 60u);
   }
 }
 
@@ -245,6 +287,44 @@ TEST(Rpc, AServerKilledNineIsReplacedByAStandbyAndNoAddRunsTwice) {
   EXPECT_EQ(StopChild(standby), 0);
   EXPECT_GE(ok, 200u);
   CheckExactlyOnce(path.path(), ok, unknown);
+}
+
+// A server behind the simulator (no random write-backs) killed after running a non-idempotent
+// request but before answering it: what it did not flush died with it, so only its published
+// "accepted" word tells the standby not to run the request again.
+TEST(Rpc, AServerKilledAfterAcceptingUnderTheSimulatorLeavesItsOutcomeUnknown) {
+  TempRegionPath path("rpcaccept");
+  MakePool(path);
+  Child first = ForkServer(path.path(), 0, true, 4242, false);
+  ASSERT_GT(first.pid, 0);
+  Child standby = ForkServer(path.path(), 2, false);
+  ASSERT_GT(standby.pid, 0);
+  Child caller = Child::Fork([&](int, int out) {
+    auto pool = OpenOrNull({path.path()}, 1);
+    if (!pool) return 1;
+    auto client = OpenClient(*pool, 20s);
+    if (!client) return 2;
+    auto n = client->Call(kAddThenStall, {});
+    Put(out, n.ok() ? 0 : static_cast<uint64_t>(n.status().code()));
+    return 0;
+  });
+  {
+    auto pool = OpenOrNull({path.path()}, 7);
+    ASSERT_NE(pool, nullptr);
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    while (ReadCounter(*pool) != 1 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
+    ASSERT_EQ(ReadCounter(*pool), 1u) << "the first server never ran the add";
+  }
+  ::kill(first.pid, SIGKILL);  // the add ran; its answer is 300 ms away
+  EXPECT_EQ(first.Wait(), 128 + SIGKILL);
+  uint64_t code = 0;
+  ASSERT_TRUE(caller.Receive(&code));
+  EXPECT_EQ(code, static_cast<uint64_t>(StatusCode::kUnavailable)) << "the add's outcome should be unknown";
+  EXPECT_EQ(caller.Wait(), 0);
+  EXPECT_EQ(StopChild(standby), 0);
+  auto pool = OpenOrNull({path.path()}, 7);
+  ASSERT_NE(pool, nullptr);
+  EXPECT_EQ(ReadCounter(*pool), 1u) << "the standby ran the accepted add again";
 }
 
 TEST(Rpc, AServerPausedPastItsLeaseIsFencedAndItsStandbyServes) {

@@ -19,6 +19,7 @@ namespace cxlkv::testing {
 inline constexpr uint32_t kEcho = 1;
 inline constexpr uint32_t kAdd = 2;   // not idempotent: counter += 1 in the pool, returns the new value
 inline constexpr uint32_t kSlow = 3;  // echoes after 300 ms
+inline constexpr uint32_t kAddThenStall = 4;  // as kAdd, then stalls 300 ms before answering
 inline constexpr char kService[] = "test";
 inline constexpr char kCounterRoot[] = "test.counter";
 
@@ -60,6 +61,12 @@ inline std::map<uint32_t, rpc::Handler> TestOps(Pool& pool, uint64_t counter_off
                  return 8;
                },
                false};
+  ops[kAddThenStall] = {[add = ops[kAdd].run](const rpc::Request& r, std::span<uint8_t> out) -> Result<size_t> {
+                         auto n = add(r, out);
+                         std::this_thread::sleep_for(std::chrono::milliseconds(300));
+                         return n;
+                       },
+                       false};
   ops[kSlow] = {[echo](const rpc::Request& r, std::span<uint8_t> out) -> Result<size_t> {
                   std::this_thread::sleep_for(std::chrono::milliseconds(300));
                   return echo(r, out);
@@ -71,10 +78,14 @@ inline std::map<uint32_t, rpc::Handler> TestOps(Pool& pool, uint64_t counter_off
 // A child serving (or standing by for) the test service as `node`: replies 1 once started
 // (2 once serving, when `wait_serving`), exits cleanly on any command. ForkServer returns once
 // it replied; its pid is -1 when it did not.
-inline Child ForkServerNoWait(const std::string& path, uint32_t node, bool wait_serving, uint64_t sim_seed = 0) {
-  return Child::Fork([path, node, wait_serving, sim_seed](int in, int out) {
+// With `sim_seed`, behind the non-coherent simulator; `chaos` false turns its random write-backs
+// and evictions off, so a missing flush or invalidate hangs instead of being rescued by luck.
+inline Child ForkServerNoWait(const std::string& path, uint32_t node, bool wait_serving, uint64_t sim_seed = 0,
+                              bool chaos = true) {
+  return Child::Fork([path, node, wait_serving, sim_seed, chaos](int in, int out) {
     auto pool = OpenOrNull({path}, node, sim_seed);
     if (!pool) return 1;
+    if (sim_seed != 0 && !chaos) Meta(*pool).simulator()->SetChaos(false);
     auto counter = CounterOffset(*pool);
     if (!counter.ok()) return 2;
     auto server = rpc::RpcServer::Start(*pool, kService, TestOps(*pool, *counter));
@@ -90,8 +101,9 @@ inline Child ForkServerNoWait(const std::string& path, uint32_t node, bool wait_
   });
 }
 
-inline Child ForkServer(const std::string& path, uint32_t node, bool wait_serving, uint64_t sim_seed = 0) {
-  Child c = ForkServerNoWait(path, node, wait_serving, sim_seed);
+inline Child ForkServer(const std::string& path, uint32_t node, bool wait_serving, uint64_t sim_seed = 0,
+                        bool chaos = true) {
+  Child c = ForkServerNoWait(path, node, wait_serving, sim_seed, chaos);
   uint64_t ready = 0;
   if (!c.Receive(&ready) || ready != (wait_serving ? 2u : 1u)) {
     c.Wait();
