@@ -38,8 +38,6 @@ inline constexpr uint64_t kRpcMagic = 0x4350524b4c5843ull;  // "CXLKRPC" little-
 inline constexpr uint32_t kRpcVersion = 1;
 inline constexpr uint64_t kLine = 64;
 inline constexpr uint64_t kSlotHeaderBytes = 16;  // the state word and the opcode/status word
-// Whole lines covering n bytes: what a slot's reader invalidates past its first line.
-inline constexpr uint64_t RoundUpLine(uint64_t n) { return (n + kLine - 1) / kLine * kLine; }
 
 // The shape of a service's slots. Every field is validated at open (ValidateGeometry).
 struct RpcGeometry {
