@@ -310,11 +310,11 @@ TEST(Cli, DemoComparesFourConfigurationsWithIdenticalTokens) {
   EXPECT_GT(tiered["tiers"]["promoted"].get<uint64_t>(), 0u);
   EXPECT_GT(tiered["hit_rate_by_tier"]["dram"].get<double>() + tiered["hit_rate_by_tier"]["ssd"].get<double>(), 0);
   EXPECT_EQ(plain["hit_rate_by_tier"]["dram"].get<double>() + plain["hit_rate_by_tier"]["ssd"].get<double>(), 0);
-  // Tiered hits as much, within a block or two of the ~400 the second half asks for: more
-  // depends on the background spiller keeping up with the writer, which a loaded 2-core machine
-  // does not promise (seen there: 0.808 tiered, 0.811 plain; alone: 0.97 and 0.81). The tiers
-  // serving hits at all is asserted above.
-  EXPECT_GE(tiered["second_half_hit_rate"].get<double>(), plain["second_half_hit_rate"].get<double>() - 0.01)
+  // One request at a time over more KV than the region holds is LRU's worst case, the same on
+  // every run: the pool alone keeps few of the first pass's documents; with tiers eviction is a
+  // spill and the second pass hits all but each question's own blocks (97%).
+  EXPECT_GE(tiered["second_half_hit_rate"].get<double>(), 0.9) << "tiered " << tiered.dump();
+  EXPECT_GT(tiered["second_half_hit_rate"].get<double>(), plain["second_half_hit_rate"].get<double>() + 0.3)
       << "tiered " << tiered.dump() << "\nplain " << plain.dump();
   EXPECT_TRUE(lc["tokens_identical"].get<bool>());
   // Last, the long-context attention scenario: dense, then sparse and hybrid per budget, in the
