@@ -1,9 +1,11 @@
 #include "region/nc_sim.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 #include "region/coherence.h"
 
@@ -53,7 +55,14 @@ void NcSimCache::WriteBack(uint64_t line_index, Line& line) {
   // The whole line goes back, including words this host never stored to: that is how a stale
   // dirty line clobbers a neighbour's newer value (false sharing across hosts).
   auto* dst = reinterpret_cast<uint64_t*>(memory_ + line_index * kLine);
-  for (size_t w = 0; w < 8; ++w) __atomic_store_n(dst + w, line.words[w], __ATOMIC_RELAXED);
+  size_t pause_after = 8;
+  if (chaos_ && std::uniform_real_distribution<double>(0.0, 1.0)(rng_) < options_.torn_writeback_probability) {
+    pause_after = 1 + rng_() % 7;
+  }
+  for (size_t w = 0; w < 8; ++w) {
+    if (w == pause_after) std::this_thread::sleep_for(std::chrono::microseconds(20));
+    __atomic_store_n(dst + w, line.words[w], __ATOMIC_RELAXED);
+  }
   line.dirty = false;
 }
 

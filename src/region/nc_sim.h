@@ -8,6 +8,8 @@
 //   - a store dirties only the cached copy, so other hosts see nothing until it is written back;
 //   - Flush writes a dirty line back whole (64 bytes) and drops it; Invalidate does the same
 //     (x86's clflush is the only user-mode invalidate, and it writes back dirty data);
+//   - a write-back is 8 word stores: at seeded random moments it pauses between two of them,
+//     so a fill by another host may see the line half new (only 8-byte words are atomic);
 //   - at seeded random moments a dirty line is written back whole, and lines are evicted, as a
 //     real cache does under pressure: a line holding one host's unflushed store can overwrite a
 //     newer value another host published in the same line.
@@ -35,6 +37,11 @@ struct SimOptions {
   double writeback_probability = 0.05;  // per access: write back one random dirty line
   double evict_probability = 0.02;      // per access: evict one random line (writing it back)
   size_t capacity_lines = 512;          // more than this many cached lines: evict at random
+  // Per write-back: pause (20 µs) after a random number of its 8 words, so that another host's
+  // fill of the line meanwhile sees part of it new and part old. Memory is written atomically
+  // 8 bytes at a time, not a line at a time; a protocol that trusts the rest of a line because
+  // it sees one word of it new fails under this.
+  double torn_writeback_probability = 0.01;
 };
 
 struct SimStats {

@@ -99,51 +99,36 @@ Result<RpcClient::Ticket> RpcClient::PostLocked(uint32_t opcode, std::span<const
     }
     answered_[slot] = ResponseSeq(w);
   }
+  // Everything but the number now; Ring flushes it, then writes the numbers (rule P4).
   const uint64_t req = area_->request(node_.id(), channel_, slot);
-  const uint64_t word1 = (uint64_t{opcode} << 32) | payload.size();
-  constexpr size_t kHead = kLine - kSlotHeaderBytes;  // payload bytes in the slot's first line
-  posted_.push_back({slot, seq, static_cast<uint32_t>(payload.size()), word1, {}});
-  if (payload.size() <= kHead) {
-    // One line is written back whole (the simulator's and the hardware's unit): with its number
-    // stored last, a copy of the line that holds the number holds the body too (rule P4).
-    meta.Store(req + 8, word1);
-    meta.Write(req + kSlotHeaderBytes, payload.data(), payload.size());
-    meta.Store(req, seq);
-  } else {
-    // The lines past the first now; the first, which carries the number, after they are
-    // flushed (RingLocked): each line is written once.
-    std::memcpy(posted_.back().head.data(), payload.data(), kHead);
-    meta.Write(req + kLine, payload.data() + kHead, payload.size() - kHead);
-  }
+  meta.Store(req + 8, (uint64_t{opcode} << 32) | payload.size());
+  meta.Write(req + kSlotHeaderBytes, payload.data(), payload.size());
+  posted_.push_back({slot, seq, static_cast<uint32_t>(payload.size())});
   waiting_[slot] = seq;
   next_seq_ = seq + 1;
   return seq;
 }
 
+// Two fences for any number of posted requests: their lines, then their numbers. The number
+// shares the first line with the header and the payload's first bytes, and memory is only
+// written 8 bytes at a time atomically (a line fill may see half of a concurrent write-back:
+// the simulator does), so the rest of the line is in memory before the number is written.
 void RpcClient::RingLocked() {
   if (posted_.empty()) return;
   region::MetaAccess& meta = area_->meta();
-  constexpr size_t kHead = kLine - kSlotHeaderBytes;
   lines_.clear();
   for (const Posted& p : posted_) {
-    if (p.length <= kHead) continue;
     const uint64_t req = area_->request(node_.id(), channel_, p.slot);
-    for (uint64_t l = kLine; l < kSlotHeaderBytes + p.length; l += kLine) lines_.push_back(req + l);
+    for (uint64_t l = 0; l < kSlotHeaderBytes + p.length; l += kLine) lines_.push_back(req + l);
   }
-  if (!lines_.empty()) {
-    meta.FlushEach(lines_, kLine);  // rule P1: the bodies of requests longer than a line first
-    lines_.clear();
-  }
+  meta.FlushEach(lines_, kLine);  // rule P1: every line of every posted request first
+  lines_.clear();
   for (const Posted& p : posted_) {
     const uint64_t req = area_->request(node_.id(), channel_, p.slot);
-    if (p.length > kHead) {
-      meta.Store(req + 8, p.word1);
-      meta.Write(req + kSlotHeaderBytes, p.head.data(), kHead);
-      meta.Store(req, p.seq);  // rule P4: the number last, in the line it publishes
-    }
+    meta.Store(req, p.seq);  // rule P4: the number last
     lines_.push_back(req);
   }
-  meta.FlushEach(lines_, 8);  // every first line: one fence publishes them all
+  meta.FlushEach(lines_, 8);  // one fence publishes them all
   posted_.clear();
 }
 

@@ -11,9 +11,9 @@
 // a channel has one writer; a process that takes over the slot of a dead one resumes the
 // channel's ring where the dead one left it (its last requests are still answered, to nobody).
 // A request is written to its ring slot (payload and opcode, flushed), then its number is
-// published in one word (rule P4); a request that fits one line (header and payload, at most
-// 48 bytes of payload) is written whole, its number last, and published by one flush of that
-// line. Posted requests share one doorbell: their flushes are issued together and fenced once.
+// published in one word (rule P4): never in the same write-back as the rest of its line, since
+// memory is atomic only 8 bytes at a time. Posted requests share one doorbell: their flushes
+// are issued together, fenced once, and their numbers published with one more fence.
 // The answer is awaited by polling the response words of every outstanding request at once
 // (one fence for all), a short spin, then sleeps that grow to half a millisecond. Every wait has a deadline; while
 // waiting the client watches the server line, so a server that dies or is paused is noticed
@@ -24,7 +24,6 @@
 #ifndef CXLKV_SRC_RPC_CLIENT_H_
 #define CXLKV_SRC_RPC_CLIENT_H_
 
-#include <array>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -125,8 +124,6 @@ class RpcClient {
     uint32_t slot;
     uint64_t seq;
     uint32_t length;  // payload bytes
-    uint64_t word1;   // opcode << 32 | length
-    std::array<uint8_t, kLine - kSlotHeaderBytes> head;  // a longer request's first line, written at Ring
   };
   std::vector<Posted> posted_;        // written, not yet rung
   std::vector<uint64_t> lines_;       // scratch: lines to flush or invalidate together

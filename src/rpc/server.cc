@@ -26,8 +26,7 @@ struct RpcServer::Pending {
   uint32_t slot;
   uint64_t seq;
   uint32_t opcode;
-  uint32_t length;  // as the client wrote it: untrusted until checked against the slot; then the
-                    // bytes of the answer's payload in its first line (staged until published)
+  uint32_t length;  // as the client wrote it: untrusted until checked against the slot
 };
 
 Result<std::unique_ptr<RpcServer>> RpcServer::Start(Pool& pool, std::string_view service,
@@ -253,12 +252,12 @@ void RpcServer::Collect(std::vector<Pending>& batch) {
   }
 }
 
-// Runs a batch and publishes its responses (rule P4, fencing): each answer's first line (status,
-// length, the payload's first 48 bytes) is staged here and written, number last, right after
-// the fence that says this process still serves, then published by one flush of that line; the
-// lines past the first of a longer answer are written and flushed before that fence. One fence
-// for a batch of one-line answers, two when one spans lines (and one more before running
-// non-idempotent requests).
+// Runs a batch and publishes its responses (rule P4, fencing): every line of every answer but
+// its number is written and flushed (one fence); then, right after the fence that says this
+// process still serves, the "done" numbers, published by one more flush batch. The number
+// shares its line with the status, the length and the payload's first 48 bytes, and memory is
+// written atomically only 8 bytes at a time, so that line is in memory before its number is.
+// Two fences for a batch (and one more before running non-idempotent requests).
 Status RpcServer::Answer(std::vector<Pending>& batch) {
   region::MetaAccess& meta = area_->meta();
   const uint32_t lock = area_->lock();
@@ -282,7 +281,6 @@ Status RpcServer::Answer(std::vector<Pending>& batch) {
   }
   if (!lines.empty()) meta.InvalidateEach(lines, kLine);  // rule P2
   lines.clear();
-  staged_.resize(batch.size() * kLine);
   for (size_t i = 0; i < batch.size(); ++i) {
     Pending& p = batch[i];
     const uint64_t req = area_->request(p.node, p.channel, p.slot);
@@ -315,27 +313,16 @@ Status RpcServer::Answer(std::vector<Pending>& batch) {
       std::memcpy(response_buf_.data(), msg.data(), length);
       errors_.fetch_add(1, std::memory_order_relaxed);
     }
-    // The first line, which carries the number, is staged and written whole after the fence;
-    // the lines past it are written now and flushed before it (each line written once).
-    const uint64_t word1 = (uint64_t{static_cast<uint32_t>(code)} << 32) | length;
-    const uint64_t head = std::min<uint64_t>(length, kLine - kSlotHeaderBytes);
-    uint8_t* line = staged_.data() + i * kLine;
-    std::memcpy(line + 8, &word1, 8);
-    std::memcpy(line + kSlotHeaderBytes, body, head);
-    p.length = static_cast<uint32_t>(head);
-    if (length > head) {
-      meta.Write(resp + kLine, body + head, length - head);
-      AppendLines(lines, resp + kLine, length - head);
-    }
+    meta.Store(resp + 8, (uint64_t{static_cast<uint32_t>(code)} << 32) | length);
+    meta.Write(resp + kSlotHeaderBytes, body, length);
+    AppendLines(lines, resp, kSlotHeaderBytes + length);
   }
-  if (!lines.empty()) meta.FlushEach(lines, kLine);  // rule P1: long answers' further lines first
+  meta.FlushEach(lines, kLine);  // rule P1: every line of every answer first
   CXLKV_RETURN_IF_ERROR(node_.CheckHeld(lock));
   lines.clear();
-  for (size_t i = 0; i < batch.size(); ++i) {
-    const Pending& p = batch[i];
+  for (const Pending& p : batch) {
     const uint64_t resp = area_->response(p.node, p.channel, p.slot);
-    meta.Write(resp + 8, staged_.data() + i * kLine + 8, 8 + p.length);
-    meta.Store(resp, ResponseWord(p.seq, SlotState::kDone));  // rule P4: last, in the line it publishes
+    meta.Store(resp, ResponseWord(p.seq, SlotState::kDone));  // rule P4: last
     lines.push_back(resp);
   }
   meta.FlushEach(lines, 8);

@@ -151,7 +151,6 @@ class RpcServer {
   std::vector<uint64_t> probe_;        // scratch of Collect: request lines probed this poll...
   std::vector<std::pair<uint32_t, uint32_t>> probe_windows_;  // ...per channel index, how many
   std::vector<uint64_t> lines_;        // scratch of Answer: lines flushed or invalidated together
-  std::vector<uint8_t> staged_;        // scratch of Answer: one-line answers until published
   std::vector<uint8_t> request_buf_;
   std::vector<uint8_t> response_buf_;
 
