@@ -258,7 +258,7 @@ void RpcServer::Collect(std::vector<Pending>& batch) {
 // shares its line with the status, the length and the payload's first 48 bytes, and memory is
 // written atomically only 8 bytes at a time, so that line is in memory before its number is.
 // Two fences for a batch (and one more before running non-idempotent requests).
-Status RpcServer::Answer(std::vector<Pending>& batch) {
+Status RpcServer::Answer(const std::vector<Pending>& batch) {
   region::MetaAccess& meta = area_->meta();
   const uint32_t lock = area_->lock();
   CXLKV_RETURN_IF_ERROR(node_.CheckHeld(lock));
@@ -281,8 +281,7 @@ Status RpcServer::Answer(std::vector<Pending>& batch) {
   }
   if (!lines.empty()) meta.InvalidateEach(lines, kLine);  // rule P2
   lines.clear();
-  for (size_t i = 0; i < batch.size(); ++i) {
-    Pending& p = batch[i];
+  for (const Pending& p : batch) {
     const uint64_t req = area_->request(p.node, p.channel, p.slot);
     const uint64_t resp = area_->response(p.node, p.channel, p.slot);
     Result<size_t> answer = 0;

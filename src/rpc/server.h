@@ -128,7 +128,7 @@ class RpcServer {
   Status Serve();
   void RefreshPresence();
   void Collect(std::vector<Pending>& batch);
-  Status Answer(std::vector<Pending>& batch);
+  Status Answer(const std::vector<Pending>& batch);
   void Beat();
 
   Pool& pool_;
