@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <string>
 #include <thread>
 
 #include "region/coherence.h"
@@ -14,6 +15,16 @@ double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   size_t n = v.size();
   return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+const char* Goal::Key() const {
+  if (on == On::kRatio) return at_most ? "ratio_max" : "ratio_min";
+  return at_most ? "median_max" : "median_min";
+}
+
+bool Goal::Met(double value) const {
+  if (!(value > 0)) return false;
+  return at_most ? value <= bound : value >= bound;
 }
 
 nlohmann::json FigureJson(const Figure& f) {
@@ -33,6 +44,16 @@ nlohmann::json FigureJson(const Figure& f) {
     j["ratio"] = nullptr;
   }
   j["note"] = f.note;
+  if (f.goal) {
+    const double value = f.goal->on == Goal::On::kRatio
+                             ? (j["ratio"].is_null() ? 0.0 : j["ratio"].get<double>())
+                             : j["median"].get<double>();
+    j["goal"] = {{f.goal->Key(), f.goal->bound}};
+    j["met"] = f.goal->Met(value);
+  } else {
+    j["goal"] = nullptr;
+    j["met"] = nullptr;
+  }
   return j;
 }
 
@@ -54,23 +75,57 @@ nlohmann::json MachineJson() {
   return j;
 }
 
+namespace {
+
+// "<= 3", ">= 0.85", "median >= 4": a figure's goal as the table shows it ("" without one).
+std::string GoalText(const nlohmann::json& figure) {
+  if (!figure.contains("goal") || !figure["goal"].is_object() || figure["goal"].empty()) return "";
+  const auto it = figure["goal"].begin();
+  const std::string& key = it.key();
+  char text[64];
+  std::snprintf(text, sizeof text, "%s%s %g", key.starts_with("median") ? "median " : "",
+                key.ends_with("_max") ? "<=" : ">=", it.value().get<double>());
+  return text;
+}
+
+}  // namespace
+
 void PrintTable(const nlohmann::json& report, std::FILE* out) {
-  std::fprintf(out, "suite %s on %s (%u cores)\n", report.value("suite", "?").c_str(),
-               report["machine"].value("cpu", "?").c_str(),
-               report["machine"].value("cores", 0u));
-  std::fprintf(out, "%-34s %12s %-8s  %-30s %12s %8s\n", "figure", "median", "unit", "reference",
-               "ref median", "ratio");
+  const nlohmann::json& machine = report["machine"];
+  std::fprintf(out, "suite %s on %s (%u cores)", report.value("suite", "?").c_str(),
+               machine.value("cpu", "?").c_str(), machine.value("cores", 0u));
+  if (machine.contains("line_pingpong_ns") && machine.contains("nt_copy_gbps")) {
+    std::fprintf(out, "; limits: line ping-pong %.0f ns/round trip, one-thread nt copy %.2f GB/s",
+                 machine["line_pingpong_ns"].get<double>(), machine["nt_copy_gbps"].get<double>());
+  }
+  std::fprintf(out, "\n%-34s %12s %-8s  %-30s %12s %8s  %-13s %s\n", "figure", "median", "unit",
+               "reference", "ref median", "ratio", "goal", "met");
+  int goals = 0, met_goals = 0;
+  std::string missed;
   for (const auto& r : report["results"]) {
-    std::string ref = r.value("reference", "");
-    if (ref.empty()) {
-      std::fprintf(out, "%-34s %12.3f %-8s\n", r["name"].get<std::string>().c_str(),
-                   r["median"].get<double>(), r["unit"].get<std::string>().c_str());
-    } else {
-      std::fprintf(out, "%-34s %12.3f %-8s  %-30s %12.3f %8.3f\n",
-                   r["name"].get<std::string>().c_str(), r["median"].get<double>(),
-                   r["unit"].get<std::string>().c_str(), ref.c_str(),
-                   r["reference_median"].get<double>(), r["ratio"].get<double>());
+    const std::string ref = r.value("reference", "");
+    const std::string goal = GoalText(r);
+    const std::string name = r["name"].get<std::string>();
+    std::fprintf(out, "%-34s %12.3f %-8s", name.c_str(), r["median"].get<double>(),
+                 r["unit"].get<std::string>().c_str());
+    if (!ref.empty()) {
+      std::fprintf(out, "  %-30s %12.3f %8.3f", ref.c_str(), r["reference_median"].get<double>(),
+                   r["ratio"].get<double>());
+    } else if (!goal.empty()) {
+      std::fprintf(out, "  %-30s %12s %8s", "-", "-", "-");
     }
+    if (!goal.empty()) {
+      const bool met = r.value("met", false);
+      std::fprintf(out, "  %-13s %s", goal.c_str(), met ? "met" : "MISSED");
+      ++goals;
+      met_goals += met ? 1 : 0;
+      if (!met) missed += (missed.empty() ? "" : ", ") + name;
+    }
+    std::fprintf(out, "\n");
+  }
+  if (goals > 0) {
+    std::fprintf(out, "goals: %d of %d met%s%s\n", met_goals, goals,
+                 missed.empty() ? "" : "; missed: ", missed.c_str());
   }
 }
 
