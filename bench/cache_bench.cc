@@ -109,6 +109,7 @@ Result<nlohmann::json> RunCacheBench(const BenchOptions& options) {
   const int blocks = options.quick ? 8 : 48;
   constexpr uint64_t kBlock = uint64_t{2} << 20;
   std::string path = options.workdir + "/cxlkv-bench-cache-" + std::to_string(::getpid());
+  nlohmann::json machine = MachineJsonWithLimits(options);
   PoolCreateOptions co;
   co.size = (options.quick ? 128ull : 512ull) << 20;
   co.max_nodes = 2;
@@ -236,7 +237,7 @@ Result<nlohmann::json> RunCacheBench(const BenchOptions& options) {
   ::unlink(path.c_str());
   nlohmann::json report;
   report["suite"] = "cache";
-  report["machine"] = MachineJson();
+  report["machine"] = std::move(machine);
   report["repetitions"] = reps;
   report["blocks"] = blocks;
   report["coherence"] = std::string(CoherenceModeName(coherence));

@@ -9,6 +9,7 @@
 //   alloc  alloc+free pairs per second of 256 B objects (node heap) and 2 MiB objects (whole
 //          chunks under the allocator lock), next to malloc/free of the same sizes.
 #include <pthread.h>
+#include <signal.h>
 #include <time.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -85,7 +86,7 @@ double CpuSeconds() {
 
 // Two processes bounce a counter through two cache lines, each publishing with store + clflush
 // (+ mfence) and observing with invalidate + load: the round trip every grant costs at least.
-double LinePingPongNs(int rounds) {
+double LinePingPongNs(int rounds, double max_seconds) {
   auto* lines = static_cast<volatile uint64_t*>(mmap(nullptr, 4096, PROT_READ | PROT_WRITE,
                                                       MAP_SHARED | MAP_ANONYMOUS, -1, 0));
   volatile uint64_t* ping = lines;
@@ -109,12 +110,16 @@ double LinePingPongNs(int rounds) {
     ::_exit(0);
   }
   auto t0 = Clock::now();
-  for (int i = 1; i <= rounds; ++i) {
-    *ping = static_cast<uint64_t>(i);
+  int done = 0;
+  while (done < rounds) {
+    ++done;
+    *ping = static_cast<uint64_t>(done);
     region::FlushLines(const_cast<uint64_t*>(ping), 8);
-    wait_for(pong, static_cast<uint64_t>(i));
+    wait_for(pong, static_cast<uint64_t>(done));
+    if (max_seconds > 0 && done % 64 == 0 && NsSince(t0) > max_seconds * 1e9) break;
   }
-  double ns = NsSince(t0) / rounds;
+  double ns = NsSince(t0) / done;
+  if (done < rounds) ::kill(child, SIGKILL);  // it waits for a round that will not come
   int status = 0;
   ::waitpid(child, &status, 0);
   munmap(const_cast<uint64_t*>(lines), 4096);
@@ -124,6 +129,7 @@ double LinePingPongNs(int rounds) {
 Result<nlohmann::json> RunLockBench(const BenchOptions& options) {
   const int reps = options.quick ? 2 : options.repetitions;
   const int ops = options.quick ? 500 : 5000;
+  nlohmann::json machine = MachineJsonWithLimits(options);
   std::string path = options.workdir + "/cxlkv-bench-lock-" + std::to_string(::getpid());
   PoolCreateOptions co;
   co.size = 16 << 20;
@@ -222,7 +228,7 @@ Result<nlohmann::json> RunLockBench(const BenchOptions& options) {
   ::unlink(path.c_str());
   nlohmann::json report;
   report["suite"] = "lock";
-  report["machine"] = MachineJson();
+  report["machine"] = std::move(machine);
   report["repetitions"] = reps;
   report["results"] = results;
   return report;

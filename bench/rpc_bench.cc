@@ -259,6 +259,7 @@ Result<nlohmann::json> RunRpcBench(const BenchOptions& options) {
   const int qd1 = options.quick ? 2000 : 20000;
   const int qd128 = options.quick ? 20000 : 200000;
   const std::string path = options.workdir + "/cxlkv-bench-rpc-" + std::to_string(::getpid());
+  nlohmann::json machine = MachineJsonWithLimits(options);
   std::vector<double> pingpong, rpc_ns, rpc_ops, server_ops, two_line_ops, qd1_ops, tcp_ns, speedup;
   for (int rep = 0; rep < reps; ++rep) {
     pingpong.push_back(LinePingPongNs(qd1));
@@ -294,7 +295,7 @@ Result<nlohmann::json> RunRpcBench(const BenchOptions& options) {
   for (auto& f : modes) results.push_back(std::move(f));
   nlohmann::json report;
   report["suite"] = "rpc";
-  report["machine"] = MachineJson();
+  report["machine"] = std::move(machine);
   report["repetitions"] = reps;
   report["results"] = results;
   return report;

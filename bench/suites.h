@@ -43,8 +43,15 @@ Result<nlohmann::json> RunTraceBench(const BenchOptions& options);        // tra
 
 // The reference every cross-process protocol chases: two processes bounce a counter through two
 // cache lines, each publishing with store + clflush and observing with invalidate + load.
-// Returns ns per round trip (pool_bench.cc).
-double LinePingPongNs(int rounds);
+// Returns ns per round trip (pool_bench.cc). With max_seconds > 0 it stops after about that long
+// even if fewer rounds were done (a loaded machine: one round can take a scheduler time slice).
+double LinePingPongNs(int rounds, double max_seconds = 0);
+
+// MachineJson() plus "line_pingpong_ns" (median of 3 LinePingPongNs runs of 2000 rounds, each
+// cut off after 0.2 s) and "nt_copy_gbps" (one thread's non-temporal copy of 64 MiB, 16 MiB with
+// --quick), measured now: the machine block of the lock, rpc, transfer and cache suites
+// (machine_limits.cc).
+nlohmann::json MachineJsonWithLimits(const BenchOptions& options);
 
 // The prefix index's lookup, reserve+commit and 4-writer put in both metadata modes, as figures
 // of the rpc suite (meta_bench.cc).

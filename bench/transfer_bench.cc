@@ -38,6 +38,7 @@ Result<nlohmann::json> RunTransferBench(const BenchOptions& options) {
   const int reps = options.quick ? 2 : options.repetitions;
   const uint32_t blocks = options.quick ? 4 : 32;
   std::string path = options.workdir + "/cxlkv-bench-transfer-" + std::to_string(::getpid());
+  nlohmann::json machine = MachineJsonWithLimits(options);
   PoolCreateOptions co;
   co.size = (options.quick ? 128ull : 512ull) << 20;
   co.max_nodes = 2;
@@ -206,7 +207,7 @@ Result<nlohmann::json> RunTransferBench(const BenchOptions& options) {
   ::unlink(path.c_str());
   nlohmann::json report;
   report["suite"] = "transfer";
-  report["machine"] = MachineJson();
+  report["machine"] = std::move(machine);
   report["repetitions"] = reps;
   report["blocks_per_request"] = blocks;
   report["threads"] = xfer.options().threads;
