@@ -279,14 +279,17 @@ Result<nlohmann::json> RunRpcBench(const BenchOptions& options) {
                                 "two processes, store+clflush then invalidate+load each way: the limit"}));
   results.push_back(FigureJson({"rpc_64B_qd1", "ns/round trip", false, rpc_ns, "line_pingpong/2proc", pingpong,
                                 "64-byte request and reply (one line each), client node 1 -> server node 0, "
-                                "software-coherent; goal ratio <= 2"}));
+                                "software-coherent; goal ratio <= 2",
+                                Goal::RatioAtMost(2)}));
   results.push_back(FigureJson({"tcp_loopback_64B_qd1", "ns/round trip", false, tcp_ns, "", {},
                                 "the same echo over TCP on loopback (TCP_NODELAY)"}));
   results.push_back(FigureJson({"rpc_vs_tcp_latency", "x lower latency", true, speedup, "", {},
-                                "TCP loopback round trip / RPC round trip, same repetition; goal >= 10"}));
+                                "TCP loopback round trip / RPC round trip, same repetition; goal >= 10",
+                                Goal::MedianAtLeast(10)}));
   results.push_back(FigureJson({"rpc_64B_qd128", "Mops", true, rpc_ops, "rpc_64B_qd1_rate", qd1_ops,
                                 "one server thread, 128 requests in flight from one client posting before each "
-                                "doorbell, client and server on this machine's cores; ratio to the QD1 rate; goal >= 4 Mops"}));
+                                "doorbell, client and server on this machine's cores; ratio to the QD1 rate; goal >= 4 Mops",
+                                Goal::MedianAtLeast(4)}));
   results.push_back(FigureJson({"rpc_64B_qd128_server", "Mops", true, server_ops, "rpc_64B_qd128", rpc_ops,
                                 "the same requests over the server thread's busy time: what it reaches alone"}));
   results.push_back(FigureJson({"rpc_128B_qd128", "Mops", true, two_line_ops, "rpc_64B_qd128", rpc_ops,
