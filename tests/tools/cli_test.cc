@@ -236,6 +236,17 @@ TEST(Cli, BenchRpcQuickReportsTheRoundTripNextToItsLimits) {
                            "rpc_64B_qd128"}) {
     EXPECT_TRUE(names.count(want)) << want;
   }
+  // The machine block carries the two limits, measured in the same run.
+  EXPECT_GT(j["machine"]["line_pingpong_ns"].get<double>(), 0) << j["machine"].dump();
+  EXPECT_GT(j["machine"]["nt_copy_gbps"].get<double>(), 0) << j["machine"].dump();
+  // A figure with a goal carries it and its verdict as data; one without has nulls.
+  auto by_name = FiguresByName(j);
+  EXPECT_EQ(by_name["rpc_64B_qd1"]["goal"], nlohmann::json({{"ratio_max", 2.0}}));
+  EXPECT_TRUE(by_name["rpc_64B_qd1"]["met"].is_boolean()) << by_name["rpc_64B_qd1"].dump();
+  EXPECT_EQ(by_name["rpc_64B_qd128"]["goal"], nlohmann::json({{"median_min", 4.0}}));
+  EXPECT_TRUE(by_name["rpc_64B_qd128"]["met"].is_boolean());
+  EXPECT_TRUE(by_name["tcp_loopback_64B_qd1"]["goal"].is_null());
+  EXPECT_TRUE(by_name["tcp_loopback_64B_qd1"]["met"].is_null());
 }
 
 TEST(Cli, BenchTierQuickReportsTheSsdTierNextToFio) {
