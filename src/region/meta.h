@@ -46,6 +46,13 @@ class MetaAccess {
     if (sim_) [[unlikely]] return sim_->Load64(off);
     return __atomic_load_n(reinterpret_cast<uint64_t*>(base_ + off), __ATOMIC_ACQUIRE);
   }
+  // A hint that this process is about to write the line at `off` (prefetchw): the line's miss
+  // then overlaps whatever comes before the store. No effect on what anyone reads.
+  void PrefetchForWrite(uint64_t off) {
+    CheckWord(off);
+    if (sim_) [[unlikely]] return;
+    __builtin_prefetch(base_ + off, 1, 3);
+  }
   void Store(uint64_t off, uint64_t value) {
     CheckWord(off);
     if (sim_) [[unlikely]] return sim_->Store64(off, value);

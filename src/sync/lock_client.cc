@@ -91,24 +91,33 @@ class GrantWait {
 
 }  // namespace
 
-// Tells the manager that this node's request for `lock` changed: the wanted bit (local atomics:
-// only this node's processes write its doorbell), then the sequence, then one flush (P1). The
-// request word itself was published before, so a manager that sees the new sequence finds it.
-void Node::RingDoorbell(uint32_t lock, bool want) {
+// Publishes this node's request word for `lock` (single writer: this node, under the lock's
+// local mutex) and tells the manager: the wanted bit and the sequence (local atomics: only this
+// node's processes write its doorbell), then one flush of the doorbell and request lines under
+// one fence (P1). The two lines may reach memory in either order, so a manager can read the new
+// sequence over the old request (or the new request before its bit); it reads a request whose
+// parity disagrees with its bit again on its next scans until they agree (lock_manager.cc), so
+// neither order loses a request, and the release's second fence is not needed. The doorbell goes
+// first in the batch: under the simulator it reaches memory first, the order that needs the
+// manager's re-read.
+void Node::PublishRequest(uint32_t lock, uint64_t request, bool want) {
   const uint32_t me = options_.node_id;
   const uint64_t word = layout_.wanted_word(me, lock);
   const uint64_t bit = uint64_t{1} << (lock % 64);
+  const uint64_t bell = layout_.doorbell(me);
+  const uint64_t req_off = layout_.request(lock, me);
+  meta().Store(req_off, request);
   uint64_t cur = meta().Load(word);
   for (;;) {
     uint64_t next = want ? (cur | bit) : (cur & ~bit);
     if (next == cur || meta().LocalCompareExchange(word, cur, next)) break;
   }
-  const uint64_t bell = layout_.doorbell(me);
   meta().LocalFetchAdd(bell, 1);
   if (word / 64 == bell / 64) {
-    meta().Flush(bell, 8);
+    const uint64_t lines[2] = {bell, req_off};
+    meta().FlushEach(lines, 8);
   } else {
-    const uint64_t lines[2] = {bell, word};
+    const uint64_t lines[3] = {bell, word, req_off};
     meta().FlushEach(lines, 8);
   }
   if (wake_ != nullptr) wake_->WakeManager();  // a manager on this host may sleep
@@ -126,6 +135,10 @@ Result<AcquireInfo> Node::Acquire(uint32_t lock, Clock::time_point deadline) {
     return InvalidArgument("lock " + std::to_string(lock) + " does not exist (this region has " +
                            std::to_string(layout_.max_locks()) + ")");
   }
+  // The manager's polls evict both lines from every cache: start their misses now, while the
+  // local tier is taken (they would otherwise queue behind each other in PublishRequest).
+  meta().PrefetchForWrite(layout_.request(lock, options_.node_id));
+  meta().PrefetchForWrite(layout_.doorbell(options_.node_id));
   LocalLock& ll = local_->lock(lock);
   AcquireInfo info;
   const auto started = Clock::now();
@@ -152,16 +165,14 @@ Result<AcquireInfo> Node::Acquire(uint32_t lock, Clock::time_point deadline) {
     seq = (seq | 1) == seq ? seq + 2 : seq + 1;
     ll.seq.store(seq);
     uint64_t r = MakeRequest(inc, seq);
-    meta().Publish(layout_.request(lock, me), r);
-    RingDoorbell(lock, true);
+    PublishRequest(lock, r, true);
     return r;
   };
   auto withdraw = [&](uint64_t r) {
     // An even request means "not wanted"; a grant racing with it matches nothing.
     uint32_t seq = static_cast<uint32_t>(r) + 1;
     ll.seq.store(seq);
-    meta().Publish(layout_.request(lock, me), MakeRequest(RequestIncarnation(r), seq));
-    RingDoorbell(lock, false);
+    PublishRequest(lock, MakeRequest(RequestIncarnation(r), seq), false);
     pthread_mutex_unlock(&ll.mu);
   };
   uint64_t inc = heartbeat_->incarnation();
@@ -170,6 +181,10 @@ Result<AcquireInfo> Node::Acquire(uint32_t lock, Clock::time_point deadline) {
   uint64_t req = info.holder_died ? meta().Fetch(layout_.request(lock, me)) : 0;
   if (!(info.holder_died && RequestWants(req) && RequestIncarnation(req) == static_cast<uint32_t>(inc))) {
     req = publish_request(inc);
+  } else {
+    // The dead process may have stored its request without setting its bit or ringing: ring
+    // for it, or the manager would not look at the request before its next resync.
+    PublishRequest(lock, req, true);
   }
   GrantWait backoff(wake_.get(), me);
   for (;;) {
@@ -201,6 +216,8 @@ Result<AcquireInfo> Node::Acquire(uint32_t lock, Clock::time_point deadline) {
 }
 
 void Node::Release(uint32_t lock, std::span<const Range> written) {
+  meta().PrefetchForWrite(layout_.request(lock, options_.node_id));  // as in Acquire
+  meta().PrefetchForWrite(layout_.doorbell(options_.node_id));
   LocalLock& ll = local_->lock(lock);
   const uint64_t req = held_request_[lock];
   held_request_[lock] = 0;
@@ -212,8 +229,7 @@ void Node::Release(uint32_t lock, std::span<const Range> written) {
   }
   uint32_t seq = static_cast<uint32_t>(req) + 1;
   ll.seq.store(seq);
-  meta().Publish(layout_.request(lock, options_.node_id), MakeRequest(RequestIncarnation(req), seq));
-  RingDoorbell(lock, false);
+  PublishRequest(lock, MakeRequest(RequestIncarnation(req), seq), false);
   pthread_mutex_unlock(&ll.mu);
 }
 

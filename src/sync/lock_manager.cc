@@ -38,27 +38,59 @@ void LockManager::MarkDirty(uint32_t lock) {
 // of this doorbell. Tracked by the bitmap alone, that release was never read, and the lock stayed
 // held by a request its node had long dropped; the resync, which reads only tracked locks, did
 // not see it either.
-void LockManager::ReadDoorbell(uint32_t n, bool first_line_fresh) {
+bool LockManager::ReadDoorbell(uint32_t n, bool first_line_fresh) {
   const uint64_t bitmap = layout_.wanted_word(n, 0);
   const uint64_t line_end = layout_.doorbell(n) + 64;
   // The first line was just fetched with the sequence; later lines need their own invalidate (P2).
   if (!first_line_fresh) meta_.Invalidate(bitmap, std::min<uint64_t>(layout_.wanted_bytes(), line_end - bitmap));
   if (bitmap + layout_.wanted_bytes() > line_end) meta_.Invalidate(line_end, bitmap + layout_.wanted_bytes() - line_end);
+  // The request lines of every lock to read, and the manager line (Decide checks it before a
+  // grant), under one invalidate fence: their misses overlap instead of queueing (P2).
+  fetch_.clear();
+  for (uint32_t w = 0; w < words_; ++w) {
+    uint64_t touch = meta_.Load(bitmap + w * 8) | wanted_[size_t{n} * words_ + w];
+    while (touch != 0) {
+      const uint32_t k = w * 64 + static_cast<uint32_t>(std::countr_zero(touch));
+      touch &= touch - 1;
+      if (k < locks_) fetch_.push_back(layout_.request(k, n));
+    }
+  }
+  const bool line_stale = line_scan_ != scan_;  // not read with this scan's doorbells
+  if (line_stale) fetch_.push_back(layout_.manager_line());
+  meta_.InvalidateEach(fetch_, 8);
+  if (line_stale) {
+    line_ = meta_.Load(layout_.manager_line());
+    line_scan_ = scan_;
+  }
+  bool news = false;
+  bool settled = true;
   for (uint32_t w = 0; w < words_; ++w) {
     uint64_t now = meta_.Load(bitmap + w * 8);
     uint64_t& tracked = wanted_[size_t{n} * words_ + w];
     uint64_t touch = (now | tracked);
+    news = news || now != tracked;
     tracked = now;
     while (touch != 0) {
       const uint32_t bit = static_cast<uint32_t>(std::countr_zero(touch));
       const uint32_t k = w * 64 + bit;
       touch &= touch - 1;
       if (k >= locks_) break;
-      req(k, n) = meta_.Fetch(layout_.request(k, n));  // P2: node n wrote it
-      if (RequestWants(req(k, n))) tracked |= uint64_t{1} << bit;  // until its release is read
+      const uint64_t r = meta_.Load(layout_.request(k, n));  // invalidated above: node n wrote it
+      const bool wants = RequestWants(r);
+      if (wants) tracked |= uint64_t{1} << bit;  // until its release is read
+      // A set bit over an even request, or an odd request without its bit: one of the two lines
+      // of a ring has reached memory and the other not yet (or a process is between the two
+      // stores). Read it again next scan.
+      settled = settled && wants == (((now >> bit) & 1) != 0);
+      if (r != req(k, n)) {
+        req(k, n) = r;
+        news = true;
+      }
       MarkDirty(k);
     }
   }
+  unsettled_[n] = !settled;
+  return news;
 }
 
 void LockManager::Resync(bool read_grants) {
@@ -103,6 +135,7 @@ void LockManager::RefreshLiveness() {
         }
         wanted_[size_t{n} * words_ + w] = 0;
       }
+      unsettled_[n] = false;
     }
     if (live_[n] != 0) {
       seq_seen_[n] = meta_.Fetch(layout_.doorbell(n));
@@ -134,8 +167,15 @@ void LockManager::Decide(uint32_t k) {
 }
 
 bool LockManager::StillManager() {
-  meta_.Invalidate(layout_.manager_line(), 64);
-  return meta_.Load(layout_.manager_line()) == ManagerHolder(me_, incarnation_) &&
+  // The line as read with this scan's requests (ReadDoorbell), or afresh. Either read comes a
+  // few microseconds at most before the grant, far inside a rival's claim settle (kClaimSettle);
+  // a pause longer than that is a pause past the lease, which the fence below refuses.
+  if (line_scan_ != scan_) {
+    meta_.Invalidate(layout_.manager_line(), 64);
+    line_ = meta_.Load(layout_.manager_line());
+    line_scan_ = scan_;
+  }
+  return line_ == ManagerHolder(me_, incarnation_) &&
          heartbeat_.Fence("lock management", incarnation_).ok();
 }
 
@@ -145,6 +185,8 @@ void LockManager::Run(uint64_t incarnation) {
   live_.assign(nodes_, 0);
   live_next_.assign(nodes_, 0);
   seq_seen_.assign(nodes_, 0);
+  unsettled_.assign(nodes_, false);
+  line_scan_ = ~uint64_t{0};  // the claim's checks below read the line afresh
   wanted_.assign(size_t{nodes_} * words_, 0);
   req_.assign(size_t{locks_} * nodes_, 0);
   grant_.assign(size_t{locks_} * nodes_, 0);
@@ -182,12 +224,27 @@ void LockManager::Run(uint64_t incarnation) {
     // once; a doorbell rung before it is seen by the scan (host_wake.h).
     const uint32_t epoch = armed ? wake_->ManagerEpoch() : 0;
     const uint64_t grants_before = grants_;
+    ++scan_;
     RefreshLiveness();
     bool changed = false;  // a doorbell rang or a lock changed hands (the resync's re-decisions are not news)
+    // Every live node's doorbell and the manager line under one invalidate fence: a scan costs
+    // one miss's latency, not one per node (P2: node n rang it).
+    fetch_.clear();
+    for (uint32_t n = 0; n < nodes_; ++n) {
+      if (live_[n] != 0) fetch_.push_back(layout_.doorbell(n));
+    }
+    fetch_.push_back(layout_.manager_line());
+    meta_.InvalidateEach(fetch_, 8);
+    line_ = meta_.Load(layout_.manager_line());
+    line_scan_ = scan_;
     for (uint32_t n = 0; n < nodes_; ++n) {
       if (live_[n] == 0) continue;
-      uint64_t seq = meta_.Fetch(layout_.doorbell(n));  // P2: node n rang it
-      if (seq == seq_seen_[n]) continue;
+      uint64_t seq = meta_.Load(layout_.doorbell(n));
+      if (seq == seq_seen_[n]) {
+        // A ring half in memory: news only once its other line has landed.
+        if (unsettled_[n]) changed = ReadDoorbell(n, true) || changed;
+        continue;
+      }
       seq_seen_[n] = seq;
       ReadDoorbell(n, true);
       changed = true;

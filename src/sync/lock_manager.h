@@ -8,7 +8,9 @@
 // bitmap of locks it wants; on a changed doorbell the manager re-reads that node's request words
 // of the locks it tracks — named by the bitmap now or at the last read, or last read with an odd
 // request (a request may be read, and granted, before its bit is set; see ReadDoorbell) — and
-// decides only those locks. A full resync of every tracked lock runs every beat interval anyway,
+// decides only those locks. A request and its doorbell are flushed under one fence, so either may
+// reach memory first: a request read with a parity its bit disagrees with is read again on every
+// scan until the two agree. A full resync of every tracked lock runs every beat interval anyway,
 // so nothing depends on a doorbell never being missed.
 //
 // Fencing: before each grant the manager passes Heartbeat::Fence with its own life; a manager
@@ -57,7 +59,8 @@ class LockManager {
 
  private:
   bool Wants(uint32_t lock, uint32_t node, uint64_t req) const;
-  void ReadDoorbell(uint32_t node, bool first_line_fresh);
+  // Returns whether a request word or the bitmap changed since the last read.
+  bool ReadDoorbell(uint32_t node, bool first_line_fresh);
   void Resync(bool read_grants);
   void RefreshLiveness();
   void Decide(uint32_t lock);
@@ -86,6 +89,12 @@ class LockManager {
   std::vector<uint32_t> live_;        // per node: incarnation if live, else 0
   std::vector<uint32_t> live_next_;
   std::vector<uint64_t> seq_seen_;    // per node: doorbell sequence last processed
+  std::vector<bool> unsettled_;       // per node: a tracked request's parity disagreed with its
+                                      // bit at the last read (a ring still on its way): re-read
+  std::vector<uint64_t> fetch_;       // ReadDoorbell's batch of request lines to invalidate
+  uint64_t scan_ = 0;                 // scans of Run's loop; the manager line read in scan
+  uint64_t line_scan_ = ~uint64_t{0};  // `line_scan_` (with the requests) holds `line_`
+  uint64_t line_ = 0;
   std::vector<uint64_t> wanted_;      // per node × word: the locks tracked (ReadDoorbell): named
                                       // by the bitmap last read, or last read with an odd request
   std::vector<uint64_t> req_;         // per lock × node: request word last read

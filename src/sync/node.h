@@ -193,7 +193,8 @@ class Node {
   // Waits `d` or until `flag` (stop_ or stop_beats_) is set.
   void WaitOrStop(std::chrono::nanoseconds d, const std::atomic<bool>& flag);
   void WaitOrStop(std::chrono::nanoseconds d) { WaitOrStop(d, stop_); }
-  void RingDoorbell(uint32_t lock, bool want);
+  // Stores `request` as this node's request word for `lock` and rings the doorbell (one fence).
+  void PublishRequest(uint32_t lock, uint64_t request, bool want);
   // Process slots (process_slots.cc). Claim/Release run on the beat thread, which holds the
   // slot's mutex for the process's whole attachment; the scan runs on the tasks thread.
   int ClaimProcessSlot();

@@ -108,8 +108,7 @@ void Node::WithdrawDeadHolds() {
       if (RequestWants(req)) {
         const uint32_t seq = static_cast<uint32_t>(req) + 1;
         ll.seq.store(seq);
-        meta().Publish(layout_.request(k, me), MakeRequest(RequestIncarnation(req), seq));
-        RingDoorbell(k, false);
+        PublishRequest(k, MakeRequest(RequestIncarnation(req), seq), false);
       }
     }
     pthread_mutex_unlock(&ll.mu);

@@ -202,5 +202,65 @@ TEST(TwoTierLock, AReleaseWhoseBitTheManagerNeverSawStillFreesTheLock) {
   other->Unlock(lock);
 }
 
+// A request and its doorbell are flushed under one fence, so the doorbell line can reach memory
+// before the request line: the manager then reads the new sequence (and bit) over the old
+// request. It must read that request again until its parity agrees with its bit, without
+// another ring. Node 1's words are written by hand, each line flushed apart, in the order that
+// needs the re-read. The leases are long, so the manager's periodic resync (every lease / 8)
+// cannot be what finds the request within the 2 s these steps allow.
+TEST(TwoTierLock, ARequestThatLandsAfterItsDoorbellIsStillRead) {
+  testing::TempRegionPath path("lockhalf");
+  PoolCreateOptions co;
+  co.size = 16 << 20;
+  co.max_nodes = 3;
+  ASSERT_TRUE(Pool::Create({path.path()}, co).ok());
+  constexpr uint32_t kLongLeaseMs = 40000;
+  auto manager = OpenOrNull({path.path()}, 0, 0, kLongLeaseMs);
+  auto hand = OpenOrNull({path.path()}, 1, 0, kLongLeaseMs);
+  auto other = OpenOrNull({path.path()}, 2, 0, kLongLeaseMs);
+  ASSERT_TRUE(manager && hand && other);
+  region::MetaAccess& meta = testing::Meta(*hand);
+  const auto* area = hand->impl().regions[0]->impl().find_area(region::AreaKind::kLockArray);
+  ASSERT_NE(area, nullptr);
+  const sync::LockArrayLayout layout(area->offset, co.max_nodes, static_cast<uint32_t>(area->param));
+  const uint32_t lock = sync::kReservedLocks + 9;  // no process takes it but through this test
+  const uint32_t me = 1;
+  const uint64_t inc = hand->impl().node->incarnation();
+  auto request = [&](uint32_t seq) { meta.Publish(layout.request(lock, me), sync::MakeRequest(inc, seq)); };
+  auto bit_and_ring = [&](bool set) {  // the doorbell line alone, as it may land first
+    const uint64_t word = layout.wanted_word(me, lock);
+    const uint64_t b = uint64_t{1} << (lock % 64);
+    uint64_t cur = meta.Load(word);
+    while (!meta.LocalCompareExchange(word, cur, set ? (cur | b) : (cur & ~b))) {
+    }
+    meta.LocalFetchAdd(layout.doorbell(me), 1);
+    const uint64_t lines[2] = {layout.doorbell(me), word};
+    meta.FlushEach(lines, 8);
+  };
+  auto granted = [&](uint32_t seq) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (meta.Fetch(layout.grant(lock, me)) == sync::MakeRequest(inc, seq)) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return false;
+  };
+  // A manager runs (its election waits for nothing the leases set): a plain lock is granted.
+  ASSERT_TRUE(other->Lock(lock, 20000).ok());
+  other->Unlock(lock);
+  // An acquire whose bit and ring land first: the manager reads a set bit over request 0.
+  bit_and_ring(true);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // let the manager read that
+  request(1);  // the request line lands: no ring follows
+  ASSERT_TRUE(granted(1)) << "the manager never read request 1 again after its doorbell";
+  // A release whose cleared bit lands first: the manager reads a clear bit over request 1 (held).
+  bit_and_ring(false);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  request(2);
+  EXPECT_TRUE(other->Lock(lock, 2000).ok()) << "the manager still takes lock " << lock
+      << " for held by node 1's request 1";
+  other->Unlock(lock);
+}
+
 }  // namespace
 }  // namespace cxlkv
