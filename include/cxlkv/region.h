@@ -66,6 +66,11 @@ struct RegionAttachOptions {
   // simulated non-coherent host cache seeded with this value (docs/protocol.md, "Simulator").
   // Default 0: off. The environment variable CXLKV_SIM_SEED sets it too.
   uint64_t sim_seed = 0;
+  // Testing only, with the simulator: the simulated cache never writes a line back or evicts one
+  // on its own (no random write-backs or evictions, no capacity limit), so a line reaches memory
+  // only when it is flushed. A flush a protocol needs for progress rather than safety is masked
+  // by random write-backs; this shows it. Default false.
+  bool sim_quiet_cache = false;
   // Maps every page of the region into this process at attach (MADV_POPULATE_WRITE), so the
   // first store into a payload block does not take a fault per 4 KiB page: on a fresh mapping a
   // 2 MiB block costs 512 minor faults, more than its copy. Worth it for a process that lives

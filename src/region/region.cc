@@ -262,6 +262,11 @@ Result<std::unique_ptr<Region>> AttachRegion(const std::string& path,
   if (uint64_t seed = SimSeedFor(options); seed != 0) {
     SimOptions sim;
     sim.seed = seed;
+    if (options.sim_quiet_cache) {
+      sim.writeback_probability = 0;
+      sim.evict_probability = 0;
+      sim.capacity_lines = SIZE_MAX;
+    }
     impl->meta().AttachSimulator(sim);
   }
   return std::make_unique<Region>(std::move(impl));

@@ -2,6 +2,9 @@
 // of the lock manager's host.
 #include <gtest/gtest.h>
 
+#include <sys/mman.h>
+
+#include <atomic>
 #include <chrono>
 #include <thread>
 
@@ -44,6 +47,47 @@ TEST(TwoTierLock, ExactUnderTheSimulatorOverManySeeds) {
     for (int c : codes) EXPECT_EQ(c, 0) << "seed " << seed;
     EXPECT_EQ(ReadCounter(s), 4u * kIters) << "seed " << seed;
   }
+}
+
+// Random write-backs would carry an unflushed request or grant to memory sooner or later, and
+// the periodic resync would find it: the lock would still progress without the flushes that make
+// it progress. With a cache that writes nothing back on its own, every grant needs the request's
+// flush, the manager's invalidates and the grant's flush and fetch (the flush audit's check of
+// those sites).
+TEST(TwoTierLock, ProgressesUnderTheSimulatorOnlyThroughItsOwnFlushes) {
+  testing::TempRegionPath path("lockquiet");
+  LockSetup s = Prepare(path.path(), 4);
+  constexpr int kIters = 40;
+  constexpr uint64_t kTotal = 3 * kIters;
+  // Node 0, the lowest, is the manager throughout and takes no lock itself: a manager grants its
+  // own node's requests out of its own cache, and one that left would hand the role on to a
+  // writer, which would then need no flush either.
+  auto* writers_done = static_cast<std::atomic<int>*>(
+      mmap(nullptr, sizeof(std::atomic<int>), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+  ASSERT_NE(writers_done, MAP_FAILED);
+  writers_done->store(0);
+  auto codes = testing::RunForked(4, [&](int i) {
+    if (i > 0) {
+      const int rc = Incrementer(s, i, kIters, 7 * 100 + i, false, /*quiet_cache=*/true, std::chrono::seconds(5));
+      writers_done->fetch_add(1);
+      return rc;
+    }
+    PoolOpenOptions o;
+    o.node_id = 0;
+    o.lease_ms = testing::kTestLeaseMs;
+    o.attach.sim_seed = 700;
+    o.attach.sim_quiet_cache = true;
+    auto p = Pool::Open({s.path}, o);
+    CHILD_CHECK(p.ok(), "open the manager's node: %s", p.status().ToString().c_str());
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (writers_done->load() < 3 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return 0;
+  });
+  munmap(writers_done, sizeof(std::atomic<int>));
+  for (int c : codes) EXPECT_EQ(c, 0);
+  EXPECT_EQ(ReadCounter(s), kTotal);
 }
 
 TEST(TwoTierLock, SimulatorCatchesAReleaseWithoutItsFlush) {

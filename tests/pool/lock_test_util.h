@@ -44,14 +44,23 @@ inline uint64_t ReadCounter(const LockSetup& s) {
 
 // Increments the counter `iterations` times under the lock. A hold the fence refuses (this
 // node was paused past its lease) writes nothing and is retried as the node's new life.
-inline int Incrementer(const LockSetup& s, uint32_t node, int iterations, uint64_t sim_seed, bool skip_flush) {
-  auto p = OpenOrNull({s.path}, node, sim_seed);
-  CHILD_CHECK(p != nullptr, "open");
+// `quiet_cache`: the simulated cache writes nothing back on its own (RegionAttachOptions::
+// sim_quiet_cache), so every grant depends on the protocol's own flushes; `deadline` per acquire.
+inline int Incrementer(const LockSetup& s, uint32_t node, int iterations, uint64_t sim_seed, bool skip_flush,
+                       bool quiet_cache = false, std::chrono::seconds deadline = std::chrono::seconds(30)) {
+  PoolOpenOptions o;
+  o.node_id = node;
+  o.lease_ms = kTestLeaseMs;
+  o.attach.sim_seed = sim_seed;
+  o.attach.sim_quiet_cache = quiet_cache;
+  auto opened = Pool::Open({s.path}, o);
+  CHILD_CHECK(opened.ok(), "open as node %u: %s", node, opened.status().ToString().c_str());
+  auto p = std::move(opened).value();
   auto& n = *p->impl().node;
   n.TestSkipReleaseFlush(skip_flush);
   uint64_t off = region::Offset<void>(s.counter).byte_offset();
   for (int i = 0; i < iterations; ++i) {
-    auto held = n.AcquireFor(s.lock, std::chrono::seconds(30));
+    auto held = n.AcquireFor(s.lock, deadline);
     if (!held.ok() && held.status().code() == StatusCode::kLeaseExpired) {
       --i;
       continue;
