@@ -47,8 +47,8 @@ Result<nlohmann::json> RunTraceBench(const BenchOptions& options);        // tra
 // even if fewer rounds were done (a loaded machine: one round can take a scheduler time slice).
 double LinePingPongNs(int rounds, double max_seconds = 0);
 
-// MachineJson() plus "line_pingpong_ns" (median of 3 LinePingPongNs runs of 2000 rounds, each
-// cut off after 0.2 s) and "nt_copy_gbps" (one thread's non-temporal copy of 64 MiB, 16 MiB with
+// MachineJson() plus "line_pingpong_ns" (median of 3 LinePingPongNs runs of 20000 rounds, 5000 with --quick, each
+// cut off after 0.5 s) and "nt_copy_gbps" (one thread's non-temporal copy of 64 MiB, 16 MiB with
 // --quick), measured now: the machine block of the lock, rpc, transfer and cache suites
 // (machine_limits.cc).
 nlohmann::json MachineJsonWithLimits(const BenchOptions& options);
