@@ -72,13 +72,8 @@ TEST(TwoTierLock, ProgressesUnderTheSimulatorOnlyThroughItsOwnFlushes) {
       writers_done->fetch_add(1);
       return rc;
     }
-    PoolOpenOptions o;
-    o.node_id = 0;
-    o.lease_ms = testing::kTestLeaseMs;
-    o.attach.sim_seed = 700;
-    o.attach.sim_quiet_cache = true;
-    auto p = Pool::Open({s.path}, o);
-    CHILD_CHECK(p.ok(), "open the manager's node: %s", p.status().ToString().c_str());
+    auto p = OpenOrNull({s.path}, 0, 700, testing::kTestLeaseMs, /*sim_quiet_cache=*/true);
+    CHILD_CHECK(p != nullptr, "open the manager's node");
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
     while (writers_done->load() < 3 && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -179,6 +174,72 @@ TEST(TwoTierLock, TimeoutWithdrawsTheRequestAndLocksCanBeFreed) {
   EXPECT_EQ(p->Lock(1, 10).code(), StatusCode::kInvalidArgument);  // internal
 }
 
+// Three live nodes on a fresh pool: node 0, the lowest, hosts the manager; node 1's lock words
+// are written by hand (HandWrittenLock) to show the manager exact states; node 2 takes the lock
+// the ordinary way.
+struct ThreeNodes {
+  testing::TempRegionPath path;
+  std::unique_ptr<Pool> manager, hand, other;
+
+  ThreeNodes(const char* name, uint32_t lease_ms) : path(name) {
+    PoolCreateOptions co;
+    co.size = 16 << 20;
+    co.max_nodes = 3;
+    if (!Pool::Create({path.path()}, co).ok()) return;
+    manager = OpenOrNull({path.path()}, 0, 0, lease_ms);
+    hand = OpenOrNull({path.path()}, 1, 0, lease_ms);
+    other = OpenOrNull({path.path()}, 2, 0, lease_ms);
+  }
+  bool ok() const { return manager && hand && other; }
+};
+
+// Node 1's request, wanted bit and doorbell for one lock, each line flushed on its own, so a
+// test chooses the order in which they reach memory.
+class HandWrittenLock {
+ public:
+  HandWrittenLock(Pool& hand, uint32_t lock)
+      : meta_(testing::Meta(hand)),
+        layout_(LayoutOf(hand)),
+        lock_(lock),
+        inc_(hand.impl().node->incarnation()) {}
+
+  void Request(uint32_t seq) { meta_.Publish(layout_.request(lock_, kMe), sync::MakeRequest(inc_, seq)); }
+  // As Node::PublishRequest: node 1's own threads may ring meanwhile.
+  void Bit(bool set) {
+    const uint64_t word = layout_.wanted_word(kMe, lock_);
+    const uint64_t b = uint64_t{1} << (lock_ % 64);
+    uint64_t cur = meta_.Load(word);
+    while (!meta_.LocalCompareExchange(word, cur, set ? (cur | b) : (cur & ~b))) {
+    }
+    meta_.Flush(word, 8);
+  }
+  void Ring() {
+    meta_.LocalFetchAdd(layout_.doorbell(kMe), 1);
+    meta_.Flush(layout_.doorbell(kMe), 8);
+  }
+  bool Granted(uint32_t seq, std::chrono::seconds within) {
+    const auto deadline = std::chrono::steady_clock::now() + within;
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (meta_.Fetch(layout_.grant(lock_, kMe)) == sync::MakeRequest(inc_, seq)) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return false;
+  }
+
+ private:
+  static constexpr uint32_t kMe = 1;
+  static sync::LockArrayLayout LayoutOf(Pool& p) {
+    const auto* area = p.impl().regions[0]->impl().find_area(region::AreaKind::kLockArray);
+    EXPECT_NE(area, nullptr);
+    return sync::LockArrayLayout(area != nullptr ? area->offset : 0, 3,
+                                 area != nullptr ? static_cast<uint32_t>(area->param) : 0);
+  }
+  region::MetaAccess& meta_;
+  sync::LockArrayLayout layout_;
+  uint32_t lock_;
+  uint64_t inc_;
+};
+
 // The manager re-reads a node's request words when its doorbell names the lock now or named it
 // at the last read. A node publishes its request before it sets the lock's bit, so the manager
 // can read a new odd request while the bit is still clear (the node's previous release of the
@@ -188,62 +249,30 @@ TEST(TwoTierLock, TimeoutWithdrawsTheRequestAndLocksCanBeFreed) {
 // waiting for a lock nobody held, while the manager slept idle. Node 1's request and doorbell are
 // written by hand here, to show the manager exactly the states it can read in that race.
 TEST(TwoTierLock, AReleaseWhoseBitTheManagerNeverSawStillFreesTheLock) {
-  testing::TempRegionPath path("lockunseen");
-  PoolCreateOptions co;
-  co.size = 16 << 20;
-  co.max_nodes = 3;
-  ASSERT_TRUE(Pool::Create({path.path()}, co).ok());
-  auto manager = OpenOrNull({path.path()}, 0);  // the lowest live node: the manager
-  auto hand = OpenOrNull({path.path()}, 1);     // live and beating; its lock words written below
-  auto other = OpenOrNull({path.path()}, 2);
-  ASSERT_TRUE(manager && hand && other);
-  region::MetaAccess& meta = testing::Meta(*hand);
-  const auto* area = hand->impl().regions[0]->impl().find_area(region::AreaKind::kLockArray);
-  ASSERT_NE(area, nullptr);
-  const sync::LockArrayLayout layout(area->offset, co.max_nodes, static_cast<uint32_t>(area->param));
+  ThreeNodes nodes("lockunseen", testing::kTestLeaseMs);
+  ASSERT_TRUE(nodes.ok());
   const uint32_t lock = sync::kReservedLocks + 7;  // no process takes it but through this test
-  const uint32_t me = 1;
-  const uint64_t inc = hand->impl().node->incarnation();
-  auto request = [&](uint32_t seq) { meta.Publish(layout.request(lock, me), sync::MakeRequest(inc, seq)); };
-  auto bit = [&](bool set) {  // as Node::RingDoorbell: node 1's own threads may ring meanwhile
-    const uint64_t word = layout.wanted_word(me, lock);
-    const uint64_t b = uint64_t{1} << (lock % 64);
-    uint64_t cur = meta.Load(word);
-    while (!meta.LocalCompareExchange(word, cur, set ? (cur | b) : (cur & ~b))) {
-    }
-    meta.Flush(word, 8);
-  };
-  auto ring = [&] {
-    meta.LocalFetchAdd(layout.doorbell(me), 1);
-    meta.Flush(layout.doorbell(me), 8);
-  };
-  auto granted = [&](uint32_t seq) {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (std::chrono::steady_clock::now() < deadline) {
-      if (meta.Fetch(layout.grant(lock, me)) == sync::MakeRequest(inc, seq)) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    return false;
-  };
+  HandWrittenLock node1(*nodes.hand, lock);
+  constexpr std::chrono::seconds kWithin{20};
   // A plain acquire: request 1, bit, ring; the manager grants it.
-  request(1);
-  bit(true);
-  ring();
-  ASSERT_TRUE(granted(1));
+  node1.Request(1);
+  node1.Bit(true);
+  node1.Ring();
+  ASSERT_TRUE(node1.Granted(1, kWithin));
   // The release and the next acquire as the manager may read them: the release's cleared bit
   // and rung sequence, and already the next odd request (the manager need never see the even
   // one in between). It grants request 3 with the bit clear.
-  request(3);
-  bit(false);
-  ring();
-  ASSERT_TRUE(granted(3));
+  node1.Request(3);
+  node1.Bit(false);
+  node1.Ring();
+  ASSERT_TRUE(node1.Granted(3, kWithin));
   // Set-bit-and-ring, hold, release-and-clear-and-ring: the manager sees only the last ring.
-  request(4);
-  ring();
+  node1.Request(4);
+  node1.Ring();
   // Request 3 is over: another node gets the lock.
-  EXPECT_TRUE(other->Lock(lock, 10 * testing::kTestLeaseMs).ok()) << "the manager still takes lock "
+  EXPECT_TRUE(nodes.other->Lock(lock, 10 * testing::kTestLeaseMs).ok()) << "the manager still takes lock "
       << lock << " for held by node 1's request 3";
-  other->Unlock(lock);
+  nodes.other->Unlock(lock);
 }
 
 // A request and its doorbell are flushed under one fence, so the doorbell line can reach memory
@@ -253,57 +282,28 @@ TEST(TwoTierLock, AReleaseWhoseBitTheManagerNeverSawStillFreesTheLock) {
 // needs the re-read. The leases are long, so the manager's periodic resync (every lease / 8)
 // cannot be what finds the request within the 2 s these steps allow.
 TEST(TwoTierLock, ARequestThatLandsAfterItsDoorbellIsStillRead) {
-  testing::TempRegionPath path("lockhalf");
-  PoolCreateOptions co;
-  co.size = 16 << 20;
-  co.max_nodes = 3;
-  ASSERT_TRUE(Pool::Create({path.path()}, co).ok());
-  constexpr uint32_t kLongLeaseMs = 40000;
-  auto manager = OpenOrNull({path.path()}, 0, 0, kLongLeaseMs);
-  auto hand = OpenOrNull({path.path()}, 1, 0, kLongLeaseMs);
-  auto other = OpenOrNull({path.path()}, 2, 0, kLongLeaseMs);
-  ASSERT_TRUE(manager && hand && other);
-  region::MetaAccess& meta = testing::Meta(*hand);
-  const auto* area = hand->impl().regions[0]->impl().find_area(region::AreaKind::kLockArray);
-  ASSERT_NE(area, nullptr);
-  const sync::LockArrayLayout layout(area->offset, co.max_nodes, static_cast<uint32_t>(area->param));
+  ThreeNodes nodes("lockhalf", 40000);
+  ASSERT_TRUE(nodes.ok());
   const uint32_t lock = sync::kReservedLocks + 9;  // no process takes it but through this test
-  const uint32_t me = 1;
-  const uint64_t inc = hand->impl().node->incarnation();
-  auto request = [&](uint32_t seq) { meta.Publish(layout.request(lock, me), sync::MakeRequest(inc, seq)); };
-  auto bit_and_ring = [&](bool set) {  // the doorbell line alone, as it may land first
-    const uint64_t word = layout.wanted_word(me, lock);
-    const uint64_t b = uint64_t{1} << (lock % 64);
-    uint64_t cur = meta.Load(word);
-    while (!meta.LocalCompareExchange(word, cur, set ? (cur | b) : (cur & ~b))) {
-    }
-    meta.LocalFetchAdd(layout.doorbell(me), 1);
-    const uint64_t lines[2] = {layout.doorbell(me), word};
-    meta.FlushEach(lines, 8);
-  };
-  auto granted = [&](uint32_t seq) {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-    while (std::chrono::steady_clock::now() < deadline) {
-      if (meta.Fetch(layout.grant(lock, me)) == sync::MakeRequest(inc, seq)) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    return false;
-  };
+  HandWrittenLock node1(*nodes.hand, lock);
+  constexpr std::chrono::seconds kWithin{2};
   // A manager runs (its election waits for nothing the leases set): a plain lock is granted.
-  ASSERT_TRUE(other->Lock(lock, 20000).ok());
-  other->Unlock(lock);
+  ASSERT_TRUE(nodes.other->Lock(lock, 20000).ok());
+  nodes.other->Unlock(lock);
   // An acquire whose bit and ring land first: the manager reads a set bit over request 0.
-  bit_and_ring(true);
+  node1.Bit(true);
+  node1.Ring();
   std::this_thread::sleep_for(std::chrono::milliseconds(20));  // let the manager read that
-  request(1);  // the request line lands: no ring follows
-  ASSERT_TRUE(granted(1)) << "the manager never read request 1 again after its doorbell";
+  node1.Request(1);  // the request line lands: no ring follows
+  ASSERT_TRUE(node1.Granted(1, kWithin)) << "the manager never read request 1 again after its doorbell";
   // A release whose cleared bit lands first: the manager reads a clear bit over request 1 (held).
-  bit_and_ring(false);
+  node1.Bit(false);
+  node1.Ring();
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  request(2);
-  EXPECT_TRUE(other->Lock(lock, 2000).ok()) << "the manager still takes lock " << lock
+  node1.Request(2);
+  EXPECT_TRUE(nodes.other->Lock(lock, 2000).ok()) << "the manager still takes lock " << lock
       << " for held by node 1's request 1";
-  other->Unlock(lock);
+  nodes.other->Unlock(lock);
 }
 
 }  // namespace

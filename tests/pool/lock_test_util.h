@@ -48,14 +48,8 @@ inline uint64_t ReadCounter(const LockSetup& s) {
 // sim_quiet_cache), so every grant depends on the protocol's own flushes; `deadline` per acquire.
 inline int Incrementer(const LockSetup& s, uint32_t node, int iterations, uint64_t sim_seed, bool skip_flush,
                        bool quiet_cache = false, std::chrono::seconds deadline = std::chrono::seconds(30)) {
-  PoolOpenOptions o;
-  o.node_id = node;
-  o.lease_ms = kTestLeaseMs;
-  o.attach.sim_seed = sim_seed;
-  o.attach.sim_quiet_cache = quiet_cache;
-  auto opened = Pool::Open({s.path}, o);
-  CHILD_CHECK(opened.ok(), "open as node %u: %s", node, opened.status().ToString().c_str());
-  auto p = std::move(opened).value();
+  auto p = OpenOrNull({s.path}, node, sim_seed, kTestLeaseMs, quiet_cache);
+  CHILD_CHECK(p != nullptr, "open");
   auto& n = *p->impl().node;
   n.TestSkipReleaseFlush(skip_flush);
   uint64_t off = region::Offset<void>(s.counter).byte_offset();

@@ -28,12 +28,16 @@ inline constexpr uint32_t kTestLeaseMs = 400;
 // forgets what it held for the old life, and the test fails for a reason it does not test).
 inline constexpr uint32_t kQuietLeaseMs = 5000;
 
+// `sim_quiet_cache`: with a seed, the simulated cache writes back only what is flushed
+// (RegionAttachOptions::sim_quiet_cache).
 inline std::unique_ptr<Pool> OpenOrNull(const std::vector<std::string>& paths, uint32_t node,
-                                        uint64_t sim_seed = 0, uint32_t lease_ms = kTestLeaseMs) {
+                                        uint64_t sim_seed = 0, uint32_t lease_ms = kTestLeaseMs,
+                                        bool sim_quiet_cache = false) {
   PoolOpenOptions o;
   o.node_id = node;
   o.lease_ms = lease_ms;
   o.attach.sim_seed = sim_seed;
+  o.attach.sim_quiet_cache = sim_quiet_cache;
   auto p = Pool::Open(paths, o);
   if (!p.ok()) {
     std::fprintf(stderr, "open as node %u: %s\n", node, p.status().ToString().c_str());
