@@ -25,20 +25,27 @@ bool SameFile(int fd, const std::string& path) {
 // until its first use of the file is done. flock converts a lock from exclusive to shared by
 // dropping it first: a second joiner taking the exclusive lock in that moment would take itself
 // for the first user too. And a second joiner that attached before the first user's first use
-// (a node's life reset) would have that life ended under it. Bounded like the shared lock: a
-// stopped joiner holding the gate is passed after a while (the races are then possible again).
+// (a node's life reset) would have that life ended under it. Bounded: a stopped joiner holding
+// the gate is passed after kGateWait (the races are then possible again). The bound is wall time,
+// not a count of tries: a first user descheduled for tens of milliseconds on a loaded machine
+// (its mmap and first use take microseconds of CPU) must not be passed.
+constexpr int64_t kGateWaitNs = 2'000'000'000;
 bool GateBounded(int fd, short type) {
   struct flock gate {};
   gate.l_type = type;
   gate.l_whence = SEEK_SET;
   gate.l_start = 0;
   gate.l_len = 1;
-  for (int i = 0; i < 200; ++i) {
+  timespec t0;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (;;) {
     if (::fcntl(fd, F_OFD_SETLK, &gate) == 0) return true;
     if (type == F_UNLCK || (errno != EAGAIN && errno != EACCES && errno != EINTR)) return false;
+    timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    if ((now.tv_sec - t0.tv_sec) * 1'000'000'000 + (now.tv_nsec - t0.tv_nsec) >= kGateWaitNs) return false;
     ::usleep(250);
   }
-  return false;
 }
 
 }  // namespace

@@ -101,9 +101,11 @@ Result<std::unique_ptr<Node>> Node::Join(Region& region, const NodeOptions& opti
   // (A first user's new life was marked in LocalNode::Open, before anyone else could attach.)
   h.attached.fetch_add(1);
   node->heartbeat_->Tick();
-  // Another process of this node may be mid-beat: wait (bounded) until the node has a life.
+  // Another process of this node may be mid-beat (our Tick's try-lock then gave way): wait
+  // (bounded) until the node has a life and has beaten in it (a first user's reset leaves no
+  // beat: a write fenced before the next one would be refused).
   auto until = Clock::now() + options.lease;
-  while (h.incarnation.load() == 0 && Clock::now() < until) {
+  while ((h.incarnation.load() == 0 || h.last_beat_ns.load() == 0) && Clock::now() < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
     node->heartbeat_->Tick();
   }
