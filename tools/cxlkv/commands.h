@@ -29,6 +29,7 @@ void AddServeCommands(CLI::App& app, CommandResult& result);   // serve, serve-w
 void AddDaemonCommands(CLI::App& app, CommandResult& result);  // ping
 void AddLongContextCommands(CLI::App& app, CommandResult& result);  // longctx
 void AddGenerateCommands(CLI::App& app, CommandResult& result);     // generate
+void AddRacksCommands(CLI::App& app, CommandResult& result);        // racks
 
 // The long-context decode scenario (cmd_longctx.cc), shared by longctx and demo: runs it,
 // prints its table (and progress on stderr) when `print`, returns its JSON.

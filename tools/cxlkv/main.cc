@@ -16,6 +16,7 @@ int main(int argc, char** argv) {
   cxlkv::cli::AddLongContextCommands(app, result);
   cxlkv::cli::AddDaemonCommands(app, result);
   cxlkv::cli::AddGenerateCommands(app, result);
+  cxlkv::cli::AddRacksCommands(app, result);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
