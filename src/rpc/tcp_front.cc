@@ -23,6 +23,8 @@ using Clock = std::chrono::steady_clock;
 constexpr size_t kReadChunk = 16 << 10;
 constexpr std::chrono::milliseconds kLinger{1000};  // how long a refused peer may go on sending
 
+enum class Got { kData, kWouldBlock, kEof, kError };
+
 }  // namespace
 
 struct TcpFront::Connection {
@@ -42,6 +44,28 @@ struct TcpFront::Connection {
   bool lingering = false;
   Clock::time_point linger_until;
   size_t discarded = 0;
+  std::unique_ptr<TlsSession> tls;  // null on a plain front
+  Clock::time_point handshake_deadline;
+
+  // One read of at most `n` bytes, through TLS where it is on.
+  Got Receive(uint8_t* buf, size_t n, size_t* got, Status* error) {
+    if (!tls) {
+      ssize_t r = ::recv(fd, buf, n, MSG_DONTWAIT);
+      if (r == 0) return Got::kEof;
+      if (r < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? Got::kWouldBlock : Got::kError;
+      *got = static_cast<size_t>(r);
+      return Got::kData;
+    }
+    switch (tls->Read(buf, n, got)) {
+      case TlsSession::Io::kDone: return Got::kData;
+      case TlsSession::Io::kWouldBlock: return Got::kWouldBlock;
+      case TlsSession::Io::kClosed: return Got::kEof;
+      case TlsSession::Io::kError: break;
+    }
+    *error = tls->error();
+    return Got::kError;
+  }
+  bool authenticated() const { return !tls || tls->authenticated(); }
 
   Connection(uint64_t i, int f, uint32_t max_payload) : id(i), fd(f), decoder(max_payload) {}
 };
@@ -64,7 +88,15 @@ Result<std::unique_ptr<TcpFront>> TcpFront::Start(std::vector<RpcClient*> servic
   if (::inet_pton(AF_INET, hp.host.c_str(), &addr.sin_addr) != 1) {
     return InvalidArgument("TCP host in '" + a + "' is not an IPv4 address");
   }
+  std::shared_ptr<TlsContext> tls;
+  if (options.tls.enabled()) {
+    CXLKV_ASSIGN_OR_RETURN(tls, TlsContext::Create(TlsContext::Role::kServer, options.tls));
+  } else if ((ntohl(addr.sin_addr.s_addr) >> 24) != 127) {
+    return InvalidArgument("a TCP front on " + a + " would let anyone who reaches it read, write and evict any block: "
+                           "give --tls-cert, --tls-key and --tls-ca (docs/rpc.md, \"TLS\"), or bind 127.0.0.1");
+  }
   auto front = std::unique_ptr<TcpFront>(new TcpFront(std::move(services), std::move(local), options));
+  front->tls_ = std::move(tls);
   front->listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (front->listener_ < 0) return IoError(std::string("socket: ") + std::strerror(errno));
   int one = 1;
@@ -98,7 +130,21 @@ TcpFront::~TcpFront() {
   }
 }
 
-TcpFrontStats TcpFront::stats() const { return {accepted_.load(), frames_.load(), errors_.load(), dropped_.load()}; }
+TcpFrontStats TcpFront::stats() const {
+  return {accepted_.load(), frames_.load(), errors_.load(), dropped_.load(), refused_.load()};
+}
+
+std::string TcpFront::last_refusal() const {
+  std::lock_guard lock(refusal_mu_);
+  return last_refusal_;
+}
+
+void TcpFront::Refuse(Connection& c, const std::string& why) {
+  c.dead = true;
+  refused_.fetch_add(1, std::memory_order_relaxed);
+  std::lock_guard lock(refusal_mu_);
+  last_refusal_ = why;
+}
 
 void TcpFront::Loop() {
   std::vector<pollfd> fds;
@@ -110,7 +156,7 @@ void TcpFront::Loop() {
     for (auto& c : connections_) {
       short ev = 0;
       if ((!c->eof && !c->closing && c->queued.empty()) || c->lingering) ev |= POLLIN;
-      if (c->out.size() > c->out_sent) ev |= POLLOUT;
+      if (c->out.size() > c->out_sent || (c->tls && c->tls->wants_write())) ev |= POLLOUT;
       fds.push_back({c->fd, ev, 0});
     }
     // Forwarded requests are answered in microseconds: poll without sleeping briefly, then in
@@ -120,7 +166,9 @@ void TcpFront::Loop() {
     // A frame waiting for an RPC slot is retried at least every millisecond, answers or not.
     for (auto& c : connections_) {
       if (!c->queued.empty() && timeout != 0) timeout = 1;
-      if (c->lingering && (timeout < 0 || timeout > 50)) timeout = 50;  // to see its deadline pass
+      if ((c->lingering || !c->authenticated()) && (timeout < 0 || timeout > 50)) timeout = 50;  // to see deadlines pass
+      // Decrypted bytes inside a TLS session: poll would not announce them.
+      if (c->tls && !c->eof && !c->closing && c->queued.empty() && c->tls->has_buffered()) timeout = 0;
     }
     if (::poll(fds.data(), fds.size(), timeout) < 0 && errno != EINTR) break;
     if (fds[0].revents) {
@@ -137,8 +185,10 @@ void TcpFront::Loop() {
         if ((re & (POLLIN | POLLHUP | POLLERR)) && !Discard(c)) c.dead = true;
         continue;
       }
-      if ((re & (POLLIN | POLLHUP | POLLERR)) && !ReadFrom(c)) c.dead = true;
-      if ((re & POLLOUT) && !WriteTo(c)) c.dead = true;
+      const bool tls_wants = c.tls && ((c.tls->wants_write() && (re & POLLOUT)) ||
+                                       (!c.eof && !c.closing && c.queued.empty() && c.tls->has_buffered()));
+      if (((re & (POLLIN | POLLHUP | POLLERR)) || tls_wants) && !ReadFrom(c)) c.dead = true;
+      if ((re & POLLOUT) && c.authenticated() && !WriteTo(c)) c.dead = true;
     }
     for (auto& c : connections_) SubmitQueued(*c);
     bool any = false;
@@ -151,9 +201,15 @@ void TcpFront::Loop() {
       if (c->out.size() > c->out_sent && !c->dead && !WriteTo(*c)) c->dead = true;
     }
     const auto now = Clock::now();
+    for (auto& c : connections_) {
+      if (!c->dead && !c->authenticated() && now >= c->handshake_deadline) {
+        Refuse(*c, "no TLS handshake within " + std::to_string(options_.handshake_timeout.count()) + " ms");
+      }
+    }
     std::erase_if(connections_, [now](const std::unique_ptr<Connection>& c) {
       const bool flushed = c->out.size() == c->out_sent;
       if (c->closing && flushed && !c->lingering && !c->dead) {
+        if (c->tls) c->tls->Shutdown();
         ::shutdown(c->fd, SHUT_WR);  // the error frame is out: the peer sees our end
         c->lingering = true;
         c->linger_until = now + kLinger;
@@ -178,7 +234,18 @@ void TcpFront::Accept() {
     }
     int one = 1;
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    connections_.push_back(std::make_unique<Connection>(next_connection_++, fd, options_.max_payload));
+    auto c = std::make_unique<Connection>(next_connection_++, fd, options_.max_payload);
+    if (tls_) {
+      auto session = TlsSession::Accept(tls_, fd);
+      if (!session.ok()) {
+        ::close(fd);
+        Refuse(*c, session.status().message());
+        continue;
+      }
+      c->tls = std::move(*session);
+      c->handshake_deadline = Clock::now() + options_.handshake_timeout;
+    }
+    connections_.push_back(std::move(c));
   }
 }
 
@@ -186,23 +253,35 @@ void TcpFront::Accept() {
 // on an error, or past twice a frame's worth of bytes (a peer that never stops sending).
 bool TcpFront::Discard(Connection& c) {
   uint8_t buf[kReadChunk];
-  ssize_t n = ::recv(c.fd, buf, sizeof buf, MSG_DONTWAIT);
-  if (n == 0) return false;
-  if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
-  c.discarded += static_cast<size_t>(n);
+  size_t n = 0;
+  Status error;
+  const Got g = c.Receive(buf, sizeof buf, &n, &error);
+  if (g == Got::kWouldBlock) return true;
+  if (g != Got::kData) return false;
+  c.discarded += n;
   return c.discarded <= 2 * (size_t{options_.max_payload} + kFrameHeaderBytes);
 }
 
 // Reads what the peer sent and decodes whole frames into the queue. False: close now.
 bool TcpFront::ReadFrom(Connection& c) {
   uint8_t buf[kReadChunk];
-  ssize_t n = ::recv(c.fd, buf, sizeof buf, MSG_DONTWAIT);
-  if (n == 0) {
-    c.eof = true;
-    return true;
+  size_t n = 0;
+  Status error;
+  const bool was_authenticated = c.authenticated();
+  switch (c.Receive(buf, sizeof buf, &n, &error)) {
+    case Got::kWouldBlock:
+      return true;
+    case Got::kEof:
+      if (!was_authenticated) Refuse(c, "the peer left before completing its TLS handshake");
+      c.eof = true;
+      return !c.dead;
+    case Got::kError:
+      if (!was_authenticated) Refuse(c, error.message());
+      return false;
+    case Got::kData:
+      break;
   }
-  if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
-  std::span<const uint8_t> in(buf, static_cast<size_t>(n));
+  std::span<const uint8_t> in(buf, n);
   while (!in.empty()) {
     Frame f;
     const auto r = c.decoder.Next(in, &f);
@@ -307,6 +386,14 @@ void TcpFront::Reply(Connection& c, uint64_t id, uint8_t service, const Status& 
 
 bool TcpFront::WriteTo(Connection& c) {
   while (c.out_sent < c.out.size()) {
+    if (c.tls) {
+      size_t put = 0;
+      const auto io = c.tls->Write(c.out.data() + c.out_sent, c.out.size() - c.out_sent, &put);
+      if (io == TlsSession::Io::kWouldBlock) return true;
+      if (io != TlsSession::Io::kDone) return false;
+      c.out_sent += put;
+      continue;
+    }
     ssize_t n = ::send(c.fd, c.out.data() + c.out_sent, c.out.size() - c.out_sent, MSG_DONTWAIT | MSG_NOSIGNAL);
     if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
     c.out_sent += static_cast<size_t>(n);

@@ -13,6 +13,12 @@
 // and dropped, so the close does not reset the connection before the error frame is read); a bad service or opcode gets an error frame and the connection goes on.
 // Nothing a peer sends stops the loop from serving the others.
 //
+// With `tls` set, every connection first completes a mutual TLS handshake (tls.h) within
+// `handshake_timeout`; a peer that does not (no certificate, one from another CA or past its
+// dates, plain bytes, silence) is closed before one byte of a request is decoded, and counted
+// as refused. Without TLS the front binds only loopback addresses: anyone who reaches the port
+// could read, write and evict any block.
+//
 // Thread-safety: Start and the destructor from one thread; stats from any.
 #ifndef CXLKV_SRC_RPC_TCP_FRONT_H_
 #define CXLKV_SRC_RPC_TCP_FRONT_H_
@@ -22,6 +28,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <span>
@@ -29,6 +36,7 @@
 
 #include "cxlkv/status.h"
 #include "rpc/client.h"
+#include "rpc/tls.h"
 
 namespace cxlkv::rpc {
 
@@ -38,6 +46,8 @@ struct TcpFrontOptions {
   uint32_t max_connections = 256;                  // more are accepted and closed at once. Default 256.
   size_t max_output_bytes = 4 << 20;               // unread answers beyond this drop the peer. Default 4 MiB.
   std::chrono::milliseconds call_timeout{5000};    // per forwarded request. Default 5 s.
+  TlsOptions tls;                                  // mutual TLS; required on a non-loopback address
+  std::chrono::milliseconds handshake_timeout{5000};  // a TLS peer's handshake. Default 5 s.
 };
 
 struct TcpFrontStats {
@@ -45,6 +55,7 @@ struct TcpFrontStats {
   uint64_t frames = 0;       // requests answered (including with errors)
   uint64_t errors = 0;       // error frames sent
   uint64_t dropped = 0;      // connections closed for a malformed stream or unread output
+  uint64_t refused = 0;      // connections closed before they authenticated (TLS)
 };
 
 // A service the front answers itself, on its loop thread, instead of forwarding: for requests
@@ -64,6 +75,9 @@ class TcpFront {
 
   int port() const { return port_; }
   TcpFrontStats stats() const;
+  // Why the last refused connection was refused ("" if none was), e.g. the TLS handshake's
+  // error: what the operator reads when a client says it cannot get in.
+  std::string last_refusal() const;
 
  private:
   struct Connection;
@@ -76,6 +90,7 @@ class TcpFront {
   void SubmitQueued(Connection& c);
   void Reply(Connection& c, uint64_t id, uint8_t service, const Status& status, std::span<const uint8_t> payload);
   bool WriteTo(Connection& c);
+  void Refuse(Connection& c, const std::string& why);
   void CollectAnswers(bool* any);
 
   std::vector<RpcClient*> services_;
@@ -89,7 +104,10 @@ class TcpFront {
   std::vector<std::unique_ptr<Connection>> connections_;  // loop thread only
   std::vector<Call> calls_;                                // loop thread only: forwarded, unanswered
   uint64_t next_connection_ = 1;
-  std::atomic<uint64_t> accepted_{0}, frames_{0}, errors_{0}, dropped_{0};
+  std::shared_ptr<TlsContext> tls_;  // null: plain TCP (loopback only)
+  std::atomic<uint64_t> accepted_{0}, frames_{0}, errors_{0}, dropped_{0}, refused_{0};
+  mutable std::mutex refusal_mu_;
+  std::string last_refusal_;  // guarded by refusal_mu_
 };
 
 }  // namespace cxlkv::rpc
