@@ -122,12 +122,16 @@ Result<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options) {
     so.max_idle_sleep = std::chrono::milliseconds(5);  // and long (each wake-up costs ~25 us here)
     CXLKV_ASSIGN_OR_RETURN(d->admin_, rpc::RpcServer::Start(*d->pool_, kAdminService, AdminOps(*d), so));
   }
+  if (options.tcp_address.empty() && options.tcp_tls.enabled()) {
+    return InvalidArgument("--tls-cert, --tls-key and --tls-ca secure the TCP front: give --tcp IPV4:PORT too");
+  }
   if (!options.tcp_address.empty()) {
     // The front forwards to whichever daemon serves the admin service (this one or another).
     CXLKV_RETURN_IF_ERROR(rpc::RpcArea::OpenOrCreate(*d->pool_, kAdminService, AdminGeometry()).status());
     CXLKV_ASSIGN_OR_RETURN(d->tcp_admin_client_, rpc::RpcClient::Open(*d->pool_, kAdminService));
     rpc::TcpFrontOptions to;
     to.address = options.tcp_address;
+    to.tls = options.tcp_tls;
     if (options.tcp_max_frame < 4096) return InvalidArgument("--tcp-max-frame under 4 KiB cannot carry a block");
     to.max_payload = options.tcp_max_frame;
     // Room for two answers of the largest size before a peer that does not read is dropped.

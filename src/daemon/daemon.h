@@ -54,6 +54,8 @@ struct DaemonOptions {
                                       // port 0 picks one; "" = off. Default off.
   uint32_t tcp_max_frame = 4u << 20;  // largest frame payload the TCP front takes: a block put or
                                       // got over TCP must fit. Default 4 MiB.
+  rpc::TlsOptions tcp_tls;            // the TCP front's mutual TLS (rpc/tls.h); required unless it
+                                      // binds a loopback address. Default off.
   // The node's capacity tiers behind the region (docs/tiers.md): "dram:SIZE[:numa=N]",
   // "ssd:PATH:SIZE". Empty: the pool's default tiers (`cxlkv init --tier`, tier/pool_tiers.h)
   // if it has some, else none (evicted blocks are dropped).

@@ -202,6 +202,22 @@ std::string Daemon::RenderMetrics() {
       e.Sample(name, "", U(t[key]));
     }
   }
+  // The TCP front (docs/rpc.md): refused counts peers that never authenticated (TLS).
+  if (tcp_) {
+    const rpc::TcpFrontStats s = tcp_->stats();
+    const std::tuple<const char*, const char*, uint64_t> tcp_counters[] = {
+        {"cxlkv_tcp_connections_total", "Connections the TCP front accepted.", s.connections},
+        {"cxlkv_tcp_frames_total", "Requests the TCP front answered (errors included).", s.frames},
+        {"cxlkv_tcp_errors_total", "Error frames the TCP front sent.", s.errors},
+        {"cxlkv_tcp_dropped_total", "Connections dropped for a malformed stream or unread answers.", s.dropped},
+        {"cxlkv_tcp_refused_total", "Connections closed before they authenticated (no valid TLS client certificate).",
+         s.refused},
+    };
+    for (const auto& [name, help, v] : tcp_counters) {
+      e.Family(name, "counter", help);
+      e.Sample(name, "", v);
+    }
+  }
   // Near-memory attention engines (docs/pnm.md).
   if (pnm_) {
     const NearMemoryServiceStats p = pnm_->stats();

@@ -103,7 +103,7 @@ struct DaemonProcess {
   }
   int TcpPort() const {
     std::smatch m;
-    static const std::regex re("tcp on 127\\.0\\.0\\.1:([0-9]+)");
+    static const std::regex re("tcp on [0-9.]+:([0-9]+)");
     return std::regex_search(first_line, m, re) ? std::stoi(m[1]) : -1;
   }
   int MetricsPort() const {

@@ -1,11 +1,13 @@
 // Blocks over cxlkvd's TCP front (the `kv` frame service, rpc/kv_frames.h) for hosts outside the
 // CXL domain: bytes put over TCP read back identical over TCP and through the region, in both
 // metadata modes; malformed kv requests get a named error and the connection goes on; a frame
-// over the daemon's limit is refused and the daemon keeps serving.
+// over the daemon's limit is refused and the daemon keeps serving; on an address others reach,
+// only clients with a certificate from the pool's CA get in.
 #include <cstring>
 
 #include "daemon_harness.h"
 #include "rpc/kv_frames.h"
+#include "test_certs.h"
 
 namespace cxlkv {
 // gtest prints a test's parameter in its ctest name: the mode's name, not its bytes.
@@ -152,6 +154,57 @@ TEST(Cxlkvd, MalformedKvRequestsGetNamedErrorsAndTheConnectionGoesOn) {
   ASSERT_TRUE(conn.Read(&f));
   EXPECT_EQ(f.code, 0u);
   EXPECT_EQ(f.payload, Bytes(100, 1));
+  ::kill(d.pid, SIGTERM);
+  EXPECT_EQ(d.Wait(), 0);
+}
+
+TEST(Cxlkvd, TcpFrontOnAnAddressOthersReachServesOnlyCertifiedClients) {
+  TempRegionPath path("cxlkvdtls");
+  MakePool(path.path());
+  CertDir dir;
+  const TestCert ca = TestCert::Ca(dir.path(), "pool-ca");
+  const TestCert server = ca.Leaf(dir.path(), "cxlkvd");
+  const TestCert client = ca.Leaf(dir.path(), "client");
+  const std::string serve_tls = " --tls-cert " + server.cert_file() + " --tls-key " + server.key_file() + " --tls-ca " + ca.cert_file();
+  const std::string client_tls = " --tls-cert " + client.cert_file() + " --tls-key " + client.key_file() + " --tls-ca " + ca.cert_file();
+  // Plain TCP on an address others reach: refused at start, saying what to give.
+  Output open = Sh(DaemonBinary() + " --path " + path.path() + " --node 0 --tcp 0.0.0.0:0");
+  EXPECT_NE(open.code, 0);
+  EXPECT_NE(open.out.find("--tls-cert"), std::string::npos) << open.out;
+
+  DaemonProcess d = DaemonProcess::Start(path.path(), 0, "--tcp 0.0.0.0:0 --metrics 127.0.0.1:0" + serve_tls);
+  const int port = d.TcpPort();
+  ASSERT_GT(port, 0) << d.first_line;
+  EXPECT_NE(d.first_line.find("mutual TLS"), std::string::npos) << d.first_line;
+  const std::string tcp = " --tcp 127.0.0.1:" + std::to_string(port);
+  const std::string data = path.path() + "-data", out = path.path() + "-out";
+  {
+    std::ofstream f(data, std::ios::binary);
+    for (uint8_t b : Bytes(3000, 5)) f.put(static_cast<char>(b));
+  }
+  // Without a certificate: nothing put, nothing read, nothing evicted.
+  Output plain_put = Sh(Cli() + " put" + tcp + " --key secret --data " + data);
+  EXPECT_NE(plain_put.code, 0);
+  EXPECT_NE(plain_put.out.find("TLS"), std::string::npos) << plain_put.out;
+  EXPECT_EQ(Sh(Cli() + " get --path " + path.path() + " --key secret --out " + out).code, 2) << "a refused put landed";
+  // With one: the bytes go in and come back (the client's files also come from the environment).
+  ASSERT_EQ(Sh(Cli() + " put" + tcp + " --key secret --data " + data + client_tls).code, 0);
+  Output plain_get = Sh(Cli() + " get" + tcp + " --key secret --out " + out);
+  EXPECT_NE(plain_get.code, 0);
+  EXPECT_NE(plain_get.code, 2) << "a refused client learned the key is absent";
+  EXPECT_NE(Sh(Cli() + " evict" + tcp + " --key secret").code, 0);
+  const std::string env = "CXLKV_TLS_CERT=" + client.cert_file() + " CXLKV_TLS_KEY=" + client.key_file() +
+                          " CXLKV_TLS_CA=" + ca.cert_file() + " ";
+  Output got = Sh(env + Cli() + " get" + tcp + " --key secret --out " + out);
+  ASSERT_EQ(got.code, 0) << got.out;
+  EXPECT_EQ(Sh("cmp " + data + " " + out).code, 0) << "bytes differ after a refused evict";
+  // The refusals show on /metrics, which promtool accepts.
+  const std::string metrics = Scrape(d.MetricsPort());
+  EXPECT_GE(SumOf(metrics, "cxlkv_tcp_refused_total"), 3.0) << metrics;
+  std::string report;
+  EXPECT_EQ(PromtoolCheck(metrics, &report), 0) << report;
+  ::unlink(out.c_str());
+  ::unlink(data.c_str());
   ::kill(d.pid, SIGTERM);
   EXPECT_EQ(d.Wait(), 0);
 }

@@ -69,6 +69,7 @@ namespace {
 
 struct CacheArgs {
   std::string path, tcp, key, data, out;
+  rpc::TlsOptions tls;  // with --tcp
   int node = -1;
   bool all = false;
 };
@@ -101,7 +102,7 @@ BlockKey CliKey(const Opened& o, const std::string& key) {
 // Over the TCP front of a cxlkvd (--tcp): the same key in the same namespace, the bytes in the
 // frames (daemon/kv_front.h).
 Result<std::vector<uint8_t>> CallKv(const CacheArgs& a, uint32_t op, std::span<const uint8_t> block = {}) {
-  CXLKV_ASSIGN_OR_RETURN(auto client, rpc::TcpClient::Connect(a.tcp));
+  CXLKV_ASSIGN_OR_RETURN(auto client, rpc::TcpClient::Connect(a.tcp, std::chrono::seconds(5), a.tls));
   return client->Call(static_cast<uint8_t>(rpc::FrameService::kKv), op,
                       rpc::EncodeKvRequest(CliNamespace().model_id, {a.key}, block));
 }
@@ -210,6 +211,7 @@ void AddCacheCommands(CLI::App& app, CommandResult& result) {
   put->add_option("--node", put_args->node, "Node id to join as (default: a free one)");
   put->add_option("--key", put_args->key, "Key string (one block in the 'cli' namespace)")->required();
   put->add_option("--data", put_args->data, "File whose bytes are the block")->required();
+  AddTlsOptions(put, &put_args->tls);
   put->callback([put_args, &result] { result.status = Put(*put_args); });
 
   auto get_args = std::make_shared<CacheArgs>();
@@ -219,6 +221,7 @@ void AddCacheCommands(CLI::App& app, CommandResult& result) {
   get->add_option("--node", get_args->node, "Node id to join as (default: a free one)");
   get->add_option("--key", get_args->key, "Key string")->required();
   get->add_option("--out", get_args->out, "Output file ('-': stdout)")->required();
+  AddTlsOptions(get, &get_args->tls);
   get->callback([get_args, &result] { result.status = Get(*get_args, result); });
 
   auto evict_args = std::make_shared<CacheArgs>();
@@ -229,6 +232,7 @@ void AddCacheCommands(CLI::App& app, CommandResult& result) {
   auto* key = evict->add_option("--key", evict_args->key, "Key string");
   auto* all = evict->add_flag("--all", evict_args->all, "Every unpinned READY block, of every namespace");
   key->excludes(all);
+  AddTlsOptions(evict, &evict_args->tls);
   evict->callback([evict_args, &result] {
     if (!evict_args->all && evict_args->key.empty()) {
       result.status = InvalidArgument("evict needs --key STRING or --all");

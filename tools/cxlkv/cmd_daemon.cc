@@ -13,6 +13,7 @@ namespace {
 struct PingArgs {
   std::string path;
   std::string tcp;
+  rpc::TlsOptions tls;
   int node = -1;
   bool stat = false;
   bool json = false;
@@ -24,7 +25,7 @@ using Clock = std::chrono::steady_clock;
 double MicrosSince(Clock::time_point t0) { return std::chrono::duration<double, std::micro>(Clock::now() - t0).count(); }
 
 Result<std::vector<uint8_t>> AskOverTcp(const PingArgs& a, double* us) {
-  CXLKV_ASSIGN_OR_RETURN(auto c, rpc::TcpClient::Connect(a.tcp, std::chrono::milliseconds(a.timeout_ms)));
+  CXLKV_ASSIGN_OR_RETURN(auto c, rpc::TcpClient::Connect(a.tcp, std::chrono::milliseconds(a.timeout_ms), a.tls));
   const auto t0 = Clock::now();
   auto r = c->Call(static_cast<uint8_t>(rpc::FrameService::kAdmin), a.stat ? daemon::kAdminStat : daemon::kAdminPing, {});
   *us = MicrosSince(t0);
@@ -68,6 +69,14 @@ Status Ping(const PingArgs& a) {
 
 }  // namespace
 
+void AddTlsOptions(CLI::App* command, rpc::TlsOptions* tls) {
+  command->add_option("--tls-cert", tls->cert_file, "With --tcp: this client's certificate (PEM), signed by the daemon's CA")
+      ->envname("CXLKV_TLS_CERT");
+  command->add_option("--tls-key", tls->key_file, "With --tcp: the certificate's private key (PEM)")->envname("CXLKV_TLS_KEY");
+  command->add_option("--tls-ca", tls->ca_file, "With --tcp: the CA the daemon's certificate must chain to (PEM)")
+      ->envname("CXLKV_TLS_CA");
+}
+
 void AddDaemonCommands(CLI::App& app, CommandResult& result) {
   auto args = std::make_shared<PingArgs>();
   auto* ping = app.add_subcommand("ping", "Ask the pool's admin service (a cxlkvd) who serves it, over the shared-memory RPC");
@@ -77,6 +86,7 @@ void AddDaemonCommands(CLI::App& app, CommandResult& result) {
   ping->add_flag("--stat", args->stat, "Ask for the daemon's summary of the pool instead");
   ping->add_flag("--json", args->json, "Print the answer as JSON");
   ping->add_option("--timeout-ms", args->timeout_ms, "Give up after this long (default 5000)");
+  AddTlsOptions(ping, &args->tls);
   ping->callback([args, &result] { result.status = Ping(*args); });
 }
 

@@ -10,6 +10,7 @@
 #include "cxlkv/pool.h"
 #include "cxlkv/region.h"
 #include "cxlkv/status.h"
+#include "rpc/tls.h"
 #include "serve/long_context.h"
 
 namespace cxlkv::cli {
@@ -30,6 +31,10 @@ void AddDaemonCommands(CLI::App& app, CommandResult& result);  // ping
 void AddLongContextCommands(CLI::App& app, CommandResult& result);  // longctx
 void AddGenerateCommands(CLI::App& app, CommandResult& result);     // generate
 void AddRacksCommands(CLI::App& app, CommandResult& result);        // racks
+
+// --tls-cert, --tls-key and --tls-ca (or CXLKV_TLS_CERT|KEY|CA) of a command that dials a
+// cxlkvd's TCP front (cmd_daemon.cc): mutual TLS, required by a front on a non-loopback address.
+void AddTlsOptions(CLI::App* command, rpc::TlsOptions* tls);
 
 // The long-context decode scenario (cmd_longctx.cc), shared by longctx and demo: runs it,
 // prints its table (and progress on stderr) when `print`, returns its JSON.

@@ -39,6 +39,9 @@ int main(int argc, char** argv) {
   app.add_option("--metrics", o.metrics_address, "serve Prometheus /metrics on HOST:PORT (port 0: any); off by default");
   app.add_option("--tcp", o.tcp_address, "serve the RPC services and the KV cache's blocks over TCP on IPV4:PORT (port 0: any), for hosts outside the CXL domain; off by default");
   app.add_option("--tcp-max-frame", o.tcp_max_frame, "largest frame payload (a block put or got over TCP) in bytes")->capture_default_str();
+  app.add_option("--tls-cert", o.tcp_tls.cert_file, "the TCP front's certificate (PEM); with --tls-key and --tls-ca, every TCP client must present a certificate from that CA (mutual TLS); required for --tcp on a non-loopback address");
+  app.add_option("--tls-key", o.tcp_tls.key_file, "the private key of --tls-cert (PEM)");
+  app.add_option("--tls-ca", o.tcp_tls.ca_file, "the CA (PEM) that TCP clients' certificates must chain to");
   app.add_flag("--no-admin", no_admin, "do not serve or stand by for the pool's admin RPC service");
   app.add_flag("--no-manager", no_manager, "never host the lock manager on this node");
   app.add_option("--lock-dir", o.lock_dir, "where the one-daemon-per-node lock file lives (default /dev/shm)");
@@ -93,7 +96,8 @@ int main(int argc, char** argv) {
                 o.metrics_address.substr(0, o.metrics_address.rfind(':')).c_str(), (*d)->metrics_port());
   }
   if ((*d)->tcp_port() > 0) {
-    std::printf("; tcp on %s:%d", o.tcp_address.substr(0, o.tcp_address.rfind(':')).c_str(), (*d)->tcp_port());
+    std::printf("; tcp on %s:%d%s", o.tcp_address.substr(0, o.tcp_address.rfind(':')).c_str(), (*d)->tcp_port(),
+                o.tcp_tls.enabled() ? " (mutual TLS)" : "");
   }
   std::printf("\n");
   if (const cxlkv::tier::TierStore* tiers = (*d)->tiers(); tiers != nullptr) {
