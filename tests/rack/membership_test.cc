@@ -257,12 +257,19 @@ TEST_F(MembershipTest, RacksCommandListsMembersWithTheirLeases) {
   ASSERT_NE(cli, nullptr) << "CXLKV_CLI names the cxlkv binary (set by ctest)";
   auto a = JoinOrDie(Options("a"));
   ASSERT_TRUE(a);
+  auto b = JoinOrDie(Options("b"));
+  ASSERT_TRUE(b);
   int rc = -1;
   const std::string out = RunCommand(std::string(cli) + " racks --etcd " + etcd_->url() + " --cluster t --json", &rc);
   ASSERT_EQ(rc, 0) << out;
   auto j = nlohmann::json::parse(out, nullptr, false);
   ASSERT_TRUE(j.is_object()) << out;
-  ASSERT_EQ(j["racks"].size(), 1u) << out;
+  ASSERT_EQ(j["racks"].size(), 2u) << out;
+  // The home ring of the two: each holds a share, together the whole circle.
+  const double share_a = j["racks"][0]["ring_share"].get<double>(), share_b = j["racks"][1]["ring_share"].get<double>();
+  EXPECT_GT(share_a, 0.2) << out;
+  EXPECT_GT(share_b, 0.2) << out;
+  EXPECT_NEAR(share_a + share_b, 1.0, 1e-9) << out;
   EXPECT_EQ(j["racks"][0]["rack"], "a");
   EXPECT_EQ(j["racks"][0]["life"], 1);
   EXPECT_EQ(j["racks"][0]["link_address"], "10.200.0.1:7100");

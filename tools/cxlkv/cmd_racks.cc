@@ -1,9 +1,11 @@
 // `cxlkv racks`: the racks of a fleet as etcd's membership shows them (src/rack): each rack's
-// life, link address, capacity, namespaces and what is left of its lease.
+// life, link address, capacity, namespaces, what is left of its lease, and its share of the home
+// ring (rack/home_ring.h) the live racks make.
 #include <cstdio>
 #include <memory>
 
 #include "commands.h"
+#include "rack/home_ring.h"
 #include "rack/membership.h"
 
 namespace cxlkv::cli {
@@ -24,7 +26,11 @@ Status ListRacks(const RacksArgs& a) {
   CXLKV_ASSIGN_OR_RETURN(std::unique_ptr<rack::RackMembership> view, rack::RackMembership::Observe(o));
   CXLKV_ASSIGN_OR_RETURN(std::unique_ptr<rack::EtcdClient> etcd, rack::EtcdClient::Create(o.etcd));
   nlohmann::json out = nlohmann::json::array();
-  for (const rack::RackMember& m : view->Members()) {
+  const std::vector<rack::RackMember> members = view->Members();
+  std::vector<std::string> names;
+  for (const rack::RackMember& m : members) names.push_back(m.rack);
+  const rack::HomeRing ring = rack::HomeRing::Build(names);
+  for (const rack::RackMember& m : members) {
     auto ttl = etcd->LeaseTimeToLive(m.lease);
     out.push_back({{"rack", m.rack},
                    {"life", m.life},
@@ -32,7 +38,8 @@ Status ListRacks(const RacksArgs& a) {
                    {"capacity_bytes", m.capacity_bytes},
                    {"namespaces", m.namespaces},
                    {"lease", m.lease},
-                   {"lease_ttl_s", ttl.ok() ? *ttl : -1}});
+                   {"lease_ttl_s", ttl.ok() ? *ttl : -1},
+                   {"ring_share", ring.Share(m.rack)}});
   }
   if (a.json) {
     std::printf("%s\n", nlohmann::json{{"cluster", a.cluster}, {"racks", out}}.dump(2).c_str());
@@ -40,11 +47,12 @@ Status ListRacks(const RacksArgs& a) {
   }
   std::printf("cluster %s: %zu rack(s)\n", a.cluster.c_str(), out.size());
   for (const auto& r : out) {
-    std::printf("  %-16s life %-4lld link %-22s capacity %8.1f GiB  lease %llx (%lld s left)  namespaces %s\n",
+    std::printf("  %-16s life %-4lld link %-22s capacity %8.1f GiB  lease %llx (%lld s left)  ring %5.1f%%  namespaces %s\n",
                 r["rack"].get<std::string>().c_str(), static_cast<long long>(r["life"].get<int64_t>()),
                 r["link_address"].get<std::string>().c_str(), r["capacity_bytes"].get<double>() / (1 << 30),
                 static_cast<unsigned long long>(r["lease"].get<int64_t>()),
-                static_cast<long long>(r["lease_ttl_s"].get<int64_t>()), r["namespaces"].dump().c_str());
+                static_cast<long long>(r["lease_ttl_s"].get<int64_t>()), 100 * r["ring_share"].get<double>(),
+                r["namespaces"].dump().c_str());
   }
   if (view->malformed_values() != 0) {
     std::printf("  (%llu member value(s) under /cxlkv/%s/racks/ did not parse and are not shown)\n",
