@@ -28,6 +28,11 @@ void CheckLimits(const cxlkv::rack::LinkMessage& m) {
     Fail("lookup key count out of range");
   }
   if (const auto* h = std::get_if<LinkLookupAnswer>(&m.body); h && h->holders.size() > kLinkMaxHolders) Fail("holders over their limit");
+  if (const auto* f = std::get_if<LinkFetch>(&m.body);
+      f && (f->keys.empty() || f->keys.size() > kLinkMaxFetchKeys || f->ns.model_id.empty() || f->ns.model_id.size() > kLinkMaxModelId ||
+            f->ns.extra_key.size() > kLinkMaxExtraKey)) {
+    Fail("fetch out of its limits");
+  }
 }
 
 void CheckHandshake(const cxlkv::rack::LinkMessage& m) {

@@ -6,13 +6,15 @@ namespace cxlkv::rack {
 namespace {
 
 constexpr const char* kTypeNames[] = {"hello", "challenge", "proof", "welcome", "refused",
-                                      "announce", "lookup", "lookup answer", "error"};
+                                      "announce", "lookup", "lookup answer", "error",
+                                      "fetch", "fetch block", "fetch end"};
 constexpr size_t kTypes = sizeof kTypeNames / sizeof kTypeNames[0];
 static_assert(kTypes == std::variant_size_v<LinkBody>);
 // The smallest encoding of one list element: what a count is checked against before a reserve.
 constexpr size_t kAnnouncedBytes = 1 + 16 + 4 + 16;
 constexpr size_t kKeyBytes = 16;
 constexpr size_t kHolderMinBytes = 1 + 8 + 4;
+constexpr uint8_t kMaxDtype = static_cast<uint8_t>(KvDtype::kFp32);
 
 class Writer {
  public:
@@ -144,6 +146,20 @@ Status EncodeBody(const LinkBody& body, Writer& w) {
           }
         } else if constexpr (std::is_same_v<T, LinkError>) {
           w.Int(static_cast<uint8_t>(b.code)), w.Str16(b.message.substr(0, kLinkMaxReason));
+        } else if constexpr (std::is_same_v<T, LinkFetch>) {
+          if (b.ns.model_id.empty() || b.ns.model_id.size() > kLinkMaxModelId || b.ns.extra_key.size() > kLinkMaxExtraKey) {
+            return InvalidArgument("a fetch's model id must be 1 to 95 bytes, its extra key at most 63");
+          }
+          if (b.keys.empty() || b.keys.size() > kLinkMaxFetchKeys) return InvalidArgument("a fetch asks for 1 to " + std::to_string(kLinkMaxFetchKeys) + " blocks");
+          const KvLayoutSignature& l = b.ns.layout;
+          w.Str8(b.ns.model_id), w.Str8(b.ns.extra_key), w.Int(static_cast<uint8_t>(l.dtype));
+          for (uint32_t v : {l.num_layers, l.num_kv_heads, l.head_size, l.block_size, l.tp_rank, l.tp_size, l.pp_stage, l.kv_parts, l.block_format}) w.Int(v);
+          w.Int(static_cast<uint32_t>(b.keys.size()));
+          for (const BlockKey& k : b.keys) w.Key(k);
+        } else if constexpr (std::is_same_v<T, LinkFetchBlock>) {
+          w.Int(b.index), w.Key(b.key), w.Int(b.bytes), w.Int(b.checksum);
+        } else if constexpr (std::is_same_v<T, LinkFetchEnd>) {
+          w.Int(b.blocks);
         }
         return Status::Ok();
       },
@@ -228,6 +244,33 @@ Result<LinkBody> DecodeBody(LinkType type, std::span<const uint8_t> in) {
       body = std::move(b);
       break;
     }
+    case LinkType::kFetch: {
+      LinkFetch b;
+      b.ns.model_id = r.Str8(kLinkMaxModelId, "model id"), b.ns.extra_key = r.Str8(kLinkMaxExtraKey, "extra key");
+      if (r.ok() && b.ns.model_id.empty()) r.Fail("an empty model id");
+      const auto dtype = r.Int<uint8_t>("dtype");
+      if (r.ok() && dtype > kMaxDtype) r.Fail("dtype " + std::to_string(dtype) + " is no KV dtype");
+      KvLayoutSignature& l = b.ns.layout;
+      l.dtype = static_cast<KvDtype>(dtype);
+      for (uint32_t* v : {&l.num_layers, &l.num_kv_heads, &l.head_size, &l.block_size, &l.tp_rank, &l.tp_size, &l.pp_stage, &l.kv_parts, &l.block_format}) {
+        *v = r.Int<uint32_t>("layout");
+      }
+      const uint32_t n = r.Count(kLinkMaxFetchKeys, kKeyBytes, "keys");
+      if (r.ok() && n == 0) r.Fail("a fetch of no keys");
+      b.keys.reserve(n);
+      for (uint32_t i = 0; i < n && r.ok(); ++i) b.keys.push_back(r.Key("key"));
+      body = std::move(b);
+      break;
+    }
+    case LinkType::kFetchBlock: {
+      LinkFetchBlock b;
+      b.index = r.Int<uint32_t>("index"), b.key = r.Key("key"), b.bytes = r.Int<uint64_t>("bytes"), b.checksum = r.Int<uint64_t>("checksum");
+      body = b;
+      break;
+    }
+    case LinkType::kFetchEnd:
+      body = LinkFetchEnd{r.Int<uint32_t>("blocks")};
+      break;
   }
   CXLKV_RETURN_IF_ERROR(r.Finish());
   return body;

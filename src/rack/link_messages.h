@@ -34,6 +34,9 @@ inline constexpr size_t kLinkMaxReason = 1024;           // a refusal or error m
 inline constexpr uint32_t kLinkMaxAnnounced = 65536;     // entries in one announce batch
 inline constexpr uint32_t kLinkMaxLookupKeys = 4096;     // a chain's keys in one lookup
 inline constexpr uint32_t kLinkMaxHolders = 8;           // holders in one lookup answer
+inline constexpr uint32_t kLinkMaxFetchKeys = 4096;      // blocks one fetch asks for
+inline constexpr size_t kLinkMaxModelId = 95;            // KeyNamespace's limits (cache.h)
+inline constexpr size_t kLinkMaxExtraKey = 63;
 
 using Nonce = std::array<uint8_t, 32>;
 using Mac = std::array<uint8_t, 32>;  // HMAC-SHA-256
@@ -48,6 +51,9 @@ enum class LinkType : uint8_t {
   kLookup = 7,     // a rack → a home rack: who holds the longest prefix of this chain?
   kLookupAnswer = 8,
   kError = 9,      // the answer to a request that failed
+  kFetch = 10,     // a rack → a holder: send me these blocks of this namespace
+  kFetchBlock = 11,  // holder → asker: one block (the header of a payload message)
+  kFetchEnd = 12,  // holder → asker: the stream's end, and how many blocks it sent
 };
 
 struct LinkHello {
@@ -98,8 +104,25 @@ struct LinkError {
   std::string message;
 };
 
+// A fetch names the namespace whole (model, extra key, layout): the holder serves only blocks
+// whose layout is the asker's, so bytes of another shape are never sent as these keys.
+struct LinkFetch {
+  KeyNamespace ns;
+  std::vector<BlockKey> keys;  // the blocks wanted, in chain order
+};
+struct LinkFetchBlock {
+  uint32_t index = 0;     // the block's position in the fetch's keys
+  BlockKey key;
+  uint64_t bytes = 0;     // the payload's length
+  uint64_t checksum = 0;  // XXH3-64 of the payload: the asker verifies before it commits
+  friend bool operator==(const LinkFetchBlock&, const LinkFetchBlock&) = default;
+};
+struct LinkFetchEnd {
+  uint32_t blocks = 0;  // how many leading keys the holder sent (it stops at its first miss)
+};
+
 using LinkBody = std::variant<LinkHello, LinkChallenge, LinkProof, LinkWelcome, LinkRefused, LinkAnnounce, LinkLookup,
-                              LinkLookupAnswer, LinkError>;
+                              LinkLookupAnswer, LinkError, LinkFetch, LinkFetchBlock, LinkFetchEnd>;
 
 struct LinkMessage {
   uint64_t id = 0;  // a request's id; its answer carries the same

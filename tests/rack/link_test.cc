@@ -44,6 +44,10 @@ std::vector<LinkMessage> OneOfEach() {
       {7, lookup},
       {8, LinkLookupAnswer{{{"rack-c", 4, 12}, {"rack-d", 1, 3}}}},
       {9, LinkError{StatusCode::kNotFound, "evicted since"}},
+      {10, LinkFetch{KeyNamespace{"llama-3-8b", KvLayoutSignature{KvDtype::kBf16, 32, 8, 128, 16, 1, 2, 0, 2, 1}, "lora-7"},
+                     {{1, 2}, {3, 4}, {5, 6}}}},
+      {11, LinkFetchBlock{2, BlockKey{5, 6}, 1u << 21, 0xfeedfacecafebeefull}},
+      {12, LinkFetchEnd{3}},
   };
 }
 
@@ -64,6 +68,15 @@ TEST(LinkMessages, EveryTypeRoundTripsExactly) {
   EXPECT_EQ(a.blocks, std::get<LinkAnnounce>(OneOfEach()[5].body).blocks);
   const auto h = std::get<LinkLookupAnswer>(DecodeLinkMessage(Encode(OneOfEach()[7]))->body);
   EXPECT_EQ(h.holders, std::get<LinkLookupAnswer>(OneOfEach()[7].body).holders);
+  const auto f = std::get<LinkFetch>(DecodeLinkMessage(Encode(OneOfEach()[9]))->body);
+  EXPECT_EQ(f.ns.model_id, "llama-3-8b");
+  EXPECT_EQ(f.ns.extra_key, "lora-7");
+  EXPECT_EQ(f.ns.layout.dtype, KvDtype::kBf16);
+  EXPECT_EQ(f.ns.layout.num_layers, 32u);
+  EXPECT_EQ(f.ns.layout.tp_size, 2u);
+  EXPECT_EQ(f.keys.size(), 3u);
+  EXPECT_EQ(std::get<LinkFetchBlock>(DecodeLinkMessage(Encode(OneOfEach()[10]))->body),
+            std::get<LinkFetchBlock>(OneOfEach()[10].body));
 }
 
 TEST(LinkMessages, MalformedMessagesAreRefusedNamingWhatWasWrong) {
@@ -82,7 +95,7 @@ TEST(LinkMessages, MalformedMessagesAreRefusedNamingWhatWasWrong) {
   refused(with(0, 'X'), StatusCode::kInvalidArgument, "bad magic");
   refused(with(2, 2), StatusCode::kVersionMismatch, "same cxlkv release");
   refused(with(3, 0), StatusCode::kInvalidArgument, "unknown rack-link message type 0");
-  refused(with(3, 10), StatusCode::kInvalidArgument, "unknown rack-link message type 10");
+  refused(with(3, 13), StatusCode::kInvalidArgument, "unknown rack-link message type 13");
   refused(with(7, 0x7f), StatusCode::kInvalidArgument, "is over");  // a body length past the limit
   refused(with(16, 0), StatusCode::kInvalidArgument, "empty rack name");
   refused(with(16, 65), StatusCode::kInvalidArgument, "over its limit");  // a rack name of 65 bytes
@@ -104,6 +117,11 @@ TEST(LinkMessages, MalformedMessagesAreRefusedNamingWhatWasWrong) {
     auto b = Encode(OneOfEach()[8]);  // error: code 0 is no error
     b[kLinkHeaderBytes] = 0;
     refused(b, StatusCode::kInvalidArgument, "is no status");
+  }
+  {
+    auto b = Encode(OneOfEach()[9]);  // fetch: the dtype byte follows the two names
+    b[kLinkHeaderBytes + 1 + 10 + 1 + 6] = 9;
+    refused(b, StatusCode::kInvalidArgument, "is no KV dtype");
   }
   LinkMessage empty_lookup{1, LinkLookup{}};
   std::vector<uint8_t> sink;
