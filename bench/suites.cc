@@ -49,6 +49,10 @@ const std::vector<Suite>& Suites() {
        "replayed into a pool holding a third of its distinct blocks, at 2 MiB- and 0.875 MiB-shaped blocks, vs an "
        "exact-size LRU simulation of the same pool size",
        &RunTraceBench},
+      {"racks",
+       "beyond one rack: fetch of 2 MiB blocks from another rack's pool over the rack link (UCX), batches of 1 and "
+       "16, vs ucx_perftest's active-message bandwidth on the same transport",
+       &RunRacksBench},
   };
   return suites;
 }

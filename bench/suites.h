@@ -40,6 +40,7 @@ Result<std::vector<nlohmann::json>> PnmRemoteFigures(const BenchOptions& options
 Result<nlohmann::json> RunLongContextBench(const BenchOptions& options);  // longctx_bench.cc
 Result<nlohmann::json> RunCapacityBench(const BenchOptions& options);     // capacity_bench.cc
 Result<nlohmann::json> RunTraceBench(const BenchOptions& options);        // trace_bench.cc
+Result<nlohmann::json> RunRacksBench(const BenchOptions& options);        // racks_bench.cc
 
 // The reference every cross-process protocol chases: two processes bounce a counter through two
 // cache lines, each publishing with store + clflush and observing with invalidate + load.

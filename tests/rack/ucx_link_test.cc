@@ -2,6 +2,10 @@
 // handshake, a stranger with another secret is refused, 2 MiB payloads arrive byte-exact by
 // rendezvous, a call past its deadline ends and the link connects again, and a peer that is
 // paused times out while one killed -9 mid-call ends the call kUnavailable, never a hang.
+//
+// Under ThreadSanitizer, UCX's memory hooks (libucm patches madvise, which glibc calls as each
+// thread starts) crash before TSan knows the thread: the tsan test preset sets
+// UCX_MEM_MMAP_HOOK_MODE=none and UCX_MEM_MALLOC_HOOKS=no.
 #include <signal.h>
 #include <sys/wait.h>
 

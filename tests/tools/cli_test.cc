@@ -152,6 +152,28 @@ TEST(Cli, BenchCacheQuickReportsRatiosAndThePeer) {
   }
 }
 
+// The racks suite: cross-rack fetches of 2 MiB blocks over the rack link, next to ucx_perftest
+// on the same transport (scripts/setup installs ucx-utils); every fetch moved its blocks.
+TEST(Cli, BenchRacksQuickReportsFetchesNextToUcxPerftest) {
+  auto r = Cli("bench racks --json --quick");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.stdout_only);
+  EXPECT_EQ(j["suite"], "racks");
+  std::set<std::string> names;
+  for (const auto& fig : j["results"]) {
+    names.insert(fig["name"].get<std::string>());
+    if (fig["name"] != "ucx_perftest_am_bw/2MiB" || !j.contains("reference_skipped")) {
+      EXPECT_GT(fig["median"].get<double>(), 0) << fig.dump();
+    }
+  }
+  EXPECT_TRUE(names.count("fetch/2MiB/batch16"));
+  EXPECT_TRUE(names.count("fetch/2MiB/batch1"));
+  EXPECT_FALSE(j.contains("reference_skipped")) << j["reference_skipped"];
+  // Warm-up plus two repetitions of one 16-block fetch and sixteen 1-block fetches.
+  EXPECT_EQ(j["holder"]["blocks_sent"].get<uint64_t>(), 16u + 2 * (16u + 16u));
+  EXPECT_EQ(j["holder"]["send_failures"].get<uint64_t>(), 0u);
+}
+
 // The capacity suite: KV bytes held next to the data area they could fill, for each size
 // run and the mix; what is held never exceeds the data area, and something is held.
 TEST(Cli, BenchCapacityQuickReportsKvHeldNextToTheDataArea) {
