@@ -1,7 +1,8 @@
 // `cxlkv bench racks`: fetching 2 MiB blocks from another rack's pool over the rack link
 // (rack/block_fetch.h), batches of 1 and 16, next to ucx_perftest's active-message bandwidth for
-// the same message size over the same transport on the same machine (the limit), measured in
-// the same run, repetitions interleaved so both see the same load.
+// the same message size over the same transport on the same machine (the limit); and a lookup
+// in a home rack's directory over the link next to one etcd range request on a local member.
+// Measured in the same run, repetitions interleaved so both see the same load.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -14,7 +15,9 @@
 
 #include "bench_clock.h"
 #include "cxlkv/pool.h"
+#include "etcd_server.h"  // tests/rack: the one-member etcd the rack tests start
 #include "rack/block_fetch.h"
+#include "rack/link_service.h"
 #include "suites.h"
 
 namespace cxlkv::bench {
@@ -121,6 +124,9 @@ Result<nlohmann::json> RunRacksBench(const BenchOptions& options) {
   const std::string tls = RacksTransports();
   const std::string tag = std::to_string(::getpid());
   nlohmann::json machine = MachineJson();
+  // etcd first: it forks, before this process starts a thread.
+  std::string etcd_missing;
+  std::unique_ptr<testing::EtcdServer> etcd = testing::EtcdServer::Start(&etcd_missing);
 
   RackSide holder, asker;
   CXLKV_RETURN_IF_ERROR(OpenRackSide(holder, options.workdir + "/cxlkv-bench-racks-h-" + tag, 96ull << 20));
@@ -139,13 +145,17 @@ Result<nlohmann::json> RunRacksBench(const BenchOptions& options) {
   auto secret = rack::PoolSecret::FromBytes(std::vector<uint8_t>(32, 0x5a));
   if (!secret.ok()) return secret.status();
   rack::BlockFetchServer server(*holder.cache);
+  // The holder is also the home of a 16-block chain some rack announced.
+  rack::ChainDirectory directory;
+  rack::LinkAnnounce announced{1, {}};
+  for (uint32_t i = 0; i < blocks; ++i) announced.blocks.push_back({rack::AnnounceOp::kPublished, keys[0], i, keys[i]});
+  directory.Apply("bench-other", announced);
+  rack::LinkService service(directory, &server);
   rack::UcxLinkOptions ho;
   ho.rack = "bench-holder";
   ho.listen = "127.0.0.1:0";
   ho.transports = tls;
-  CXLKV_ASSIGN_OR_RETURN(auto holder_link, rack::UcxLink::Start(ho, *secret, [&](const rack::LinkMessage& m, rack::LinkReply& r) {
-    if (!server.Serve(m, r)) r.Send({m.id, rack::LinkError{StatusCode::kNotSupported, "bench holder: fetches only"}});
-  }));
+  CXLKV_ASSIGN_OR_RETURN(auto holder_link, rack::UcxLink::Start(ho, *secret, service.Handler()));
   rack::UcxLinkOptions ao;
   ao.rack = "bench-asker";
   ao.transports = tls;
@@ -187,7 +197,37 @@ Result<nlohmann::json> RunRacksBench(const BenchOptions& options) {
     }
   }
 
+  // Directory lookups over the link vs etcd range requests, interleaved per repetition.
+  const int lookups = options.quick ? 50 : 400;
+  std::vector<double> lookup_us, etcd_us;
+  std::unique_ptr<rack::EtcdClient> etcd_client;
+  if (etcd) {
+    auto c = rack::EtcdClient::Create({{etcd->url()}, std::chrono::milliseconds(2000)});
+    if (!c.ok()) return c.status();
+    etcd_client = std::move(*c);
+    CXLKV_RETURN_IF_ERROR(etcd_client->Put("/cxlkv/bench/racks/member", std::string(200, 'm')).status());
+  }
+  const rack::LinkLookup chain{keys};
+  for (int rep = 0; rep < reps; ++rep) {
+    auto t0 = Clock::now();
+    for (int i = 0; i < lookups; ++i) {
+      CXLKV_ASSIGN_OR_RETURN(rack::LinkMessage answer, asker_link->Call(holder_link->address(), chain, std::chrono::seconds(5)));
+      const auto* a = std::get_if<rack::LinkLookupAnswer>(&answer.body);
+      if (a == nullptr || a->holders.size() != 1 || a->holders[0].blocks != blocks) return Internal("bench racks: the lookup missed");
+    }
+    lookup_us.push_back(NsSince(t0) / 1000.0 / lookups);
+    if (!etcd_client) continue;
+    t0 = Clock::now();
+    for (int i = 0; i < lookups; ++i) CXLKV_RETURN_IF_ERROR(etcd_client->Get("/cxlkv/bench/racks/member").status());
+    etcd_us.push_back(NsSince(t0) / 1000.0 / lookups);
+  }
+
   nlohmann::json results = nlohmann::json::array();
+  results.push_back(FigureJson({"etcd_range", "us", false, etcd_us, "", {},
+                                "one range request of one key on a one-member etcd over loopback (v3 JSON gateway)"}));
+  results.push_back(FigureJson({"directory_lookup/16", "us", false, lookup_us, "etcd_range", etcd_us,
+                                "a home rack's answer for a 16-block chain over the rack link, one round trip",
+                                Goal::RatioAtMost(1.0)}));
   results.push_back(FigureJson({"ucx_perftest_am_bw/2MiB", "GB/s", true, perftest, "", {},
                                 "ucx_perftest -t ucp_am_bw, 2 MiB, two processes over 127.0.0.1, UCX_TLS=" + tls}));
   results.push_back(FigureJson({"fetch/2MiB/batch16", "GB/s", true, batch16, "ucx_perftest_am_bw/2MiB", perftest,
@@ -207,6 +247,7 @@ Result<nlohmann::json> RunRacksBench(const BenchOptions& options) {
   report["holder"] = {{"fetches", c.fetches}, {"blocks_sent", c.blocks_sent}, {"bytes_sent", c.bytes_sent},
                       {"send_failures", c.send_failures}};
   if (!perftest_missing.empty()) report["reference_skipped"] = perftest_missing;
+  if (!etcd) report["etcd_skipped"] = etcd_missing;
   report["results"] = results;
   return report;
 }

@@ -130,6 +130,14 @@ Result<FetchOutcome> BlockFetcher::Fetch(const std::string& holder, const KeyNam
   return out;
 }
 
+// One fetch being served: its pins, and the next block to send.
+struct BlockFetchServer::Stream {
+  uint64_t id = 0;
+  std::vector<BlockKey> keys;
+  std::vector<BlockPin> pins;
+  size_t next = 0;
+};
+
 bool BlockFetchServer::Serve(const LinkMessage& m, LinkReply& reply) {
   const auto* fetch = std::get_if<LinkFetch>(&m.body);
   if (!fetch) return false;
@@ -141,35 +149,39 @@ bool BlockFetchServer::Serve(const LinkMessage& m, LinkReply& reply) {
   // runs on the link's progress thread).
   auto hit = cache_.Lookup(*handle, fetch->keys, KvCache::CapacityPolicy::kLeave);
   if (!hit.ok()) return fail(hit.status()), true;
-
-  // Each pin is released once UCX is done with its payload, delivered or not.
-  struct Held {
-    KvCache* cache;
-    std::vector<BlockPin> pins;
-  };
-  auto held = std::make_shared<Held>(Held{&cache_, std::move(hit->pins)});
-  held_.fetch_add(held->pins.size());
-  for (size_t i = 0; i < held->pins.size(); ++i) {
-    const BlockPin& pin = held->pins[i];
-    const uint8_t* p = cache_.PayloadPtr(pin);
-    cache_.InvalidateForRead(p, pin.bytes);
-    // The pool's own checksum when it keeps one: then the asker checks the bytes against what
-    // was committed here, not only against what was read.
-    const uint64_t checksum = pin.checksum != 0 ? pin.checksum : XXH3_64bits(p, pin.bytes);
-    LinkFetchBlock block{static_cast<uint32_t>(i), fetch->keys[i], pin.bytes, checksum};
-    reply.Send(LinkMessage{m.id, block}, {p, pin.bytes}, [this, held, i](Status sent) {
-      if (sent.ok()) {
-        blocks_.fetch_add(1);
-        bytes_.fetch_add(held->pins[i].bytes);
-      } else {
-        failures_.fetch_add(1);
-      }
-      held->cache->Release({&held->pins[i], 1});
-      held_.fetch_sub(1);
-    });
-  }
-  reply.Send(LinkMessage{m.id, LinkFetchEnd{static_cast<uint32_t>(held->pins.size())}});
+  auto stream = std::make_shared<Stream>(Stream{m.id, fetch->keys, std::move(hit->pins), 0});
+  held_.fetch_add(stream->pins.size());
+  SendNext(stream, reply);
   return true;
+}
+
+// Sends one block, then lets UCX progress before the next: the next block's invalidate and
+// checksum overlap the last one's transfer instead of holding every send back.
+void BlockFetchServer::SendNext(const std::shared_ptr<Stream>& stream, LinkReply& reply) {
+  if (stream->next == stream->pins.size()) {
+    reply.Send(LinkMessage{stream->id, LinkFetchEnd{static_cast<uint32_t>(stream->pins.size())}});
+    return;
+  }
+  const size_t i = stream->next++;
+  const BlockPin& pin = stream->pins[i];
+  const uint8_t* p = cache_.PayloadPtr(pin);
+  cache_.InvalidateForRead(p, pin.bytes);
+  // The pool's own checksum when it keeps one: then the asker checks the bytes against what
+  // was committed here, not only against what was read.
+  const uint64_t checksum = pin.checksum != 0 ? pin.checksum : XXH3_64bits(p, pin.bytes);
+  LinkFetchBlock block{static_cast<uint32_t>(i), stream->keys[i], pin.bytes, checksum};
+  // The pin is released once UCX is done with the payload, delivered or not.
+  reply.Send(LinkMessage{stream->id, block}, {p, pin.bytes}, [this, stream, i](Status sent) {
+    if (sent.ok()) {
+      blocks_.fetch_add(1);
+      bytes_.fetch_add(stream->pins[i].bytes);
+    } else {
+      failures_.fetch_add(1);
+    }
+    cache_.Release({&stream->pins[i], 1});
+    held_.fetch_sub(1);
+  });
+  reply.Later([this, stream](LinkReply& next) { SendNext(stream, next); });
 }
 
 BlockFetchServer::Counters BlockFetchServer::counters() const {

@@ -18,6 +18,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <memory>
 #include <span>
 #include <string>
 
@@ -76,6 +77,9 @@ class BlockFetchServer {
   Counters counters() const;
 
  private:
+  struct Stream;
+  void SendNext(const std::shared_ptr<Stream>& stream, LinkReply& reply);
+
   KvCache& cache_;
   std::atomic<uint64_t> fetches_{0}, blocks_{0}, bytes_{0}, failures_{0}, held_{0};
 };

@@ -7,7 +7,7 @@ namespace {
 
 constexpr const char* kTypeNames[] = {"hello", "challenge", "proof", "welcome", "refused",
                                       "announce", "lookup", "lookup answer", "error",
-                                      "fetch", "fetch block", "fetch end"};
+                                      "fetch", "fetch block", "fetch end", "announce ack"};
 constexpr size_t kTypes = sizeof kTypeNames / sizeof kTypeNames[0];
 static_assert(kTypes == std::variant_size_v<LinkBody>);
 // The smallest encoding of one list element: what a count is checked against before a reserve.
@@ -160,6 +160,8 @@ Status EncodeBody(const LinkBody& body, Writer& w) {
           w.Int(b.index), w.Key(b.key), w.Int(b.bytes), w.Int(b.checksum);
         } else if constexpr (std::is_same_v<T, LinkFetchEnd>) {
           w.Int(b.blocks);
+        } else if constexpr (std::is_same_v<T, LinkAnnounceAck>) {
+          w.Int(b.accepted), w.Int(b.not_homed);
         }
         return Status::Ok();
       },
@@ -271,6 +273,12 @@ Result<LinkBody> DecodeBody(LinkType type, std::span<const uint8_t> in) {
     case LinkType::kFetchEnd:
       body = LinkFetchEnd{r.Int<uint32_t>("blocks")};
       break;
+    case LinkType::kAnnounceAck: {
+      LinkAnnounceAck b;
+      b.accepted = r.Int<uint32_t>("accepted"), b.not_homed = r.Int<uint32_t>("not homed");
+      body = b;
+      break;
+    }
   }
   CXLKV_RETURN_IF_ERROR(r.Finish());
   return body;

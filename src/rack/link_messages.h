@@ -54,6 +54,7 @@ enum class LinkType : uint8_t {
   kFetch = 10,     // a rack → a holder: send me these blocks of this namespace
   kFetchBlock = 11,  // holder → asker: one block (the header of a payload message)
   kFetchEnd = 12,  // holder → asker: the stream's end, and how many blocks it sent
+  kAnnounceAck = 13,  // home → holder: an announce batch was applied
 };
 
 struct LinkHello {
@@ -121,8 +122,13 @@ struct LinkFetchEnd {
   uint32_t blocks = 0;  // how many leading keys the holder sent (it stops at its first miss)
 };
 
+struct LinkAnnounceAck {
+  uint32_t accepted = 0;   // blocks handed to the directory
+  uint32_t not_homed = 0;  // blocks dropped: their chain is not homed at this rack
+};
+
 using LinkBody = std::variant<LinkHello, LinkChallenge, LinkProof, LinkWelcome, LinkRefused, LinkAnnounce, LinkLookup,
-                              LinkLookupAnswer, LinkError, LinkFetch, LinkFetchBlock, LinkFetchEnd>;
+                              LinkLookupAnswer, LinkError, LinkFetch, LinkFetchBlock, LinkFetchEnd, LinkAnnounceAck>;
 
 struct LinkMessage {
   uint64_t id = 0;  // a request's id; its answer carries the same

@@ -213,6 +213,16 @@ class UcxLink::Impl::Reply final : public LinkReply {
   void Send(const LinkMessage& m, std::span<const uint8_t> payload, std::function<void(Status)> done) override {
     impl_.SendMessage(conn_, m, payload, std::move(done));
   }
+  void Later(std::function<void(LinkReply&)> next) override {
+    Conn* c = conn_;
+    Impl* impl = &impl_;
+    ++c->sends;  // keeps the connection from being torn down until `next` ran
+    impl_.Post([impl, c, next = std::move(next)] {
+      --c->sends;
+      Reply reply(*impl, c);
+      next(reply);
+    });
+  }
   const std::string& peer_rack() const override { return conn_->peer_rack; }
   int64_t peer_life() const override { return conn_->peer_life; }
 
@@ -330,6 +340,12 @@ void UcxLink::Impl::Loop() {
       for (auto& c : conns_) Close(c.get(), Unavailable("the rack link is stopping"));
       const auto until = Clock::now() + std::chrono::seconds(2);
       while (!conns_.empty() && Clock::now() < until) {
+        std::deque<std::function<void()>> late;  // Later() continuations: their sends fail fast
+        {
+          std::lock_guard<std::mutex> l(queue_mu_);
+          late.swap(queue_);
+        }
+        for (auto& f : late) f();
         ucp_worker_progress(worker_);
         Sweep();
       }

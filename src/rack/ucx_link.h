@@ -58,6 +58,11 @@ class LinkReply {
   // `payload` must stay valid until `done` runs (on the progress thread) with the send's end.
   virtual void Send(const LinkMessage& m, std::span<const uint8_t> payload = {},
                     std::function<void(Status)> done = nullptr) = 0;
+  // Runs `next` on the progress thread after UCX has progressed what is queued, with a reply to
+  // the same peer: a handler that streams many payloads prepares one while the last is on the
+  // wire. If the connection closed meanwhile, `next` still runs and its sends end at once with
+  // the connection's error (so what they hold is released).
+  virtual void Later(std::function<void(LinkReply&)> next) = 0;
   virtual const std::string& peer_rack() const = 0;
   virtual int64_t peer_life() const = 0;
 };

@@ -115,6 +115,12 @@ class DyingAfterTwo final : public LinkReply {
       if (++sent == 2) raise(SIGKILL);
     });
   }
+  void Later(std::function<void(LinkReply&)> next) override {
+    inner_.Later([next = std::move(next)](LinkReply& r) {
+      DyingAfterTwo dying(r);
+      next(dying);
+    });
+  }
   const std::string& peer_rack() const override { return inner_.peer_rack(); }
   int64_t peer_life() const override { return inner_.peer_life(); }
 

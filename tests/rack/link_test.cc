@@ -48,6 +48,7 @@ std::vector<LinkMessage> OneOfEach() {
                      {{1, 2}, {3, 4}, {5, 6}}}},
       {11, LinkFetchBlock{2, BlockKey{5, 6}, 1u << 21, 0xfeedfacecafebeefull}},
       {12, LinkFetchEnd{3}},
+      {13, LinkAnnounceAck{250, 50}},
   };
 }
 
@@ -95,7 +96,7 @@ TEST(LinkMessages, MalformedMessagesAreRefusedNamingWhatWasWrong) {
   refused(with(0, 'X'), StatusCode::kInvalidArgument, "bad magic");
   refused(with(2, 2), StatusCode::kVersionMismatch, "same cxlkv release");
   refused(with(3, 0), StatusCode::kInvalidArgument, "unknown rack-link message type 0");
-  refused(with(3, 13), StatusCode::kInvalidArgument, "unknown rack-link message type 13");
+  refused(with(3, 14), StatusCode::kInvalidArgument, "unknown rack-link message type 14");
   refused(with(7, 0x7f), StatusCode::kInvalidArgument, "is over");  // a body length past the limit
   refused(with(16, 0), StatusCode::kInvalidArgument, "empty rack name");
   refused(with(16, 65), StatusCode::kInvalidArgument, "over its limit");  // a rack name of 65 bytes

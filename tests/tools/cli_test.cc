@@ -153,7 +153,8 @@ TEST(Cli, BenchCacheQuickReportsRatiosAndThePeer) {
 }
 
 // The racks suite: cross-rack fetches of 2 MiB blocks over the rack link, next to ucx_perftest
-// on the same transport (scripts/setup installs ucx-utils); every fetch moved its blocks.
+// on the same transport (scripts/setup installs ucx-utils), and directory lookups next to etcd
+// range requests; every fetch moved its blocks.
 TEST(Cli, BenchRacksQuickReportsFetchesNextToUcxPerftest) {
   auto r = Cli("bench racks --json --quick");
   ASSERT_EQ(r.code, 0) << r.out;
@@ -168,7 +169,9 @@ TEST(Cli, BenchRacksQuickReportsFetchesNextToUcxPerftest) {
   }
   EXPECT_TRUE(names.count("fetch/2MiB/batch16"));
   EXPECT_TRUE(names.count("fetch/2MiB/batch1"));
+  EXPECT_TRUE(names.count("directory_lookup/16"));
   EXPECT_FALSE(j.contains("reference_skipped")) << j["reference_skipped"];
+  EXPECT_FALSE(j.contains("etcd_skipped")) << j["etcd_skipped"];  // scripts/setup installs etcd-server
   // Warm-up plus two repetitions of one 16-block fetch and sixteen 1-block fetches.
   EXPECT_EQ(j["holder"]["blocks_sent"].get<uint64_t>(), 16u + 2 * (16u + 16u));
   EXPECT_EQ(j["holder"]["send_failures"].get<uint64_t>(), 0u);
