@@ -4,6 +4,7 @@
 // gets none of its wrong blocks published; a holder paused past the deadline, or killed -9 in
 // the middle of a fetch, leaves the asker's reservations aborted and nothing WRITING.
 #include <signal.h>
+#include <sys/wait.h>
 
 #include <gtest/gtest.h>
 #include <xxhash.h>
@@ -170,6 +171,9 @@ TEST(BlockFetch, HolderPausedOrKilledMidFetchLeavesNothingWriting) {
   // Paused past the deadline: the fetch times out, nothing is published or left WRITING.
   const auto first = FetchKeys(2);
   ASSERT_EQ(kill(child.pid, SIGSTOP), 0);
+  int stopped = 0;  // a stop is delivered asynchronously: wait until the child is stopped
+  ASSERT_EQ(waitpid(child.pid, &stopped, WUNTRACED), child.pid);
+  ASSERT_TRUE(WIFSTOPPED(stopped));
   auto paused = fetcher.Fetch(holder, FetchNamespace(), first, 500ms);
   ASSERT_TRUE(paused.ok()) << paused.status().ToString();
   EXPECT_EQ(paused->link.code(), StatusCode::kTimeout) << paused->link.ToString();

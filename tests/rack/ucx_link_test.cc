@@ -118,6 +118,9 @@ TEST(UcxLink, PausedPeerTimesOutAndKilledPeerFailsTheCallWithoutAHang) {
 
   // Paused past the call's deadline: the call times out; resumed, the peer serves again.
   ASSERT_EQ(kill(child.pid, SIGSTOP), 0);
+  int stopped = 0;  // a stop is delivered asynchronously: wait until the child is stopped
+  ASSERT_EQ(waitpid(child.pid, &stopped, WUNTRACED), child.pid);
+  ASSERT_TRUE(WIFSTOPPED(stopped));
   auto paused = a->Call(peer, LookupOf(11), 300ms);
   EXPECT_EQ(paused.status().code(), StatusCode::kTimeout) << paused.status().ToString();
   ASSERT_EQ(kill(child.pid, SIGCONT), 0);
