@@ -3,9 +3,6 @@
 // the same message size over the same transport on the same machine (the limit); and a lookup
 // in a home rack's directory over the link next to one etcd range request on a local member.
 // Measured in the same run, repetitions interleaved so both see the same load.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -32,29 +29,13 @@ std::string RacksTransports() {
   return env != nullptr && *env != '\0' ? env : "tcp";
 }
 
-int FreeLoopbackPort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return 0;
-  sockaddr_in sin{};
-  sin.sin_family = AF_INET;
-  sin.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof sin;
-  int port = 0;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&sin), sizeof sin) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&sin), &len) == 0) {
-    port = ntohs(sin.sin_port);
-  }
-  ::close(fd);
-  return port;
-}
-
 // ucx_perftest's ucp_am_bw for `bytes` messages between two processes over loopback: GB/s (the
 // "Final:" line's average bandwidth, in MiB/s).
 Result<double> UcxPerftestGbps(uint64_t bytes, int iterations, const std::string& tls) {
   if (std::system("command -v ucx_perftest >/dev/null 2>&1") != 0) {
     return NotFound("ucx_perftest is not installed (Debian's ucx-utils; scripts/setup installs it)");
   }
-  const int port = FreeLoopbackPort();
+  const int port = testing::EtcdServer::FreePort();
   if (port == 0) return Unavailable("no free loopback port for ucx_perftest");
   const std::string env = "UCX_TLS='" + tls + "' ";
   const std::string server = env + "timeout 60 ucx_perftest -p " + std::to_string(port) + " >/dev/null 2>&1 &";
